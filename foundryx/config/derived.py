@@ -1,0 +1,59 @@
+"""Numbers derived from the config and the world size, computed in one place."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+from foundryx.config.schema import TrainConfig
+
+
+def world_size_from_env() -> int:
+    """The number of processes the launcher started (composer, torchrun, Slurm)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class Derived:
+    world_size: int
+    device_train_batch_size: int
+    device_train_microbatch_size: int
+    grad_accum: int
+    device_eval_batch_size: int
+    max_seq_len: int | None
+    tokens_per_step: int | None
+
+    def table(self) -> str:
+        rows = asdict(self)
+        width = max(map(len, rows))
+        return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows.items())
+
+
+def derive(cfg: TrainConfig, world_size: int) -> tuple[Derived | None, list[str]]:
+    """Per-device batch, microbatch, grad accumulation and tokens per step, or the problems."""
+    gbs = cfg.global_train_batch_size
+    if gbs <= 0:
+        return None, [f"global_train_batch_size: must be positive, got {gbs}"]
+    if gbs % world_size:
+        up = -(-gbs // world_size) * world_size
+        return None, [
+            f"global_train_batch_size: {gbs} does not divide by the world size {world_size}; "
+            f"use a multiple of {world_size} (e.g. {up}) or change the number of processes"
+        ]
+    device_bs = gbs // world_size
+    micro = cfg.device_train_microbatch_size or device_bs
+    if micro <= 0 or device_bs % micro:
+        return None, [
+            f"device_train_microbatch_size: {micro} must be positive and divide the per-device "
+            f"batch {device_bs} (= global_train_batch_size {gbs} / world size {world_size})"
+        ]
+    seq = cfg.max_seq_len
+    return Derived(
+        world_size=world_size,
+        device_train_batch_size=device_bs,
+        device_train_microbatch_size=micro,
+        grad_accum=device_bs // micro,
+        device_eval_batch_size=cfg.device_eval_batch_size or micro,
+        max_seq_len=seq,
+        tokens_per_step=gbs * seq if seq else None,
+    ), []

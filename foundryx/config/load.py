@@ -1,0 +1,96 @@
+"""Load a run config: YAML + dotlist overrides + ``${variables.x}`` → validated TrainConfig."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from foundryx.config.components import component_problems
+from foundryx.config.derived import Derived, derive, world_size_from_env
+from foundryx.config.schema import TrainConfig
+from foundryx.config.types import dataclass_problems, join
+from foundryx.errors import ConfigError
+
+
+@dataclass
+class LoadedConfig:
+    cfg: TrainConfig
+    derived: Derived
+    resolved: dict[str, Any]  # the plain data, after overrides and interpolation
+    source: str
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.resolved, sort_keys=False)
+
+
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        hint = "" if path.suffix in (".yaml", ".yml") else " (run configs are .yaml files)"
+        raise ConfigError([f"{path}: no such config file{hint}; see yamls/ for examples"])
+    try:
+        node = OmegaConf.load(path)
+    except (yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError([f"{path}: not valid YAML: {str(e).strip()}"]) from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError([f"{path}: the top level must be a mapping of keys to values"])
+    return node
+
+
+def _parse_overrides(overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    good, problems = [], []
+    for o in overrides:
+        if "=" not in o or o.startswith("="):
+            problems.append(f"override {o!r}: expected key=value, e.g. max_duration=20ba")
+        else:
+            good.append(o)
+    try:
+        return OmegaConf.from_dotlist(good), problems
+    except OmegaConfBaseException as e:
+        return OmegaConf.create(), problems + [f"overrides: {e}"]
+
+
+def _resolve(node: Any, path: str, problems: list[str]) -> Any:
+    """Resolve interpolations key by key, so every broken one is reported."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        keys = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
+        out = {}
+        for key in keys:
+            try:
+                child = node[key]
+            except OmegaConfBaseException as e:
+                problems.append(f"{join(path, key)}: {_interp_message(e)}")
+                continue
+            out[key] = _resolve(child, join(path, key), problems)
+        return out if isinstance(node, DictConfig) else list(out.values())
+    return node
+
+
+def _interp_message(e: Exception) -> str:
+    msg = str(e).splitlines()[0]
+    return f"cannot resolve interpolation ({msg}); define it under variables:"
+
+
+def load_config(
+    path: str | Path, overrides: list[str] | None = None, world_size: int | None = None
+) -> LoadedConfig:
+    """Read, merge, resolve and validate a run config; raise ConfigError with every problem."""
+    path = Path(path)
+    node = _read_yaml(path)
+    dot, problems = _parse_overrides(list(overrides or []))
+    merged = OmegaConf.merge(node, dot)
+    data = _resolve(merged, "", problems)
+    problems += dataclass_problems(TrainConfig, data)
+    problems += component_problems(data)
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    data.pop("variables", None)
+    cfg = TrainConfig(**data)
+    derived, more = derive(cfg, world_size or world_size_from_env())
+    if more:
+        raise ConfigError(more, source=str(path))
+    return LoadedConfig(cfg=cfg, derived=derived, resolved=data, source=str(path))

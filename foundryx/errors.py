@@ -1,0 +1,49 @@
+"""User-facing errors.
+
+Every error a person can cause with bad input (config, data, checkpoint, CLI) is a
+:class:`FoundryxError`. The CLI prints its message without a traceback and exits with
+code 2. One subclass per subsystem keeps ``except`` clauses precise.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FoundryxError(Exception):
+    """An error caused by user input; its message says what is wrong and how to fix it."""
+
+    exit_code = 2
+
+
+class ConfigError(FoundryxError):
+    """The run config is invalid. Holds every problem found, each with its YAML path."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        n = len(self.problems)
+        head = f"{n} problem{'s' if n != 1 else ''} in the config{where}:"
+        super().__init__("\n".join([head] + [f"  - {p}" for p in self.problems]))
+
+
+class RegistryError(FoundryxError):
+    """An unknown name, or two entries under one name."""
+
+
+class DataError(FoundryxError):
+    """Input data is missing, empty or malformed."""
+
+
+class CheckpointError(FoundryxError):
+    """A checkpoint is missing, incomplete or does not match the model."""
+
+
+def did_you_mean(name: str, choices: Iterable[str], n: int = 3) -> str:
+    """Return `` (did you mean 'x'?)`` for the closest choices, or an empty string."""
+    close = difflib.get_close_matches(str(name), sorted(set(choices)), n=n, cutoff=0.6)
+    if not close:
+        return ""
+    return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"

@@ -1,0 +1,1 @@
+"""Built-in logger destinations (registered through entry points in pyproject.toml)."""

@@ -1,0 +1,111 @@
+"""``train(cfg)``: build every part through the registries and run ``Trainer.fit()``.
+
+``train.py`` at the repository root and ``foundryx train`` both end here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from foundryx import builders
+from foundryx.config import LoadedConfig
+
+log = logging.getLogger("foundryx")
+
+
+def setup_logging(level: str | None) -> None:
+    if not level:
+        return
+    fmt = "%(asctime)s: rank%(rank)s: %(levelname)s: %(name)s: %(message)s"
+
+    class RankFilter(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            import os
+
+            record.rank = os.environ.get("RANK", "0")
+            return True
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(fmt))
+    handler.addFilter(RankFilter())
+    for name in ("foundryx", "composer"):
+        lg = logging.getLogger(name)
+        lg.setLevel(level.upper())
+        if not lg.handlers:
+            lg.addHandler(handler)
+        lg.propagate = False
+
+
+def pick_device(requested: str | None) -> str:
+    """The device to train on; logs one line when foundryx chose it."""
+    import torch
+
+    if requested:
+        return requested
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    log.info("device: %s (none set in the config; %s)", device,
+             "a GPU is available" if device == "gpu" else "no GPU found")
+    return device
+
+
+def train(loaded: LoadedConfig):
+    """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
+    from composer import Trainer
+    from composer.core import Evaluator
+    from composer.utils import dist, get_device, reproducibility
+
+    cfg, derived = loaded.cfg, loaded.derived
+    setup_logging(cfg.python_log_level)
+    device = get_device(pick_device(cfg.device))
+    if derived.world_size > 1 and not dist.is_initialized():
+        dist.initialize_dist(device, timeout=cfg.dist_timeout)
+    reproducibility.seed_all(cfg.seed)
+    log.info("derived numbers:\n%s", derived.table())
+
+    tokenizer = builders.build_tokenizer(cfg)
+    model = builders.build_model(cfg, tokenizer)
+    train_loader = builders.build_dataloader(
+        cfg.train_loader, tokenizer, derived.device_train_batch_size
+    )
+    evaluators = []
+    if cfg.eval_loader is not None:
+        eval_loader = builders.build_dataloader(
+            cfg.eval_loader, tokenizer, derived.device_eval_batch_size
+        )
+        evaluators.append(Evaluator(label="eval", dataloader=eval_loader, metric_names=list(model.get_metrics(is_train=False))))
+    optimizer = builders.build_optimizer(cfg, model)
+
+    trainer = Trainer(
+        run_name=cfg.run_name,
+        model=model,
+        train_dataloader=train_loader,
+        eval_dataloader=evaluators or None,
+        max_duration=cfg.max_duration,
+        optimizers=optimizer,
+        schedulers=builders.build_scheduler(cfg),
+        algorithms=builders.build_named("algorithms", cfg.algorithms),
+        callbacks=builders.build_named("callbacks", cfg.callbacks),
+        loggers=builders.build_loggers(cfg),
+        precision=cfg.precision,
+        device=device,
+        device_train_microbatch_size=derived.device_train_microbatch_size,
+        eval_interval=cfg.eval_interval,
+        eval_subset_num_batches=cfg.eval_subset_num_batches,
+        parallelism_config=builders.build_parallelism(cfg, derived),
+        save_folder=cfg.save_folder,
+        save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        save_overwrite=cfg.save_overwrite,
+        load_path=cfg.load_path,
+        load_weights_only=cfg.load_weights_only,
+        autoresume=cfg.autoresume,
+        seed=cfg.seed,
+        console_log_interval=cfg.console_log_interval,
+        log_to_console=cfg.log_to_console and "console" not in cfg.loggers,
+        progress_bar=cfg.progress_bar,
+        dist_timeout=cfg.dist_timeout,
+    )
+    if cfg.eval_first and evaluators:
+        trainer.eval()
+    trainer.fit()
+    return trainer

@@ -1,0 +1,11 @@
+"""Train from a run config: ``composer train.py yamls/quickstart.yaml key=value ...``.
+
+The same as ``foundryx train``; the composer launcher runs this file once per process.
+"""
+
+import sys
+
+from foundryx.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["train", *sys.argv[1:]]))
