@@ -53,15 +53,6 @@ def build_scheduler(cfg: TrainConfig) -> Any:
     return build_component("schedulers", cfg.scheduler)
 
 
-def build_loggers(cfg: TrainConfig) -> list[Any]:
-    loggers = dict(cfg.loggers)
-    console = loggers.pop("console", None)
-    built = build_named("loggers", loggers)
-    if console is not None:  # an explicit console logger replaces Composer's default one
-        built.append(build_named("loggers", {"console": console})[0])
-    return built
-
-
 def build_parallelism(cfg: TrainConfig, derived: Derived) -> dict[str, Any] | None:
     """The Composer parallelism config for ``fsdp_config`` (FSDP2), or None."""
     if cfg.fsdp_config is None:

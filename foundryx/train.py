@@ -72,7 +72,8 @@ def train(loaded: LoadedConfig):
         eval_loader = builders.build_dataloader(
             cfg.eval_loader, tokenizer, derived.device_eval_batch_size
         )
-        evaluators.append(Evaluator(label="eval", dataloader=eval_loader, metric_names=list(model.get_metrics(is_train=False))))
+        metric_names = list(model.get_metrics(is_train=False))
+        evaluators.append(Evaluator(label="eval", dataloader=eval_loader, metric_names=metric_names))
     optimizer = builders.build_optimizer(cfg, model)
 
     trainer = Trainer(
@@ -85,7 +86,7 @@ def train(loaded: LoadedConfig):
         schedulers=builders.build_scheduler(cfg),
         algorithms=builders.build_named("algorithms", cfg.algorithms),
         callbacks=builders.build_named("callbacks", cfg.callbacks),
-        loggers=builders.build_loggers(cfg),
+        loggers=builders.build_named("loggers", cfg.loggers),
         precision=cfg.precision,
         device=device,
         device_train_microbatch_size=derived.device_train_microbatch_size,

@@ -36,6 +36,8 @@ def _read_yaml(path: Path) -> DictConfig:
         node = OmegaConf.load(path)
     except (yaml.YAMLError, OmegaConfBaseException) as e:
         raise ConfigError([f"{path}: not valid YAML: {str(e).strip()}"]) from None
+    except OSError:  # OmegaConf's word for "the document is a scalar"
+        node = None
     if not isinstance(node, DictConfig):
         raise ConfigError([f"{path}: the top level must be a mapping of keys to values"])
     return node

@@ -1,0 +1,112 @@
+"""Tokenizers: train a small byte-level BPE locally, or load a Hugging Face tokenizer.
+
+``build_hf_tokenizer`` is the ``hf`` entry of the ``tokenizers`` registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from foundryx.errors import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+END_OF_TEXT = "<|endoftext|>"
+_BYTE_ALPHABET = 256
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, out_dir: Path | str
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` and save it to ``out_dir``.
+
+    ``<|endoftext|>`` is the only special token and serves as bos, eos, unk and pad (as in
+    GPT-2); encoding adds no special tokens. The folder loads offline with
+    ``AutoTokenizer.from_pretrained(out_dir)`` or ``build_hf_tokenizer(out_dir)``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size <= _BYTE_ALPHABET:
+        raise DataError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs more than "
+            f"{_BYTE_ALPHABET} (the byte alphabet plus {END_OF_TEXT}); use 300 or more."
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=END_OF_TEXT,
+        eos_token=END_OF_TEXT,
+        unk_token=END_OF_TEXT,
+        pad_token=END_OF_TEXT,
+        name_or_path=str(out_dir),
+    )
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_FIX = (
+    "Give a local folder with tokenizer files (e.g. data/quickstart/tokenizer from `make data`), "
+    "or a hub name with network access or already in the Hugging Face cache."
+)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name starting with ``.``, ``/`` or ``~`` or with two slashes is a path, not a hub id."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
+def build_hf_tokenizer(path: str, **kwargs) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder or a Hugging Face hub name (``path``).
+
+    ``kwargs`` (e.g. ``model_max_length``) pass through to ``AutoTokenizer.from_pretrained``.
+    A tokenizer without a pad token gets ``pad_token = eos_token``.
+    """
+    from transformers import AutoTokenizer
+
+    local = Path(path).expanduser()
+    if not local.is_dir() and _looks_like_path(path):
+        raise DataError(f"tokenizer folder {path!r} does not exist. {_FIX}")
+    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+        raise DataError(
+            f"could not load tokenizer {path!r} as a local folder: it has none of "
+            f"{', '.join(_TOKENIZER_FILES)}. {_FIX}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path, **kwargs)
+    except (OSError, ValueError) as e:
+        where = "local folder" if local.is_dir() else "hub name (offline, or no such tokenizer?)"
+        raise DataError(
+            f"could not load tokenizer {path!r} as a {where}: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. {_FIX}"
+        ) from e
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def tokenizer_config_problems(section: dict[str, Any]) -> list[str]:
+    """Cheap checks of an ``hf`` tokenizer section for the config validator (no loading)."""
+    path = section.get("path")
+    if not isinstance(path, str) or not path:
+        return ["path: missing; give a local tokenizer folder or a hub name"]
+    if _looks_like_path(path) and not Path(path).expanduser().is_dir():
+        return [f"path: tokenizer folder {path} does not exist. {_FIX}"]
+    return []
+
+
+build_hf_tokenizer.config_problems = tokenizer_config_problems

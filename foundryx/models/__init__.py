@@ -1,0 +1,1 @@
+"""Model architectures (MPT) and the layers they are built from."""

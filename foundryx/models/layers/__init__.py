@@ -1,0 +1,1 @@
+"""Building blocks shared by models: attention, norms, feed-forward blocks, positions."""

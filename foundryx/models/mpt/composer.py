@@ -1,0 +1,119 @@
+"""``ComposerMPTCausalLM``: MPTForCausalLM as a Composer model (loss, metrics, FLOPs)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
+from composer.models import HuggingFaceModel
+
+from foundryx.errors import ConfigError, DataError, did_you_mean
+from foundryx.models.mpt.configuration import MPTConfig
+from foundryx.models.mpt.modeling import IGNORE_INDEX, MPTForCausalLM, causal_lm_loss
+
+
+class ComposerMPTCausalLM(HuggingFaceModel):
+    """An MPT causal LM built from MPTConfig fields: ``ComposerMPTCausalLM(tokenizer, **cfg)``.
+
+    Batches are dicts with ``input_ids`` (batch, seq) and optionally ``attention_mask``
+    (1 = token, 0 = padding), ``labels`` (aligned with input_ids; the model shifts them; by
+    default input_ids with padding set to -100) and ``sequence_id`` (read only when
+    ``attn_config.attn_uses_sequence_id`` is true, and then required).
+    ``self.model`` is the underlying :class:`MPTForCausalLM`.
+    """
+
+    def __init__(self, tokenizer: Any = None, **model_config: Any):
+        problems = self.config_problems(model_config)
+        if tokenizer is not None and model_config.get("vocab_size", MPTConfig().vocab_size) < len(
+            tokenizer
+        ):
+            problems.append(
+                f"vocab_size: {model_config.get('vocab_size')} is smaller than the "
+                f"tokenizer's {len(tokenizer)} tokens; set vocab_size >= "
+                f"{len(tokenizer)} (a multiple of 64 is fastest)"
+            )
+        if problems:
+            raise ConfigError(problems)
+        model = MPTForCausalLM(MPTConfig(**model_config))
+        super().__init__(
+            model=model,
+            tokenizer=tokenizer,
+            use_logits=True,
+            metrics=[LanguageCrossEntropy()],
+            eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
+            shift_labels=True,
+        )
+        self.n_matmul_params = _matmul_params(model)
+
+    @classmethod
+    def config_keys(cls) -> set[str]:
+        """Top-level keys a model section may set."""
+        return MPTConfig.accepted_keys()
+
+    @classmethod
+    def config_problems(cls, cfg: Mapping[str, Any]) -> list[str]:
+        """Every problem of a model section, without building the model."""
+        known = cls.config_keys()
+        problems = [
+            f"{key}: unknown model option{did_you_mean(key, known) or ''}; remove or rename it"
+            for key in cfg
+            if key not in known
+        ]
+        config = MPTConfig(**{k: v for k, v in cfg.items() if k in known})
+        return problems + config.problems()
+
+    def forward(self, batch: Mapping[str, Any]):
+        kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
+        if self.model.config.attn_config["attn_uses_sequence_id"]:
+            if batch.get("sequence_id") is None:
+                raise DataError(
+                    "model.attn_config.attn_uses_sequence_id is true but the batch "
+                    "has no sequence_id; use a packing dataloader that emits it, or "
+                    "set attn_uses_sequence_id: false"
+                )
+            kwargs["sequence_id"] = batch["sequence_id"]
+        return self.model(**kwargs)
+
+    def loss(self, outputs, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Token-mean next-token cross entropy; -100 labels are ignored."""
+        return causal_lm_loss(outputs.logits, _labels(batch))
+
+    def eval_forward(self, batch: dict[str, Any], outputs: Any = None):
+        """Logits (batch, seq, vocab); the shifted labels are kept for ``update_metric``."""
+        if "labels" not in batch:
+            batch = {**batch, "labels": _labels(batch)}
+        return super().eval_forward(batch, outputs)
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        """Training FLOPs (forward + backward = 3 x forward) of one batch of b sequences of s:
+
+        ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``, i.e.
+        ``6 * N * tokens + 12 * n_layers * d_model * s * tokens``, where N counts the
+        parameters used in matmuls (all but the position table and, when untied, the input
+        embedding; the output projection counts, tied or not), ``2 * N`` is one multiply-add
+        per parameter per token, and ``4 * n_layers * d_model * s**2`` is q @ k^T plus
+        scores @ v over the full s x s square (as LLM Foundry counts it, ignoring causal and
+        document masking).
+        """
+        b, s = batch["input_ids"].shape[:2]
+        cfg = self.model.config
+        return 3 * b * (2 * self.n_matmul_params * s + 4 * cfg.n_layers * cfg.d_model * s * s)
+
+
+def _labels(batch: Mapping[str, Any]) -> torch.Tensor:
+    """``batch["labels"]``, else input_ids with padding (attention_mask == 0) set to -100."""
+    if batch.get("labels") is not None:
+        return batch["labels"]
+    mask = batch.get("attention_mask")
+    ids = batch["input_ids"]
+    return ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+
+
+def _matmul_params(model: MPTForCausalLM) -> int:
+    lookups = [model.transformer.wpe] if model.transformer.wpe is not None else []
+    if model.lm_head is not None:
+        lookups.append(model.transformer.wte)
+    total = sum(p.numel() for p in model.parameters())
+    return total - sum(m.weight.numel() for m in lookups)

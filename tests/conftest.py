@@ -1,0 +1,41 @@
+"""Shared fixtures. Everything is built locally: no network, no hub."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# No test may reach a hub: fail fast instead of retrying for a minute.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+ROOT = Path(__file__).parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def quickstart_data(tmp_path_factory) -> Path:
+    """The quickstart's generated corpus, tokenizer and MDS shards, built once per session."""
+    from foundryx.data.quickstart import prepare_quickstart
+
+    return prepare_quickstart(tmp_path_factory.mktemp("quickstart"), progress=False)
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    """../shared beside the checkout (real corpora and eval data); skip when it is absent."""
+    if not SHARED.is_dir():
+        pytest.skip(f"needs {SHARED} (real corpus and eval data), which is absent")
+    return SHARED
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A byte-level BPE (vocab 400) trained on a small synthetic corpus, once per session."""
+    from foundryx.data.synthetic import generate_corpus
+    from foundryx.data.tokenizers import train_bpe_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    return train_bpe_tokenizer(generate_corpus(300, seed=1), vocab_size=400, out_dir=out)

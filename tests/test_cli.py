@@ -1,0 +1,71 @@
+"""The CLI: bad input gives one message and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
+
+
+def foundryx(*args: str) -> subprocess.CompletedProcess:
+    return run("-m", "foundryx.cli", *args)
+
+
+def assert_user_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("foundryx: error:")
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def test_missing_yaml_via_train_py():
+    assert_user_error(run("train.py", "yamls/nope.yaml"), "yamls/nope.yaml: no such config file")
+
+
+def test_unknown_registry_name_in_list():
+    assert_user_error(foundryx("registry", "list", "callback"), "did you mean 'callbacks'")
+
+
+def test_registry_list_shows_kind_and_source():
+    r = foundryx("registry", "list", "optimizers")
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "decoupled_adamw" in ln)
+    assert line.split()[:4] == ["optimizers", "decoupled_adamw", "class", "foundryx"]
+
+
+def test_dry_run_prints_resolved_config_and_derived(quickstart_data):
+    r = foundryx("train", "--dry-run", "yamls/quickstart.yaml",
+                 f"variables.data_root={quickstart_data}", "global_train_batch_size=32")
+    assert r.returncode == 0, r.stderr
+    assert "global_train_batch_size: 32" in r.stdout
+    assert "grad_accum" in r.stdout and "tokens_per_step" in r.stdout
+    assert "${" not in r.stdout  # interpolations are resolved
+
+
+def test_bad_config_lists_all_problems(quickstart_data):
+    r = foundryx("train", "--dry-run", "yamls/quickstart.yaml",
+                 f"variables.data_root={quickstart_data}", "optimizer.name=adamx", "seeed=3")
+    assert_user_error(r, "2 problems", "optimizer.name", "seeed: unknown key (did you mean 'seed'?)")
+
+
+def test_mpt_1b_without_data_names_the_folder(tmp_path):
+    r = foundryx("train", "--dry-run", "yamls/mpt-1b.yaml",
+                 f"variables.data_local={tmp_path}/c4")
+    assert_user_error(r, "train_loader.dataset.local", f"{tmp_path}/c4")
+
+
+@pytest.mark.parametrize("argv", [["train"], ["data", "convert", "--input", "x"]])
+def test_usage_errors_exit_2(argv):
+    r = foundryx(*argv)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,84 @@
+"""The quickstart end to end: one process and two (gloo), plus a plugin used by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from foundryx.loggers.jsonl import read_metrics
+
+ROOT = Path(__file__).parents[1]
+LOSS = "loss/train/total"
+pytestmark = pytest.mark.slow
+
+
+def train(data: Path, out: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
+            f"loggers.jsonl.path={out}/metrics.jsonl", *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, "train.py", "yamls/quickstart.yaml", *args]
+    else:
+        composer = shutil.which("composer", path=str(Path(sys.executable).parent))
+        cmd = [composer, "-n", str(nproc), "--stdout", str(out / "rank{rank}.out"),
+               "--stderr", str(out / "rank{rank}.err"), "train.py", "yamls/quickstart.yaml", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+
+
+def losses(out: Path) -> list[float]:
+    return [row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row]
+
+
+def test_quickstart_loss_falls_and_checkpoint_written(quickstart_data, tmp_path):
+    r = train(quickstart_data, tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    curve = losses(tmp_path)
+    assert len(curve) == 200
+    first, last = sum(curve[:5]) / 5, sum(curve[-20:]) / 20
+    assert last < 0.5 * first, (first, last)
+    ckpts = list((tmp_path / "ckpt").glob("*.pt"))
+    assert ckpts, list((tmp_path / "ckpt").iterdir())
+    eval_rows = [r for r in read_metrics(tmp_path / "metrics.jsonl")
+                 if "metrics/eval/LanguageCrossEntropy" in r]
+    assert eval_rows and eval_rows[-1]["metrics/eval/LanguageCrossEntropy"] < first
+
+
+def test_quickstart_two_processes_gloo(quickstart_data, tmp_path):
+    r = train(quickstart_data, tmp_path, "max_duration=20ba", "eval_interval=20ba", nproc=2)
+    logs = "".join(p.read_text() for p in tmp_path.glob("rank*.err"))
+    assert r.returncode == 0, (r.stderr[-2000:], logs[-3000:])
+    curve = losses(tmp_path)
+    assert len(curve) == 20
+    assert sum(curve[-5:]) / 5 < sum(curve[:3]) / 3 - 0.5
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.err").read_text() + (tmp_path / f"rank{rank}.out").read_text()
+        assert re.search(r"world_size\s+2\b", text), text[-2000:]
+
+
+@pytest.fixture
+def example_plugin():
+    pip = [sys.executable, "-m", "pip"]
+    plugin = ROOT / "plugins" / "foundryx-example-plugin"
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", str(plugin)],
+                   check=True, capture_output=True, timeout=300)
+    yield
+    subprocess.run([*pip, "uninstall", "-q", "-y", "foundryx-example-plugin"], check=True,
+                   capture_output=True, timeout=300)
+
+
+def test_plugin_callback_by_name(example_plugin, quickstart_data, tmp_path):
+    listing = subprocess.run([sys.executable, "-m", "foundryx.cli", "registry", "list", "callbacks"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+    row = next(ln for ln in listing.stdout.splitlines() if "batch_counter" in ln)
+    assert "foundryx-example-plugin (foundryx_example_plugin.callbacks)" in row
+    out = tmp_path / "count.json"
+    r = train(quickstart_data, tmp_path, "max_duration=3ba", f"callbacks.batch_counter.out_path={out}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(out.read_text()) == {"batches": 3}

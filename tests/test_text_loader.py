@@ -1,0 +1,203 @@
+"""The ``text`` dataloader over MDS shards: batches, order, validation and two ranks."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from foundryx import registry
+from foundryx.data import text
+from foundryx.data.convert import convert_to_mds
+from foundryx.data.synthetic import generate_corpus
+from foundryx.data.text import build_text_dataloader, validate_text_loader_cfg
+from foundryx.errors import DataError
+
+SEQ = 32
+# streaming's clean_stale_shared_memory unlinks every streaming segment on the machine, those
+# of live runs too; tests must not do that to whatever else runs here.
+CLEANUP = text._clean_stale_shared_memory
+NO_CLEANUP = "import foundryx.data.text as t; t._clean_stale_shared_memory = lambda: None"
+
+
+@pytest.fixture(autouse=True)
+def no_shared_memory_cleanup(monkeypatch):
+    monkeypatch.setattr(text, "_clean_stale_shared_memory", lambda: None)
+
+
+@pytest.fixture
+def mds_root(tmp_path, tiny_tokenizer) -> Path:
+    """``<tmp>/mds/train``: 64 docs as sequences of 32 tokens; each test gets its own folder,
+    so streaming's shared memory (keyed by local folder) never collides across tests."""
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n\n".join(generate_corpus(64, seed=4)) + "\n")
+    convert_to_mds(src, tmp_path / "mds" / "train", tiny_tokenizer, SEQ, progress=False)
+    return tmp_path / "mds"
+
+
+def loader_cfg(root, **dataset) -> dict:
+    ds = {"local": str(root), "split": "train", "max_seq_len": SEQ, **dataset}
+    return {"name": "text", "dataset": ds, "drop_last": False, "num_workers": 0}
+
+
+def stored_rows(root: Path) -> list[tuple[int, ...]]:
+    from streaming import LocalDataset
+
+    ds = LocalDataset(str(root / "train"))
+    return [tuple(ds[i]["tokens"].tolist()) for i in range(len(ds))]
+
+
+def all_rows(spec) -> list[tuple[int, ...]]:
+    return [tuple(row) for batch in spec.dataloader for row in batch["input_ids"].tolist()]
+
+
+def test_stale_shared_memory_is_cleaned_once_per_process(monkeypatch, mds_root, tmp_path,
+                                                         tiny_tokenizer):
+    import streaming.base.util
+
+    calls = []
+    monkeypatch.setattr(streaming.base.util, "clean_stale_shared_memory", lambda: calls.append(1))
+    monkeypatch.setattr(text, "_clean_stale_shared_memory", functools.cache(CLEANUP.__wrapped__))
+    shutil.copytree(mds_root, tmp_path / "copy")
+    for root in (mds_root, tmp_path / "copy"):
+        build_text_dataloader(loader_cfg(root), tiny_tokenizer, 4)
+    assert calls == [1]
+
+
+def test_registered_by_entry_point():
+    assert registry.dataloaders.get("text") is build_text_dataloader
+    assert registry.dataloaders.entry("text").package == "foundryx"
+
+
+def test_batches_shapes_and_dtype(mds_root, tiny_tokenizer):
+    spec = build_text_dataloader(loader_cfg(mds_root), tiny_tokenizer, 4)
+    batch = next(iter(spec.dataloader))
+    assert set(batch) == {"input_ids", "labels", "attention_mask"}
+    for value in batch.values():
+        assert value.shape == (4, SEQ) and value.dtype == torch.long
+    assert torch.equal(batch["labels"], batch["input_ids"])
+    assert bool((batch["attention_mask"] == 1).all())
+    assert spec.get_num_tokens_in_batch(batch) == 4 * SEQ
+    assert sorted(all_rows(spec)) == sorted(stored_rows(mds_root))
+
+
+def test_shorter_max_seq_len_truncates(mds_root, tiny_tokenizer):
+    spec = build_text_dataloader(loader_cfg(mds_root, max_seq_len=10), tiny_tokenizer, 8)
+    rows = all_rows(spec)
+    assert {len(r) for r in rows} == {10}
+    assert sorted(rows) == sorted(r[:10] for r in stored_rows(mds_root))
+
+
+def test_shuffle_order_is_deterministic_for_a_seed(mds_root, tiny_tokenizer, tmp_path):
+    copies = []
+    for name in ("a", "b", "c"):  # one folder per dataset: streaming keys shared memory by it
+        shutil.copytree(mds_root, tmp_path / name)
+        copies.append(tmp_path / name)
+    orders = [
+        all_rows(build_text_dataloader(loader_cfg(root, shuffle=True, shuffle_seed=seed),
+                                       tiny_tokenizer, 4))
+        for root, seed in zip(copies, (5, 5, 6))
+    ]
+    assert orders[0] == orders[1]
+    assert orders[0] != orders[2]
+    assert sorted(orders[0]) == sorted(orders[2]) == sorted(stored_rows(mds_root))
+
+
+def test_missing_folder_and_split(tmp_path, mds_root, tiny_tokenizer):
+    missing = tmp_path / "nowhere"
+    problems = validate_text_loader_cfg(loader_cfg(missing))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"dataset.local: folder {missing} does not exist")
+    assert "foundryx data convert" in problems[0] and "make data" in problems[0]
+    with pytest.raises(DataError, match=f"{missing} does not exist"):
+        build_text_dataloader(loader_cfg(missing), tiny_tokenizer, 4)
+
+    [problem] = validate_text_loader_cfg(loader_cfg(mds_root, split="val"))
+    assert problem.startswith(f"dataset.split: folder {mds_root / 'val'} does not exist")
+    assert "subfolders of" in problem and "train" in problem
+
+    (tmp_path / "not_mds").mkdir()
+    [problem] = validate_text_loader_cfg(loader_cfg(tmp_path, split="not_mds"))
+    assert "has no index.json" in problem
+
+
+def test_max_seq_len_longer_than_stored(mds_root, tiny_tokenizer):
+    cfg = loader_cfg(mds_root, max_seq_len=SEQ + 1)
+    [problem] = validate_text_loader_cfg(cfg)
+    assert problem.startswith(f"dataset.max_seq_len: {SEQ + 1} is longer")
+    with pytest.raises(DataError, match=f"longer than the sequences stored.*{SEQ} tokens"):
+        build_text_dataloader(cfg, tiny_tokenizer, 4)
+    (mds_root / "train" / "foundryx_manifest.json").unlink()  # a plain MDS dataset
+    assert validate_text_loader_cfg(cfg) == []
+    with pytest.raises(DataError, match=f"longer than the sequences stored.*{SEQ} tokens"):
+        build_text_dataloader(cfg, tiny_tokenizer, 4)
+
+
+def test_option_problems_without_a_dataset(tmp_path):
+    cfg = loader_cfg(tmp_path / "x", shuffle="yes", shufle_seed=3, max_seq_len=0)
+    cfg.update(num_workers=-1, drop_lst=True)
+    problems = validate_text_loader_cfg(cfg)
+    assert "drop_lst: unknown option of the text loader (did you mean 'drop_last'?)" in problems
+    assert any(p.startswith("dataset.shufle_seed: unknown option") and "shuffle_seed" in p
+               for p in problems)
+    assert "dataset.shuffle: expected true or false, got 'yes'" in problems
+    assert "num_workers: expected an integer >= 0, got -1" in problems
+    assert "dataset.max_seq_len: expected a positive integer, got 0" in problems
+    assert validate_text_loader_cfg({"name": "text"})[0].startswith("dataset: expected")
+
+
+def test_config_validator_hook(mds_root):
+    check = registry.dataloaders.get("text").config_problems
+    assert check(loader_cfg(mds_root)) == []
+
+
+def test_other_tokenizer_is_refused(mds_root, tiny_tokenizer, tmp_path):
+    from foundryx.data.tokenizers import train_bpe_tokenizer
+
+    other = train_bpe_tokenizer(["completely different text"] * 20, 300, tmp_path / "other")
+    with pytest.raises(DataError, match="vocabulary differs from the run's tokenizer"):
+        build_text_dataloader(loader_cfg(mds_root), other, 4)
+
+
+RANK_SCRIPT = NO_CLEANUP + """
+import json, sys, torch.distributed as dist
+from transformers import AutoTokenizer
+from foundryx.data.text import build_text_dataloader
+dist.init_process_group("gloo")
+cfg, tok_dir, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+spec = build_text_dataloader(cfg, AutoTokenizer.from_pretrained(tok_dir), 4)
+rows = [row for batch in spec.dataloader for row in batch["input_ids"].tolist()]
+json.dump(rows, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_ranks_read_disjoint_halves(mds_root, tiny_tokenizer, tmp_path):
+    n = len(stored_rows(mds_root))
+    cfg = loader_cfg(mds_root, shuffle=True, shuffle_seed=1)
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(29_500 + os.getpid() % 1000)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg), tiny_tokenizer.name_or_path,
+             str(tmp_path / f"rank{rank}.json")],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stderr=subprocess.PIPE, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert len(r0) == len(r1) == -(-n // 2)  # streaming pads the last partition
+    assert set(map(tuple, r0)) | set(map(tuple, r1)) == set(stored_rows(mds_root))
+    assert len(set(map(tuple, r0)) & set(map(tuple, r1))) <= n % 2
