@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,9 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
-def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def run(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, **(env or {})})
 
 
 def foundryx(*args: str) -> subprocess.CompletedProcess:
@@ -69,3 +70,23 @@ def test_usage_errors_exit_2(argv):
     r = foundryx(*argv)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "needle"),
+    [
+        (["max_duraton=5ba"], {}, "max_duraton: unknown key (did you mean 'max_duration'?)"),
+        (["global_train_batch_size=many"], {}, "global_train_batch_size: expected an integer"),
+        (["optimizer.name=lamb"], {}, "optimizer.name: unknown optimizer 'lamb'"),
+        (["model.attn_config.attn_impl=flashy"], {}, "model.attn_config.attn_impl"),
+        (["train_loader.dataset.local=/nonexistent/mds"], {}, "/nonexistent/mds"),
+        (["global_train_batch_size=10"], {"WORLD_SIZE": "4"},
+         "global_train_batch_size: 10 does not divide by the world size 4"),
+    ],
+    ids=["misspelt-key", "wrong-type", "unknown-registry-name", "unknown-attn-impl",
+         "missing-data", "batch-vs-world-size"],
+)
+def test_each_bad_input_is_one_message_and_exit_2(quickstart_data, overrides, env, needle):
+    r = run("train.py", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
+            *overrides, env=env)
+    assert_user_error(r, needle)
