@@ -1,6 +1,7 @@
 """MPT model, config and Composer wrapper against an explicit float64 reference."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -416,20 +417,18 @@ def test_wrapper_refuses_bad_config():
 
 
 def test_mpt_1b_param_count():
-    cfg = {
-        "d_model": 2048,
-        "n_heads": 16,
-        "n_layers": 24,
-        "expansion_ratio": 4,
-        "max_seq_len": 2048,
-        "vocab_size": 50368,
-        "attn_config": {"alibi": True},
-        "no_bias": True,
-    }
+    """The model section of yamls/mpt-1b.yaml is the 1.3B recipe (counted on meta)."""
+    import yaml
+
+    root = Path(__file__).parents[1]
+    section = yaml.safe_load((root / "yamls" / "mpt-1b.yaml").read_text())["model"]
+    cfg = {k: v for k, v in section.items() if k != "name"}
+    cfg["max_seq_len"] = 2048  # the yaml interpolates ${variables.max_seq_len}
     n = param_count(cfg)
     d = 2048
-    per_block = 4 * d * d + 2 * 4 * d * d + 2 * d  # attention, MLP, two norm weights
-    assert n == 24 * per_block + d + (50368 + 2048) * d  # + final norm, token + position tables
+    per_block = 4 * d * d + 2 * 4 * d * d  # attention, MLP (no biases)
+    per_block += 2 * d  # two LayerNorm weights
+    assert n == 24 * per_block + d + 50368 * d  # + final norm, tied token table (ALiBi: no wpe)
     assert abs(n - 1.3e9) <= 0.05e9
 
 
@@ -488,3 +487,13 @@ def test_flops_per_batch():
     matmul_params = layers * block + 2 * d + vocab * d  # + final norm + lm_head
     want = 6 * matmul_params * b * s + 12 * layers * d * s * b * s
     assert model.flops_per_batch({"input_ids": torch.zeros(b, s, dtype=torch.long)}) == want
+
+
+@pytest.mark.parametrize(
+    ("attn_config", "learned_pos_emb", "has_wpe"),
+    [({}, None, True), ({"rope": True}, None, False), ({"alibi": True}, None, False),
+     ({"rope": True}, True, True)],
+)
+def test_learned_positions_default_off_with_rope_or_alibi(attn_config, learned_pos_emb, has_wpe):
+    cfg = MPTConfig(**TINY, attn_config=attn_config, learned_pos_emb=learned_pos_emb)
+    assert (MPTForCausalLM(cfg).transformer.wpe is not None) is has_wpe

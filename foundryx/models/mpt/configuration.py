@@ -81,7 +81,8 @@ TOP_CHECKS: dict[str, Check] = {
     "expansion_ratio": POSITIVE,
     "resid_pdrop": PROBABILITY,
     "emb_pdrop": PROBABILITY,
-    **dict.fromkeys(("learned_pos_emb", "no_bias", "tie_word_embeddings"), BOOL),
+    "learned_pos_emb": (lambda v: v is None or isinstance(v, bool), "null (auto), true or false"),
+    **dict.fromkeys(("no_bias", "tie_word_embeddings"), BOOL),
     "norm_eps": POSITIVE,
     "logit_scale": (
         lambda v: v in (None, "inv_sqrt_d_model") or (_is_num(v) and v > 0),
@@ -149,7 +150,7 @@ class MPTConfig(PretrainedConfig):
         vocab_size: int = 50368,
         resid_pdrop: float = 0.0,
         emb_pdrop: float = 0.0,
-        learned_pos_emb: bool = True,
+        learned_pos_emb: bool | None = None,
         attn_config: dict[str, Any] | None = None,
         ffn_config: dict[str, Any] | None = None,
         norm_type: str = "layernorm",
@@ -169,8 +170,10 @@ class MPTConfig(PretrainedConfig):
         self.vocab_size = vocab_size
         self.resid_pdrop = resid_pdrop
         self.emb_pdrop = emb_pdrop
-        self.learned_pos_emb = learned_pos_emb
         self.attn_config = _merge(ATTN_CONFIG_DEFAULTS, attn_config)
+        # As in LLM Foundry: a learned position table only when neither ALiBi nor RoPE is on.
+        rel_pos = self.attn_config.get("alibi") is True or self.attn_config.get("rope") is True
+        self.learned_pos_emb = (not rel_pos) if learned_pos_emb is None else learned_pos_emb
         self.ffn_config = _merge(FFN_CONFIG_DEFAULTS, ffn_config)
         self.norm_type = norm_type
         self.norm_eps = norm_eps
