@@ -11,6 +11,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	@# The build leaves foundryx.egg-info here; on sys.path (cwd) it would shadow the installed
+	@# metadata and hide entry points added later. The editable install does not need it.
+	rm -rf foundryx.egg-info
 	touch $@
 
 install: $(STAMP)

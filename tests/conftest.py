@@ -11,6 +11,19 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
+
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter. Triton reads the variable when a
+# kernel is decorated, i.e. when foundryx.kernels.* is first imported (lazily, at first use), so
+# it is set here before any test runs. With a GPU the kernels are compiled and tested for real.
+if "TRITON_INTERPRET" not in os.environ and _no_gpu():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 ROOT = Path(__file__).parents[1]
 SHARED = ROOT.parent / "shared"
 

@@ -1,0 +1,145 @@
+"""Launch configurations of the FlashAttention kernels, per device family: the one place to tune.
+
+A configuration is a tile shape plus Triton launch options. Each kernel (``fwd``, ``bwd_dkdv``,
+``bwd_dq``) has one per family and head-dim bucket (the head dim padded to a power of 2:
+<= 64, <= 128, <= 256). The numbers are starting points taken from the Triton tutorial
+(NVIDIA) and ROCm's perf-kernels (AMD); ``python benchmarks/attention.py --tune`` times
+:data:`CANDIDATES` on the GPU at hand and prints the rows to paste here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+BUCKETS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile rows (``block_m``, queries) and columns (``block_n``, keys) plus launch options."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    extra: dict[str, int] = field(default_factory=dict)  # backend options, e.g. waves_per_eu
+
+    def launch_options(self) -> dict[str, int]:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **self.extra}
+
+    def __str__(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in self.extra.items())
+        return (
+            f"{self.block_m}x{self.block_n} warps={self.num_warps} stages={self.num_stages}{extra}"
+        )
+
+
+C = KernelConfig
+_AMD = {"waves_per_eu": 2}
+
+# family -> kernel -> (config for head dim <= 64, <= 128, <= 256)
+TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
+    # H100 / H200 (and other big-shared-memory NVIDIA GPUs: sm90, sm100)
+    "sm90": {
+        "fwd": (C(128, 128, 8, 3), C(128, 64, 8, 3), C(64, 64, 4, 2)),
+        "bwd_dkdv": (C(32, 128, 4, 4), C(32, 128, 8, 3), C(16, 64, 8, 2)),
+        "bwd_dq": (C(128, 32, 4, 4), C(128, 32, 8, 3), C(64, 16, 8, 2)),
+    },
+    # A100 / A800 (164 KB shared memory)
+    "sm80": {
+        "fwd": (C(128, 64, 4, 4), C(128, 64, 8, 3), C(64, 32, 4, 2)),
+        "bwd_dkdv": (C(32, 128, 4, 3), C(32, 64, 4, 2), C(16, 64, 4, 1)),
+        "bwd_dq": (C(128, 32, 4, 3), C(64, 32, 4, 2), C(64, 16, 4, 1)),
+    },
+    # other NVIDIA (sm86, sm89, sm120: ~100 KB shared memory)
+    "nvidia": {
+        "fwd": (C(128, 64, 4, 2), C(64, 64, 4, 2), C(64, 32, 4, 1)),
+        "bwd_dkdv": (C(32, 64, 4, 2), C(32, 64, 4, 1), C(16, 32, 4, 1)),
+        "bwd_dq": (C(64, 32, 4, 2), C(64, 32, 4, 1), C(32, 16, 4, 1)),
+    },
+    # MI300X / MI325X (gfx942) and MI350 (gfx950)
+    "cdna3": {
+        "fwd": (C(128, 64, 4, 1, _AMD), C(128, 64, 4, 1, _AMD), C(64, 32, 4, 1, _AMD)),
+        "bwd_dkdv": (C(32, 128, 4, 1, _AMD), C(32, 64, 4, 1, _AMD), C(16, 64, 4, 1, _AMD)),
+        "bwd_dq": (C(128, 32, 4, 1, _AMD), C(64, 32, 4, 1, _AMD), C(32, 16, 4, 1, _AMD)),
+    },
+    # MI200 (gfx90a) and other AMD GPUs
+    "cdna2": {
+        "fwd": (C(128, 64, 4, 1, _AMD), C(128, 32, 4, 1, _AMD), C(64, 32, 4, 1, _AMD)),
+        "bwd_dkdv": (C(32, 64, 4, 1, _AMD), C(32, 64, 4, 1, _AMD), C(16, 32, 4, 1, _AMD)),
+        "bwd_dq": (C(64, 32, 4, 1, _AMD), C(64, 32, 4, 1, _AMD), C(32, 16, 4, 1, _AMD)),
+    },
+    # CPU tensors under TRITON_INTERPRET=1 (tests): small uneven tiles exercise every boundary.
+    "interpreter": {
+        "fwd": (C(32, 16),) * 3,
+        "bwd_dkdv": (C(16, 32),) * 3,
+        "bwd_dq": (C(32, 16),) * 3,
+    },
+}
+
+# What `benchmarks/attention.py --tune` tries, per kernel (tiles that do not fit are skipped).
+CANDIDATES: dict[str, list[KernelConfig]] = {
+    "fwd": [
+        C(bm, bn, w, s)
+        for bm, bn in ((128, 128), (128, 64), (64, 64), (128, 32))
+        for w in (4, 8)
+        for s in (1, 2, 3, 4)
+    ],
+    "bwd_dkdv": [
+        C(bm, bn, w, s)
+        for bm, bn in ((32, 128), (64, 128), (32, 64), (16, 64), (64, 64))
+        for w in (4, 8)
+        for s in (1, 2, 3, 4)
+    ],
+    "bwd_dq": [
+        C(bm, bn, w, s)
+        for bm, bn in ((128, 32), (128, 64), (64, 32), (64, 64), (64, 16))
+        for w in (4, 8)
+        for s in (1, 2, 3, 4)
+    ],
+}
+
+_forced: dict[str, KernelConfig] = {}
+
+
+@functools.cache
+def device_family(device: torch.device) -> str:
+    """``sm90``, ``sm80``, ``nvidia``, ``cdna3``, ``cdna2`` or ``interpreter`` (CPU tensors)."""
+    if device.type != "cuda":
+        return "interpreter"
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        arch = getattr(props, "gcnArchName", "")
+        return "cdna3" if arch.startswith(("gfx94", "gfx95")) else "cdna2"
+    if props.major in (9, 10):
+        return "sm90"
+    return "sm80" if (props.major, props.minor) == (8, 0) else "nvidia"
+
+
+def config(kernel: str, head_dim_padded: int, device: torch.device) -> KernelConfig:
+    """The configuration of ``kernel`` for a head dim (padded to a power of 2) on ``device``."""
+    if kernel in _forced:
+        return _forced[kernel]
+    bucket = next(i for i, b in enumerate(BUCKETS) if head_dim_padded <= b)
+    return TABLE[device_family(device)][kernel][bucket]
+
+
+@contextlib.contextmanager
+def forced(**configs: KernelConfig) -> Iterator[None]:
+    """Use the given configs (``fwd=..., bwd_dkdv=..., bwd_dq=...``) inside the block (tuning)."""
+    unknown = set(configs) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; known: {', '.join(KERNELS)}")
+    old = dict(_forced)
+    _forced.update(configs)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(old)

@@ -1,0 +1,269 @@
+"""The Triton FlashAttention-2 kernel against a dense float64 reference: outputs and dq/dk/dv.
+
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before any test runs); with one, on the GPU at larger sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from foundryx.kernels import flash_attention as fa  # noqa: E402
+from foundryx.kernels import tuning  # noqa: E402
+from foundryx.kernels.flash_attention import flash_attention  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in padded tile rows
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+SCALE = 8 if GPU else 1  # sequence lengths grow on a GPU
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+
+def reference(
+    q,
+    k,
+    v,
+    causal=True,
+    sequence_id=None,
+    alibi_slopes=None,
+    key_padding_mask=None,
+    softmax_scale=None,
+    sliding_window=None,
+):
+    """Dense float64 attention with every mask written from its definition."""
+    q, k, v = (t.double() for t in (q, k, v))
+    _, seq, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(head_dim)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    i = torch.arange(seq, device=q.device)[:, None]
+    j = torch.arange(seq, device=q.device)[None, :]
+    keep = torch.ones(seq, seq, dtype=torch.bool, device=q.device)[None, None]
+    if causal:
+        keep = keep & (j <= i)
+    if sliding_window is not None:
+        keep = keep & ((i - j).abs() <= sliding_window)
+    if sequence_id is not None:  # a document is a run of one id
+        run = torch.cumsum(torch.nn.functional.pad(sequence_id.diff(dim=1) != 0, (1, 0)), 1)
+        keep = keep & (run[:, None, :, None] == run[:, None, None, :])
+    if key_padding_mask is not None:
+        keep = keep & (key_padding_mask.bool()[:, None, None, :] | (i == j))
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.double()[None, :, None, None] * (i - j).abs()
+    probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    return torch.einsum("bhij,bjhd->bihd", probs, v)
+
+
+def make_inputs(batch, seq, n_heads, kv_heads, head_dim, dtype, seed=0):
+    """q, k, v as views of one fused projection, like MPTAttention's (non-contiguous heads)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    width = (n_heads + 2 * kv_heads) * head_dim
+    fused = torch.randn(batch, seq, width, generator=g, device=DEVICE, dtype=torch.float32)
+    fused = fused.to(dtype).requires_grad_()
+    q, k, v = fused.split([n_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    return fused, (
+        q.view(batch, seq, n_heads, head_dim),
+        k.view(batch, seq, kv_heads, head_dim),
+        v.view(batch, seq, kv_heads, head_dim),
+    )
+
+
+def packed_ids(batch, seq):
+    """Documents of uneven lengths (one of length 1), as a packing collator emits."""
+    cuts = [0, seq // 5, seq // 5 + 1, seq // 2 + 3, seq]
+    row = torch.cat([torch.full((b - a,), n) for n, (a, b) in enumerate(zip(cuts, cuts[1:]))])
+    rows = [row, torch.zeros(seq, dtype=torch.long)]  # second row: one document
+    return torch.stack([rows[r % 2] for r in range(batch)]).to(DEVICE)
+
+
+def padding_mask(batch, seq):
+    """Right padding in row 0, left padding in row 1."""
+    m = torch.ones(batch, seq, dtype=torch.bool)
+    m[0, seq - seq // 4 :] = False
+    if batch > 1:
+        m[1, : seq // 3] = False
+    return m.to(DEVICE)
+
+
+def check(
+    batch,
+    seq,
+    n_heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    causal=True,
+    packed=False,
+    alibi=False,
+    window=None,
+    padding=False,
+    softmax_scale=None,
+):
+    """Forward output and dq, dk, dv of the kernel against :func:`reference`."""
+    fused, (q, k, v) = make_inputs(batch, seq, n_heads, kv_heads, head_dim, dtype)
+    kw = {"causal": causal, "sliding_window": window, "softmax_scale": softmax_scale}
+    if packed:
+        kw["sequence_id"] = packed_ids(batch, seq)
+    if alibi:
+        kw["alibi_slopes"] = torch.tensor([2 ** -(h + 1) for h in range(n_heads)], device=DEVICE)
+    if padding:
+        kw["key_padding_mask"] = padding_mask(batch, seq)
+    out = flash_attention(q, k, v, **kw)
+    grad_out = torch.randn_like(out)
+    (out * grad_out).sum().backward()
+
+    ref_fused = fused.detach().double().requires_grad_()
+    sizes = [n_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    rq, rk, rv = (t.view(batch, seq, -1, head_dim) for t in ref_fused.split(sizes, -1))
+    want = reference(rq, rk, rv, **kw)
+    (want * grad_out.double()).sum().backward()
+
+    assert out.dtype == dtype and out.shape == (batch, seq, n_heads, head_dim)
+    torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    for name, got, ref in zip("qkv", fused.grad.split(sizes, -1), ref_fused.grad.split(sizes, -1)):
+        atol = GRAD_TOL[dtype] * max(1.0, ref.abs().max().item())
+        torch.testing.assert_close(
+            got.double(), ref, atol=atol, rtol=GRAD_TOL[dtype], msg=lambda m, n=name: f"d{n}: {m}"
+        )
+
+
+# Every pair of (causal, grouped heads, packed, alibi, window, padding) values appears in
+# some case; head dims 16/32/64 and a non-power-of-2 (40); fp32 and fp16.
+CASES = {
+    "causal": dict(causal=True),
+    "full_gqa_packed": dict(causal=False, kv_heads=2, packed=True, head_dim=40),
+    "causal_mqa_alibi_window": dict(
+        kv_heads=1, alibi=True, window=5, head_dim=32, dtype=torch.float16
+    ),
+    "full_alibi_padding_scale": dict(
+        causal=False, alibi=True, padding=True, head_dim=64, softmax_scale=0.3
+    ),
+    "all_features": dict(kv_heads=2, packed=True, alibi=True, window=6, padding=True, head_dim=40),
+    "full_mqa_packed_window": dict(
+        causal=False, kv_heads=1, packed=True, window=4, dtype=torch.float16
+    ),
+    "causal_packed_padding": dict(packed=True, padding=True, head_dim=64, dtype=torch.float16),
+    "full_window_padding": dict(causal=False, window=9, padding=True, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_float64_reference(case):
+    kw = {"kv_heads": 4, "head_dim": 16, "dtype": torch.float32, **CASES[case]}
+    check(batch=2, seq=48 * SCALE, n_heads=4, **kw)
+
+
+def test_single_block_and_ragged_lengths():
+    check(batch=1, seq=16, n_heads=2, kv_heads=1, head_dim=16, dtype=torch.float32, packed=True)
+    check(batch=1, seq=37, n_heads=2, kv_heads=2, head_dim=24, dtype=torch.float16, window=3)
+
+
+def test_tuning_table_and_forced_tiles():
+    for family, kernels in tuning.TABLE.items():
+        assert set(kernels) == set(tuning.KERNELS), family
+        for cfg in (c for cfgs in kernels.values() for c in cfgs):
+            assert all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n)), family
+    whole = tuning.KernelConfig(64, 64)  # one tile larger than the sequence
+    with tuning.forced(fwd=whole, bwd_dkdv=whole, bwd_dq=whole):
+        assert tuning.config("bwd_dq", 128, torch.device(DEVICE)) == whole
+        check(
+            batch=1,
+            seq=40,
+            n_heads=2,
+            kv_heads=1,
+            head_dim=16,
+            dtype=torch.float32,
+            packed=True,
+            window=5,
+        )
+    assert tuning.config("fwd", 16, torch.device(DEVICE)) != whole
+
+
+def test_cu_seqlens_matches_sequence_id():
+    _, (q, k, v) = make_inputs(1, 40, 4, 2, 16, torch.float32, seed=3)
+    sequence_id = packed_ids(1, 40)
+    cu = torch.tensor([0, 8, 9, 23, 40], dtype=torch.int32, device=DEVICE)
+    varlen = flash_attention(
+        q[0], k[0], v[0], cu_seqlens=cu, alibi_slopes=torch.ones(4, device=DEVICE)
+    )
+    packed = flash_attention(
+        q, k, v, sequence_id=sequence_id, alibi_slopes=torch.ones(4, device=DEVICE)
+    )
+    assert varlen.shape == q.shape[1:]
+    torch.testing.assert_close(varlen, packed[0])
+    torch.testing.assert_close(
+        packed.double(),
+        reference(q, k, v, sequence_id=sequence_id, alibi_slopes=torch.ones(4, device=DEVICE)),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_document_bounds():
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [5, 5, 5, 5, 5, 5], [0, 1, 0, 0, 7, 7]])
+    start, end = fa.document_bounds(ids)
+    assert start.tolist() == [[0, 0, 2, 2, 2, 5], [0] * 6, [0, 1, 2, 2, 4, 4]]
+    assert end.tolist() == [[2, 2, 5, 5, 5, 6], [6] * 6, [1, 2, 4, 4, 6, 6]]
+
+
+@pytest.mark.parametrize(
+    "shape, dropout_p, message",
+    [
+        ((16, 2, 320), 0.0, "head_dim 320 is above 256"),
+        ((20, 2, 16), 0.0, "query length 16 differs from key length 20"),
+        ((16, 4, 16), 0.0, "n_heads 6 is not a multiple of kv_n_heads 4"),
+        ((16, 2, 16), 0.1, "attention dropout is not implemented"),
+    ],
+)
+def test_unsupported_inputs_say_why(shape, dropout_p, message):
+    kv_seq, kv_heads, head_dim = shape
+    q = torch.zeros(1, 16, 6, head_dim, device=DEVICE)
+    k = torch.zeros(1, kv_seq, kv_heads, head_dim, device=DEVICE)
+    assert message in fa.unsupported(q, k, k, dropout_p)
+    if not dropout_p:  # the kernel itself takes no dropout argument
+        with pytest.raises(ValueError, match=message):
+            flash_attention(q, k, k)
+
+
+@pytest.mark.skipif(GPU, reason="the interpreter's bf16 limit applies on CPU only")
+def test_bf16_in_the_interpreter_is_refused_with_the_reason():
+    q = torch.zeros(1, 16, 2, 16, dtype=torch.bfloat16)
+    assert "bf16" in fa.unsupported(q, q, q)
+
+
+@pytest.mark.skipif(not GPU, reason="bf16 needs a GPU (the interpreter cannot multiply bf16)")
+@pytest.mark.parametrize("case", ["causal", "all_features"])
+def test_bf16_on_gpu(case):
+    kw = {"kv_heads": 4, "head_dim": 64, **CASES[case], "dtype": torch.bfloat16}
+    check(batch=2, seq=1024, n_heads=4, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])  # GQA: fast cases
+@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
+@pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
+@pytest.mark.parametrize("window", [None, 7], ids=["", "window"])
+@pytest.mark.parametrize("padding", [False, True], ids=["", "padding"])
+def test_every_combination(causal, kv_heads, packed, alibi, window, padding):
+    check(
+        batch=2,
+        seq=40 * SCALE,
+        n_heads=4,
+        kv_heads=kv_heads,
+        head_dim=32,
+        dtype=torch.float32,
+        causal=causal,
+        packed=packed,
+        alibi=alibi,
+        window=window,
+        padding=padding,
+    )
