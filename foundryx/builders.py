@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from foundryx import registry
-from foundryx.config import Derived, TrainConfig
+from foundryx.config import TrainConfig
+from foundryx.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +56,53 @@ def build_scheduler(cfg: TrainConfig) -> Any:
     return build_component("schedulers", cfg.scheduler)
 
 
-def build_parallelism(cfg: TrainConfig, derived: Derived) -> dict[str, Any] | None:
-    """The Composer parallelism config for ``fsdp_config`` (FSDP2), or None."""
-    if cfg.fsdp_config is None:
-        return None
-    if derived.world_size == 1:
-        log.info("fsdp_config is set but this is one process: training without FSDP sharding")
-        return None
-    from composer.utils.parallelism import FSDP2Config
+def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
+    """Apply ``fsdp_config`` (FSDP2 and the per-block policies) to ``model`` and materialise
+    meta-device weights; call before building the optimizer. See docs/distributed.md."""
+    from foundryx.parallel import parallelize
 
-    return {"fsdp": FSDP2Config(**cfg.fsdp_config)}
+    return parallelize(model, cfg.fsdp_config, precision=cfg.precision)
+
+
+def resolve_autoresume(cfg: TrainConfig) -> bool:
+    """``autoresume``, defaulting to on when ``save_folder`` is set and ``save_overwrite`` is not."""
+    if cfg.autoresume is not None:
+        problems = []
+        if cfg.autoresume and not cfg.save_folder:
+            problems.append("autoresume: true needs a save_folder to resume from; set save_folder")
+        if cfg.autoresume and cfg.save_overwrite:
+            problems.append("autoresume: true and save_overwrite: true contradict each other "
+                            "(continue from the checkpoints, or replace them); drop one")
+        if problems:
+            raise ConfigError(problems)
+        return cfg.autoresume
+    if not cfg.save_folder:
+        return False
+    log.info("autoresume: %s (not set; save_folder is set and save_overwrite is %s)",
+             "on" if not cfg.save_overwrite else "off", str(cfg.save_overwrite).lower())
+    return not cfg.save_overwrite
+
+
+def stable_run_name(cfg: TrainConfig, source: str) -> str | None:
+    """``run_name``, or when unset and checkpoints are saved, one derived from the config file
+    and save_folder, so a restarted job gets the same name."""
+    if cfg.run_name or not cfg.save_folder:
+        return cfg.run_name
+    digest = hashlib.sha1(str(Path(cfg.save_folder).resolve()).encode()).hexdigest()[:8]
+    name = f"{Path(source).stem}-{digest}"
+    log.info("run_name: %s (not set; derived from the config name and save_folder)", name)
+    return name
+
+
+def build_checkpointer(cfg: TrainConfig, run_name: str | None) -> Any:
+    """The Checkpointer callback (saves, keeps the last K, autoresume, load_path), or None."""
+    if not cfg.save_folder and not cfg.load_path:
+        return None
+    from foundryx.checkpoint.callback import Checkpointer
+
+    return Checkpointer(
+        save_folder=cfg.save_folder, save_interval=cfg.save_interval,
+        keep=cfg.save_num_checkpoints_to_keep, overwrite=cfg.save_overwrite,
+        autoresume=resolve_autoresume(cfg), load_path=cfg.load_path,
+        load_weights_only=cfg.load_weights_only, run_name=run_name,
+    )

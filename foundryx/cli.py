@@ -75,13 +75,77 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
     tok = build_hf_tokenizer(args.tokenizer)
     manifest = convert_to_mds(
         args.input, args.out, tok, args.max_seq_len, text_field=args.text_field,
-        compression=args.compression, overwrite=args.overwrite,
+        split=args.split, subset=args.subset, compression=args.compression,
+        overwrite=args.overwrite, workers=args.workers, resume=not args.no_resume,
+        progress=not args.no_progress,
     )
     print(
         f"wrote {manifest['sequences']} sequences of {args.max_seq_len} tokens "
         f"({manifest['tokens']} tokens from {manifest['documents']} documents) to {args.out}"
     )
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from foundryx.export import export_checkpoint
+    from foundryx.train import setup_logging
+
+    setup_logging("info")
+    config, *overrides = args.config or [None]
+    out = export_checkpoint(
+        args.checkpoint, args.out, config=config, overrides=overrides,
+        tokenizer=args.tokenizer, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
+        progress=not args.no_progress, verify=not args.no_verify,
+    )
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+def _add_export_parser(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser(
+        "export", help="checkpoint → Hugging Face folder (safetensors, config, tokenizer)",
+        usage="foundryx export CHECKPOINT OUT [--config RUN_YAML [KEY=VALUE ...]] [--tokenizer T] "
+              "[--format auto|llama|mpt] [--dtype fp32|bf16|fp16] [--overwrite] [--no-verify] "
+              "[--no-progress]",
+    )
+    e.add_argument("checkpoint", help="a checkpoint folder, a save_folder (its newest checkpoint), "
+                   "or a weights file (.pt, .safetensors)")
+    e.add_argument("out", help="the folder to write (appears complete or not at all)")
+    e.add_argument("--config", nargs="+", metavar="RUN_YAML", help="run YAML the checkpoint was "
+                   "trained with (model and tokenizer), then any key=value overrides; default: "
+                   "the checkpoint's hf/ folder")
+    e.add_argument("--tokenizer", help="tokenizer folder or hub name to write instead of the config's")
+    e.add_argument("--format", default="auto", help="auto (default), llama or mpt; see docs/hf.md")
+    e.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: as trained)")
+    e.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
+    e.add_argument("--no-verify", action="store_true", help="skip the checkpoint's hash check")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.set_defaults(fn=cmd_export)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Exit 0, or 1 when --compare-to finds a result short of the reference."""
+    from foundryx.eval.config import load_eval_config
+    from foundryx.eval.run import run_eval
+
+    loaded = load_eval_config(args.config, args.overrides)
+    outcome = run_eval(loaded, compare_to=args.compare_to, tolerance=args.tolerance,
+                       dump_examples=args.dump_examples)
+    if _is_rank_zero():
+        print(outcome.report())
+    return 0 if outcome.passed else 1
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    v = sub.add_parser("eval", help="ICL eval of checkpoints and HF models (same as eval/eval.py)")
+    v.add_argument("config", help="eval config YAML, e.g. eval/yamls/quickstart.yaml")
+    v.add_argument("overrides", nargs="*", help="key=value overrides, e.g. icl_max_examples=100")
+    v.add_argument("--compare-to", metavar="REF", help="a model label of the config, or a YAML of "
+                   "result -> score; exit 1 when a result falls short by more than the tolerance")
+    v.add_argument("--tolerance", type=float, help="allowed shortfall (default: the config's, 0.02)")
+    v.add_argument("--dump-examples", type=int, metavar="N",
+                   help="write prompts, continuations and scores of N examples per task")
+    v.set_defaults(fn=cmd_eval)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -108,15 +172,24 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--force", action="store_true", help="rebuild even if complete")
     q.set_defaults(fn=cmd_data_quickstart)
-    c = dsub.add_parser("convert", help="text / folder / jsonl → MDS shards of token sequences")
-    c.add_argument("--input", required=True, help="a .txt file, a folder of .txt files, or a .jsonl file")
+    c = dsub.add_parser("convert", help="text / jsonl / parquet / HF dataset → MDS token sequences")
+    c.add_argument("--input", required=True, help="a .txt, .jsonl or .parquet file, a folder of "
+                   ".txt or .parquet files, a save_to_disk folder, or hf://owner/name")
     c.add_argument("--out", required=True, help="output folder for the MDS shards")
     c.add_argument("--tokenizer", required=True, help="a local tokenizer folder or a hub name")
     c.add_argument("--max-seq-len", type=int, required=True)
     c.add_argument("--text-field", default="text", help="jsonl field holding the text")
     c.add_argument("--compression", default=None, help="e.g. zstd")
     c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--split", default=None, help="split of a Hugging Face dataset")
+    c.add_argument("--subset", default=None, help="subset (config) of a hub dataset")
+    c.add_argument("--workers", type=int, default=None,
+                   help="tokenizer processes; default: one per CPU core (output is the same)")
+    c.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(fn=cmd_data_convert)
+    _add_export_parser(sub)
+    _add_eval_parser(sub)
     return p
 
 

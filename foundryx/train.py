@@ -54,6 +54,8 @@ def train(loaded: LoadedConfig):
     from composer.core import Evaluator
     from composer.utils import dist, get_device, reproducibility
 
+    from foundryx.eval.evaluators import build_icl_evaluators
+
     cfg, derived = loaded.cfg, loaded.derived
     setup_logging(cfg.python_log_level)
     device = get_device(pick_device(cfg.device))
@@ -64,6 +66,7 @@ def train(loaded: LoadedConfig):
 
     tokenizer = builders.build_tokenizer(cfg)
     model = builders.build_model(cfg, tokenizer)
+    model = builders.build_parallelism(cfg, model)  # FSDP2 etc., before the optimizer sees it
     train_loader = builders.build_dataloader(
         cfg.train_loader, tokenizer, derived.device_train_batch_size
     )
@@ -74,10 +77,16 @@ def train(loaded: LoadedConfig):
         )
         metric_names = list(model.get_metrics(is_train=False))
         evaluators.append(Evaluator(label="eval", dataloader=eval_loader, metric_names=metric_names))
+    icl_evaluators, icl_callbacks = build_icl_evaluators(
+        cfg, tokenizer, model, derived.device_eval_batch_size
+    )
+    evaluators += icl_evaluators
     optimizer = builders.build_optimizer(cfg, model)
+    run_name = builders.stable_run_name(cfg, loaded.source)
+    checkpointer = builders.build_checkpointer(cfg, run_name)  # saves, autoresume, load_path
 
     trainer = Trainer(
-        run_name=cfg.run_name,
+        run_name=run_name,
         model=model,
         train_dataloader=train_loader,
         eval_dataloader=evaluators or None,
@@ -85,21 +94,14 @@ def train(loaded: LoadedConfig):
         optimizers=optimizer,
         schedulers=builders.build_scheduler(cfg),
         algorithms=builders.build_named("algorithms", cfg.algorithms),
-        callbacks=builders.build_named("callbacks", cfg.callbacks),
+        callbacks=builders.build_named("callbacks", cfg.callbacks) + icl_callbacks
+        + ([checkpointer] if checkpointer else []),
         loggers=builders.build_named("loggers", cfg.loggers),
         precision=cfg.precision,
         device=device,
         device_train_microbatch_size=derived.device_train_microbatch_size,
         eval_interval=cfg.eval_interval,
         eval_subset_num_batches=cfg.eval_subset_num_batches,
-        parallelism_config=builders.build_parallelism(cfg, derived),
-        save_folder=cfg.save_folder,
-        save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        save_overwrite=cfg.save_overwrite,
-        load_path=cfg.load_path,
-        load_weights_only=cfg.load_weights_only,
-        autoresume=cfg.autoresume,
         seed=cfg.seed,
         console_log_interval=cfg.console_log_interval,
         log_to_console=cfg.log_to_console and "console" not in cfg.loggers,

@@ -134,8 +134,8 @@ def test_folder_with_other_files_is_never_replaced(tmp_path, tiny_tokenizer, doc
 
 
 @pytest.mark.parametrize("existing", [False, True])
-def test_interrupted_conversion_leaves_nothing(tmp_path, tiny_tokenizer, docs, monkeypatch,
-                                               existing):
+def test_interrupted_conversion_leaves_no_trusted_output(tmp_path, tiny_tokenizer, docs,
+                                                         monkeypatch, existing):
     from streaming import MDSWriter
 
     src = write_txt(tmp_path / "c.txt", docs)
@@ -156,7 +156,9 @@ def test_interrupted_conversion_leaves_nothing(tmp_path, tiny_tokenizer, docs, m
     with pytest.raises(KeyboardInterrupt):
         convert_to_mds(src, out, tiny_tokenizer, 8, overwrite=True, progress=False)
     left = sorted(p.name for p in tmp_path.iterdir())
-    assert left == (["c.txt", "mds"] if existing else ["c.txt"])
+    # only the hidden work folder is added (kept for resuming); it is no dataset
+    assert left == [".mds.partial", "c.txt"] + (["mds"] if existing else [])
+    assert not convert.is_dataset(tmp_path / ".mds.partial")
     if existing:
         np.testing.assert_array_equal(stored(out), before)
 

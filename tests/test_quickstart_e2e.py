@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from foundryx.checkpoint import load_model_weights
+from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.loggers.jsonl import read_metrics
 
 ROOT = Path(__file__).parents[1]
@@ -43,8 +45,10 @@ def test_quickstart_loss_falls_and_checkpoint_written(quickstart_data, tmp_path)
     assert len(curve) == 200
     first, last = sum(curve[:5]) / 5, sum(curve[-20:]) / 20
     assert last < 0.5 * first, (first, last)
-    ckpts = list((tmp_path / "ckpt").glob("*.pt"))
-    assert ckpts, list((tmp_path / "ckpt").iterdir())
+    (ckpt, manifest), *_ = complete_checkpoints(tmp_path / "ckpt")  # newest first
+    assert ckpt.name == "ep0-ba200" and manifest is not None
+    weights = load_model_weights(ckpt)
+    assert any(k.endswith("Wqkv.weight") for k in weights)
     eval_rows = [r for r in read_metrics(tmp_path / "metrics.jsonl")
                  if "metrics/eval/LanguageCrossEntropy" in r]
     assert eval_rows and eval_rows[-1]["metrics/eval/LanguageCrossEntropy"] < first

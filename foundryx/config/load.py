@@ -11,6 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from foundryx.config.components import component_problems
+from foundryx.config.cross_checks import cross_section_problems
 from foundryx.config.derived import Derived, derive, world_size_from_env
 from foundryx.config.schema import TrainConfig
 from foundryx.config.types import dataclass_problems, join
@@ -84,10 +85,14 @@ def load_config(
     path = Path(path)
     node = _read_yaml(path)
     dot, problems = _parse_overrides(list(overrides or []))
-    merged = OmegaConf.merge(node, dot)
+    try:
+        merged = OmegaConf.merge(node, dot)
+    except (OmegaConfBaseException, TypeError, ValueError) as e:  # e.g. a list indexed by a key
+        raise ConfigError(problems + [f"overrides: cannot apply to {path}: {e}"]) from None
     data = _resolve(merged, "", problems)
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data)
+    problems += cross_section_problems(data)
     if problems:
         raise ConfigError(problems, source=str(path))
     data.pop("variables", None)

@@ -19,6 +19,46 @@ def doc(text: str, **kw: Any) -> Any:
     return field(metadata={"doc": text}, **kw)
 
 
+MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]
+
+
+@dataclass
+class FSDPConfig:
+    """``fsdp_config``: FSDP2 sharding and the per-block policies (see docs/distributed.md)."""
+
+    sharding_strategy: Literal["FULL_SHARD", "HYBRID_SHARD"] = doc(
+        "FULL_SHARD: shard over all ranks; HYBRID_SHARD: shard within a node, replicate across",
+        default="FULL_SHARD",
+    )
+    data_parallel_shard_degree: int = doc(
+        "ranks that share one copy of the weights; -1: all (FULL_SHARD) or one node (HYBRID)",
+        default=-1,
+    )
+    reshard_after_forward: bool | int = doc(
+        "free gathered weights after forward (true), keep them (false), or reshard to N ranks",
+        default=True,
+    )
+    mixed_precision: MixedPrecision | dict[str, str] = doc(
+        "DEFAULT: compute in the precision's dtype, reduce in fp32; PURE: both in it; FULL: "
+        "fp32; or {param_dtype, reduce_dtype, output_dtype}",
+        default="DEFAULT",
+    )
+    cpu_offload: bool = doc("keep sharded weights, grads and optimizer state in CPU memory", default=False)
+    activation_checkpointing: bool = doc("recompute block activations in backward", default=False)
+    activation_checkpointing_every: int = doc(
+        "checkpoint every N-th of the chosen modules (the N-th, 2N-th, ...)", default=1
+    )
+    activation_checkpointing_modules: list[str] | None = doc(
+        "module class names to checkpoint; none: the model's transformer blocks", default=None
+    )
+    activation_cpu_offload: bool = doc("keep saved activations in CPU memory", default=False)
+    compile: bool = doc("torch.compile each transformer block", default=False)
+    compile_options: dict[str, Any] = doc(
+        "keyword arguments of torch.compile, e.g. {mode: max-autotune}", default_factory=dict
+    )
+    verbose: bool = doc("log the wrapped model", default=False)
+
+
 @dataclass
 class TrainConfig:
     # -- what to train ------------------------------------------------------------------
@@ -50,6 +90,18 @@ class TrainConfig:
     progress_bar: bool = doc("show a tqdm progress bar instead of log lines", default=False)
     python_log_level: str | None = doc("log level of foundryx and composer", default="info")
 
+    # -- in-context-learning evaluation at eval_interval (docs/eval.md) -----------------
+    icl_tasks: str | list[dict[str, Any]] | None = doc(
+        "ICL tasks: a task file (eval/yamls/tasks.yaml) or a list of tasks", default=None
+    )
+    icl_data_root: str | None = doc(
+        "folder of relative ICL dataset_uri paths; default: the task file's data_root", default=None
+    )
+    icl_max_examples: int | None = doc("evaluate the first N examples of each ICL task", default=None)
+    eval_gauntlet: str | dict[str, Any] | None = doc(
+        "gauntlet over the ICL results: a file (eval/yamls/gauntlet.yaml) or a mapping", default=None
+    )
+
     # -- extensions ---------------------------------------------------------------------
     algorithms: dict[str, dict[str, Any]] = doc("{<algorithms key>: kwargs}", default_factory=dict)
     callbacks: dict[str, dict[str, Any]] = doc("{<callbacks key>: kwargs}", default_factory=dict)
@@ -58,7 +110,9 @@ class TrainConfig:
     # -- hardware -----------------------------------------------------------------------
     precision: Precision = doc("numeric precision of training", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("cpu or gpu; default: gpu when available", default=None)
-    fsdp_config: dict[str, Any] | None = doc("FSDP2 settings; none: DDP or one process", default=None)
+    fsdp_config: FSDPConfig | None = doc(
+        "FSDP2 sharding and per-block policies; none: DDP (several processes) or plain", default=None
+    )
     dist_timeout: float = doc("seconds to wait for all ranks to start", default=600.0)
     seed: int = doc("random seed of weights, data order and dropout", default=17)
 
@@ -70,9 +124,16 @@ class TrainConfig:
     save_overwrite: bool = doc("overwrite checkpoints already in save_folder", default=False)
     load_path: str | None = doc("checkpoint to start from", default=None)
     load_weights_only: bool = doc("load only the weights from load_path", default=False)
-    autoresume: bool = doc("resume from the latest checkpoint in save_folder", default=False)
+    autoresume: bool | None = doc(
+        "resume from the latest complete checkpoint in save_folder; default: on when "
+        "save_folder is set and save_overwrite is false", default=None
+    )
 
     variables: dict[str, Any] = doc("values for ${variables.x} interpolation", default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fsdp_config, dict):  # validated by the loader; typed here
+            self.fsdp_config = FSDPConfig(**self.fsdp_config)
 
 
 # Sections whose value names a registry entry, and the registry.

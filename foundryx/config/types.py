@@ -51,6 +51,9 @@ def type_problems(value: Any, tp: Any, path: str) -> list[str]:
         options = typing.get_args(tp)
         if any(not type_problems(value, a, path) for a in options):
             return []
+        section = next((a for a in options if dataclasses.is_dataclass(a)), None)
+        if section is not None and isinstance(value, dict):
+            return dataclass_problems(section, value, path)
         return [f"{path}: expected {describe(tp)}, got {value!r}"]
     if origin is Literal:
         choices = typing.get_args(tp)
@@ -59,6 +62,10 @@ def type_problems(value: Any, tp: Any, path: str) -> list[str]:
         return [f"{path}: expected {describe(tp)}, got {value!r}{did_you_mean(value, map(str, choices))}"]
     if tp is type(None):
         return [] if value is None else [f"{path}: expected null, got {value!r}"]
+    if dataclasses.is_dataclass(tp):  # a typed section, e.g. fsdp_config
+        if not isinstance(value, dict):
+            return [f"{path}: expected a mapping (key: value lines), got {value!r}"]
+        return dataclass_problems(tp, value, path)
     if origin is dict:
         if not isinstance(value, dict):
             return [f"{path}: expected a mapping (key: value lines), got {value!r}"]

@@ -1,28 +1,34 @@
-"""Text → MDS shards of fixed-length token sequences.
+"""Text → MDS shards of fixed-length token sequences, in parallel and resumable.
 
-Input (``input_path``):
-
-* a ``.txt`` file: documents are separated by blank lines (each block of non-blank lines is
-  one document, its lines joined by ``\\n``);
-* a folder: every ``*.txt`` file below it (sorted by path) is one document;
-* a ``.jsonl`` file: one JSON object per line, the document in field ``text_field``.
+Input: anything :mod:`foundryx.data.sources` reads (.txt, folder of .txt, .jsonl, .parquet,
+a Hugging Face ``save_to_disk`` folder or ``hf://owner/name``).
 
 Each document becomes ``[bos] + tokens + [eos]``: the tokens are encoded without the
 tokenizer's own special tokens; ``eos`` is appended when the tokenizer has one, and ``bos``
 is prepended only when the tokenizer has one distinct from ``eos`` (so a GPT-2 style
 tokenizer gives documents separated by one ``<|endoftext|>``). A tokenizer with neither is
-refused. The stream is cut into sequences of exactly ``max_seq_len`` tokens; the remainder
-is dropped.
+refused. The documents' tokens are concatenated in input order and cut into sequences of
+exactly ``max_seq_len`` tokens; the remainder at the very end is dropped.
 
-Output: an MDS dataset with one column ``tokens`` (``ndarray:int32``, length ``max_seq_len``)
-and ``foundryx_manifest.json``, written last. Everything is written to a hidden sibling folder
-that is renamed into place at the end, so an interrupted conversion leaves no ``out_dir``.
+Documents go to ``workers`` processes (default: one per CPU core) in batches of about ``batch_chars`` characters; the
+results are written in input order, so the output is identical for any number of workers.
+Batches are grouped into chunks of about ``chunk_chars`` characters; each chunk is written
+as its own MDS dataset in the hidden work folder (:mod:`foundryx.data.partial`) and recorded
+in a ledger when complete. Running the same conversion again after an interruption resumes
+after the last complete chunk, so no data is duplicated or lost (``resume=False`` starts
+over). At the end the chunk indexes are merged into one ``index.json``,
+``foundryx_manifest.json`` is written last, and the folder is renamed to ``out_dir`` in one
+step: ``out_dir`` is either absent, the previous dataset, or the complete new one.
+
+Output: an MDS dataset with one column ``tokens`` (``ndarray:int32``, length ``max_seq_len``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import shutil
 import time
 import uuid
@@ -32,12 +38,19 @@ from typing import Any
 
 import numpy as np
 
+from foundryx.data.parallel import tokenize_in_order
+from foundryx.data.partial import Partial
+from foundryx.data.sources import Source, open_source, read_documents  # noqa: F401 (re-export)
 from foundryx.errors import DataError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "foundryx_manifest.json"
 INDEX = "index.json"
 COLUMN = "tokens"
-BATCH_DOCS = 256  # documents per batch call of the tokenizer
+FORMAT = "foundryx-mds-tokens/1"
+BATCH_CHARS = 1 << 20  # characters per batch sent to a worker
+CHUNK_CHARS = 64 << 20  # characters per chunk (the unit of resuming)
 
 
 def vocab_hash(tokenizer: Any) -> str:
@@ -49,78 +62,6 @@ def vocab_hash(tokenizer: Any) -> str:
 def is_dataset(folder: Path) -> bool:
     """Whether ``folder`` holds an MDS dataset (an ``index.json`` or a foundryx manifest)."""
     return (folder / INDEX).is_file() or (folder / MANIFEST).is_file()
-
-
-def _txt_documents(path: Path) -> Iterator[str]:
-    block: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                block.append(line.rstrip("\n"))
-            elif block:
-                yield "\n".join(block)
-                block = []
-    if block:
-        yield "\n".join(block)
-
-
-def _folder_documents(path: Path) -> Iterator[str]:
-    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-    if not files:
-        raise DataError(f"input folder {path} has no .txt files; give one .txt file per document")
-    for file in files:
-        text = file.read_text(encoding="utf-8").strip()
-        if text:
-            yield text
-
-
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or field not in row:
-                keys = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
-                raise DataError(
-                    f"{path}:{lineno}: no field {field!r} (found: {keys}); "
-                    f"set the text field (--text-field) to the field holding the text"
-                )
-            if not isinstance(row[field], str):
-                raise DataError(
-                    f"{path}:{lineno}: field {field!r} is a {type(row[field]).__name__}, "
-                    f"expected a string"
-                )
-            if row[field].strip():
-                yield row[field]
-
-
-def read_documents(input_path: Path | str, text_field: str = "text") -> Iterator[str]:
-    """The non-empty documents of a .txt file, a folder of .txt files or a .jsonl file."""
-    path = Path(input_path)
-    if not path.exists():
-        raise DataError(f"input {path} does not exist; give a .txt file, a folder or a .jsonl file")
-    if path.is_dir():
-        return _folder_documents(path)
-    if path.suffix == ".txt":
-        return _txt_documents(path)
-    if path.suffix == ".jsonl":
-        return _jsonl_documents(path, text_field)
-    raise DataError(f"input {path}: unsupported file type {path.suffix!r}; use .txt or .jsonl")
-
-
-def _batches(docs: Iterator[str], size: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for doc in docs:
-        batch.append(doc)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _special_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -164,6 +105,99 @@ def _commit(tmp: Path, out: Path) -> None:
         tmp.rename(out)
 
 
+def _batches(source: Source, batch_chars: int, chunk_chars: int
+             ) -> Iterator[tuple[tuple[int, int, int], list[str]]]:
+    """``((chunk, docs, progress units), docs)`` per batch; chunks depend on the input only."""
+    chunk = in_chunk = size = units = 0
+    docs: list[str] = []
+    for doc in source.documents():
+        docs.append(doc)
+        size += len(doc)
+        units += source.progress(doc)
+        if size >= batch_chars:
+            yield (chunk, len(docs), units), docs
+            in_chunk += size
+            if in_chunk >= chunk_chars:
+                chunk, in_chunk = chunk + 1, 0
+            docs, size, units = [], 0, 0
+    if docs:
+        yield (chunk, len(docs), units), docs
+
+
+class _ChunkWriter:
+    """Cuts the token stream into sequences and writes each chunk's MDS dataset."""
+
+    def __init__(self, partial: Partial, max_seq_len: int, compression: str | None,
+                 done: list[dict[str, Any]]):
+        self.partial, self.seq, self.compression = partial, max_seq_len, compression
+        self.chunk = len(done)
+        self.carry = np.asarray(done[-1]["carry"] if done else [], dtype=np.int32)
+        self.writer: Any = None
+        self.counts = {"docs": 0, "tokens": 0, "sequences": 0}
+
+    def add(self, chunk: int, n_docs: int, tokens: np.ndarray) -> int:
+        """Add one batch; return the number of tokens it brought."""
+        from streaming import MDSWriter
+
+        if chunk != self.chunk:
+            self.close_chunk()
+            self.chunk = chunk
+        if self.writer is None:
+            self.writer = MDSWriter(out=str(self.partial.chunk_dir(chunk)),
+                                    columns={COLUMN: "ndarray:int32"}, compression=self.compression)
+        stream = np.concatenate([self.carry, tokens])
+        n_full = len(stream) // self.seq * self.seq
+        for row in stream[:n_full].reshape(-1, self.seq):
+            self.writer.write({COLUMN: row})
+        self.carry = stream[n_full:]
+        self.counts["docs"] += n_docs
+        self.counts["tokens"] += len(tokens)
+        self.counts["sequences"] += n_full // self.seq
+        return len(tokens)
+
+    def close_chunk(self) -> None:
+        if self.writer is None:
+            return
+        self.writer.finish()
+        self.writer = None
+        self.partial.chunk_done({"chunk": self.chunk, **self.counts, "carry": self.carry.tolist()})
+        self.counts = dict.fromkeys(self.counts, 0)
+        self.chunk += 1
+
+
+def _manifest(source: Source, tokenizer: Any, max_seq_len: int, compression: str | None,
+              chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    n_docs = sum(c["docs"] for c in chunks)
+    n_tokens = sum(c["tokens"] for c in chunks)
+    n_seqs = sum(c["sequences"] for c in chunks)
+    if n_docs == 0:
+        raise DataError(f"input {source.label} holds no documents (all empty?)")
+    if n_seqs == 0:
+        raise DataError(
+            f"input {source.label} gives only {n_tokens} tokens, fewer than one sequence of "
+            f"max_seq_len={max_seq_len}; add text or lower max_seq_len"
+        )
+    return {
+        "format": FORMAT,
+        "source": source.label,
+        "tokenizer": {
+            "name_or_path": tokenizer.name_or_path,
+            "vocab_size": len(tokenizer),
+            "vocab_sha256": vocab_hash(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        "column": COLUMN,
+        "dtype": "int32",
+        "compression": compression,
+        "max_seq_len": max_seq_len,
+        "documents": n_docs,
+        "tokens": n_seqs * max_seq_len,
+        "tokens_dropped": n_tokens - n_seqs * max_seq_len,
+        "sequences": n_seqs,
+    }
+
+
 def convert_to_mds(
     input_path: Path | str,
     out_dir: Path | str,
@@ -171,80 +205,73 @@ def convert_to_mds(
     max_seq_len: int,
     *,
     text_field: str = "text",
+    split: str | None = None,
+    subset: str | None = None,
     compression: str | None = None,
     overwrite: bool = False,
+    workers: int | None = None,
+    resume: bool = True,
     progress: bool = True,
+    batch_chars: int = BATCH_CHARS,
+    chunk_chars: int = CHUNK_CHARS,
 ) -> dict[str, Any]:
     """Tokenize ``input_path`` into MDS sequences of ``max_seq_len`` tokens at ``out_dir``.
 
     Returns the manifest that was written (see the module docstring for the rules).
     """
-    from streaming import MDSWriter
     from tqdm.auto import tqdm
 
     if max_seq_len < 1:
         raise DataError(f"max_seq_len must be a positive number of tokens, got {max_seq_len}")
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count() or 1
+        log.info("tokenizing with %d worker process(es), one per CPU core (set workers to "
+                 "choose)", workers)
+    if workers < 1:
+        raise DataError(f"workers must be at least 1, got {workers}")
     out = Path(out_dir)
     _check_out_dir(out, overwrite)
-    docs = read_documents(input_path, text_field)
+    source = open_source(input_path, text_field, split=split, subset=subset)
     prefix, suffix = _special_ids(tokenizer)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    n_docs = n_tokens = n_seqs = 0
-    try:
-        bar = tqdm(desc=f"tokenizing {Path(input_path).name}", unit=" docs", disable=not progress)
-        start = time.perf_counter()
-        buffer: list[int] = []
-        with bar, MDSWriter(out=str(tmp), columns={COLUMN: "ndarray:int32"},
-                            compression=compression) as writer:
-            for batch in _batches(docs, BATCH_DOCS):
-                encoded = tokenizer(batch, add_special_tokens=False, verbose=False)["input_ids"]
-                for ids in encoded:
-                    buffer += prefix + ids + suffix
-                    n_tokens += len(prefix) + len(ids) + len(suffix)
-                n_full = len(buffer) // max_seq_len * max_seq_len
-                if n_full:
-                    seqs = np.asarray(buffer[:n_full], dtype=np.int32).reshape(-1, max_seq_len)
-                    for seq in seqs:
-                        writer.write({COLUMN: seq})
-                    n_seqs += len(seqs)
-                    buffer = buffer[n_full:]
-                n_docs += len(batch)
-                bar.update(len(batch))
-                bar.set_postfix(tokens_per_s=f"{n_tokens / (time.perf_counter() - start):,.0f}",
-                                refresh=False)
-        if n_docs == 0:
-            raise DataError(f"input {input_path} holds no documents (all empty?)")
-        if n_seqs == 0:
-            raise DataError(
-                f"input {input_path} gives only {n_tokens} tokens, fewer than one sequence of "
-                f"max_seq_len={max_seq_len}; add text or lower max_seq_len"
-            )
-        manifest = {
-            "format": "foundryx-mds-tokens/1",
-            "source": str(input_path),
-            "tokenizer": {
-                "name_or_path": tokenizer.name_or_path,
-                "vocab_size": len(tokenizer),
-                "vocab_sha256": vocab_hash(tokenizer),
-                "bos_token_id": tokenizer.bos_token_id,
-                "eos_token_id": tokenizer.eos_token_id,
-            },
-            "column": COLUMN,
-            "dtype": "int32",
-            "compression": compression,
-            "max_seq_len": max_seq_len,
-            "documents": n_docs,
-            "tokens": n_seqs * max_seq_len,
-            "tokens_dropped": n_tokens - n_seqs * max_seq_len,
-            "sequences": n_seqs,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    header = {"format": FORMAT, "source": source.fingerprint, "text_field": text_field,
+              "vocab_sha256": vocab_hash(tokenizer), "prefix": prefix, "suffix": suffix,
+              "max_seq_len": max_seq_len, "compression": compression,
+              "batch_chars": batch_chars, "chunk_chars": chunk_chars}
+    with Partial(out) as partial:
+        done = partial.start(header, resume)
+        try:
+            writer = _ChunkWriter(partial, max_seq_len, compression, done)
+            bar = tqdm(desc=f"tokenizing {Path(source.label).name}", total=source.total,
+                       unit=source.unit, unit_scale=True, disable=not progress)
+            start, n_tokens = time.perf_counter(), 0
+
+            def todo() -> Iterator[tuple[tuple[int, int, int], list[str]]]:
+                for tag, docs in _batches(source, batch_chars, chunk_chars):
+                    if tag[0] < len(done):
+                        bar.update(tag[2])  # finished before the interruption: skip
+                    else:
+                        yield tag, docs
+
+            with bar:
+                for (chunk, n_docs, units), tokens in tokenize_in_order(
+                    todo(), tokenizer, prefix, suffix, workers
+                ):
+                    n_tokens += writer.add(chunk, n_docs, tokens)
+                    bar.update(units)
+                    bar.set_postfix(tokens_per_s=f"{n_tokens / (time.perf_counter() - start):,.0f}",
+                                    refresh=False)
+                writer.close_chunk()
+                bar.total = bar.n  # the input's size counted blank lines and markup too
+                bar.refresh()
+            chunks = partial.chunks()
+            manifest = _manifest(source, tokenizer, max_seq_len, compression, chunks)
+        except DataError:
+            partial.discard()  # bad input: nothing worth resuming
+            raise
+        partial.finish(len(chunks), {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
         _check_out_dir(out, overwrite)  # another process may have written it meanwhile
-        _commit(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        _commit(partial.folder, out)
     return manifest
 
 
@@ -257,4 +284,3 @@ def read_manifest(folder: Path | str) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise DataError(f"{path}: unreadable manifest ({e}); re-run the conversion") from None
-

@@ -1,20 +1,38 @@
-"""The ``text`` dataloader: batches of token sequences from local MDS shards.
+"""The ``text`` dataloader: batches of token sequences from local MDS shards, one or mixed.
 
 Config section (``train_loader`` / ``eval_loader``)::
 
     name: text
     dataset:
-      local: data/quickstart/mds   # folder written by `foundryx data convert`
+      local: data/quickstart/mds   # folder written by `foundryx data convert` ...
       split: train                 # subfolder of local, or null
+      # ... or several datasets mixed (see foundryx.data.streams), instead of local:
+      # streams:
+      #   web:  {local: /data/web-mds, split: train, proportion: 0.7}
+      #   code: {local: /data/code-mds, split: train, proportion: 0.3}
+      # epoch_size: 100000         # samples per epoch (with proportions; default: all)
+      max_seq_len: 128             # <= the stored sequence length; longer ones are truncated
       shuffle: true                # default false
       shuffle_seed: 17             # default 0
-      max_seq_len: 128             # <= the stored sequence length; longer ones are truncated
+      shuffle_algo: py1e           # streaming's shuffle algorithm
+      num_canonical_nodes: 1       # default 1: the same order on any number of nodes and ranks
+      emit_sequence_id: false      # add sequence_id (per-document ids) to each batch
     drop_last: true                # default true
     num_workers: 0                 # default 0
 
 Batches are ``{"input_ids", "labels", "attention_mask"}``, each a ``LongTensor (B, S)``;
-``labels`` equals ``input_ids`` (the model shifts). Under ``torch.distributed`` each rank
-reads its own part of the samples (``StreamingDataset`` partitions by rank).
+``labels`` equals ``input_ids`` (the model shifts). With ``emit_sequence_id`` they also hold
+``sequence_id``: within each row, the documents are numbered 0, 1, 2, ... from the left; a
+document ends with (and includes) the tokenizer's eos token, so the id goes up by one right
+after each eos (without an eos token: a bos starts a new document). A row that starts in the
+middle of a document starts with id 0. The MPT model uses it (with
+``attn_config.attn_uses_sequence_id: true``) so packed documents do not attend to each other.
+
+Order: the global order of samples depends only on the data, ``shuffle_seed``,
+``shuffle_algo`` and ``num_canonical_nodes``, not on the number of ranks: rank r of n gets
+its share of every global batch. Resuming: Composer saves the dataset's position
+(``StreamingDataset.state_dict``) in each checkpoint, and a resumed run continues at the next
+unseen sample. Shared memory left by killed runs is freed at start (:mod:`foundryx.data.shm`).
 """
 
 from __future__ import annotations
@@ -24,74 +42,53 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from foundryx.data.convert import INDEX, read_manifest, vocab_hash
-from foundryx.errors import DataError, did_you_mean
+from foundryx.data import shm, streams
+from foundryx.data.convert import read_manifest, vocab_hash
+from foundryx.data.options import (
+    LOADER_DEFAULTS,
+    check,
+    is_int,
+    mds_folder_problems,
+    raise_problems,
+    section_problems,
+    shard_problems,
+)
+from foundryx.errors import DataError
 
 log = logging.getLogger(__name__)
 
-_LOADER_DEFAULTS: dict[str, Any] = {"drop_last": True, "num_workers": 0}
-_DATASET_DEFAULTS: dict[str, Any] = {"split": None, "shuffle": False, "shuffle_seed": 0}
-_FIX = (
-    "run `foundryx data convert --input ... --out <folder> ...`, or `make data` for the quickstart"
-)
+DEFAULT_CANONICAL_NODES = 1
+SHUFFLE_ALGOS = ("py1e", "py1br", "py1b", "py1s", "py2s", "naive")
+_DATASET_DEFAULTS: dict[str, Any] = {
+    "split": None, "shuffle": False, "shuffle_seed": 0, "shuffle_algo": "py1e",
+    "num_canonical_nodes": DEFAULT_CANONICAL_NODES, "epoch_size": None,
+    "emit_sequence_id": False,
+}
+_DATASET_KEYS = {"local", "streams", "max_seq_len", *_DATASET_DEFAULTS}
 
 
-def _key_problems(section: dict, allowed: set[str], prefix: str) -> list[str]:
-    return [
-        f"{prefix}{key}: unknown option of the text loader"
-        f"{did_you_mean(key, allowed) or '; accepts: ' + ', '.join(sorted(allowed))}"
-        for key in section
-        if key not in allowed
-    ]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _type_problems(cfg: dict, ds: dict) -> list[str]:
-    """Type problems of ``cfg`` and its ``dataset`` (both with defaults filled in)."""
-    checks = [
+def _type_problems(ds: dict) -> list[str]:
+    """Type problems of the ``dataset`` section (with defaults filled in)."""
+    ncn, epoch = ds["num_canonical_nodes"], ds["epoch_size"]
+    problems = check([
         ("dataset.shuffle", ds["shuffle"], isinstance(ds["shuffle"], bool), "true or false"),
-        ("dataset.shuffle_seed", ds["shuffle_seed"], _is_int(ds["shuffle_seed"]), "an integer"),
+        ("dataset.shuffle_seed", ds["shuffle_seed"], is_int(ds["shuffle_seed"]), "an integer"),
         ("dataset.split", ds["split"], ds["split"] is None or isinstance(ds["split"], str),
          "a subfolder name or null"),
-        ("drop_last", cfg["drop_last"], isinstance(cfg["drop_last"], bool), "true or false"),
-        ("num_workers", cfg["num_workers"], _is_int(cfg["num_workers"]) and cfg["num_workers"] >= 0,
-         "an integer >= 0"),
-    ]
-    problems = [f"{path}: expected {want}, got {value!r}" for path, value, ok, want in checks
-                if not ok]
+        ("dataset.shuffle_algo", ds["shuffle_algo"], ds["shuffle_algo"] in SHUFFLE_ALGOS,
+         f"one of {', '.join(SHUFFLE_ALGOS)}"),
+        ("dataset.num_canonical_nodes", ncn, is_int(ncn) and ncn > 0, "a positive integer"),
+        ("dataset.epoch_size", epoch, epoch is None or is_int(epoch) and epoch > 0,
+         "a positive integer or null"),
+        ("dataset.emit_sequence_id", ds["emit_sequence_id"],
+         isinstance(ds["emit_sequence_id"], bool), "true or false"),
+    ])
     max_seq_len = ds.get("max_seq_len")
     if max_seq_len is None:
         problems.append("dataset.max_seq_len: missing; the number of tokens per sample")
-    elif not _is_int(max_seq_len) or max_seq_len < 1:
+    elif not is_int(max_seq_len) or max_seq_len < 1:
         problems.append(f"dataset.max_seq_len: expected a positive integer, got {max_seq_len!r}")
     return problems
-
-
-def _folder_problems(ds: dict) -> list[str]:
-    local, split = ds.get("local"), ds.get("split")
-    if not isinstance(local, str) or not local:
-        return [f"dataset.local: expected the folder of MDS shards, got {local!r}; {_FIX}"]
-    root = Path(local).expanduser()
-    folder = root / split if isinstance(split, str) and split else root
-    key = "dataset.split" if folder != root else "dataset.local"
-    if not root.is_dir():
-        return [f"dataset.local: folder {root} does not exist; {_FIX}"]
-    if not folder.is_dir():
-        splits = sorted(p.name for p in root.iterdir() if p.is_dir())
-        return [f"dataset.split: folder {folder} does not exist (subfolders of {root}: "
-                f"{', '.join(splits) or 'none'}); {_FIX}"]
-    if not (folder / INDEX).is_file():
-        return [f"{key}: {folder} has no {INDEX}, so it is not an MDS dataset; {_FIX}"]
-    manifest = read_manifest(folder)
-    max_seq_len = ds.get("max_seq_len")
-    if manifest and _is_int(max_seq_len) and max_seq_len > manifest["max_seq_len"]:
-        return [f"dataset.max_seq_len: {max_seq_len} is longer than the sequences stored in "
-                f"{folder} ({manifest['max_seq_len']} tokens); lower it, or re-convert with "
-                f"--max-seq-len {max_seq_len}"]
-    return []
 
 
 def validate_text_loader_cfg(cfg: dict[str, Any]) -> list[str]:
@@ -99,30 +96,38 @@ def validate_text_loader_cfg(cfg: dict[str, Any]) -> list[str]:
     ds = cfg.get("dataset")
     if not isinstance(ds, dict):
         return [f"dataset: expected {{local: <folder>, split: ..., max_seq_len: ...}}, got {ds!r}"]
-    problems = _key_problems(cfg, {"name", "dataset", *_LOADER_DEFAULTS}, "")
-    problems += _key_problems(ds, {"local", "max_seq_len", *_DATASET_DEFAULTS}, "dataset.")
-    problems += _type_problems({**_LOADER_DEFAULTS, **cfg}, {**_DATASET_DEFAULTS, **ds})
-    return problems + _folder_problems(ds)
+    problems = section_problems(cfg, _DATASET_KEYS, "text")
+    problems += _type_problems({**_DATASET_DEFAULTS, **ds})
+    if ds.get("streams") is not None:
+        return problems + streams.streams_problems(ds)
+    return problems + mds_folder_problems(ds.get("local"), ds.get("split"), "dataset.",
+                                          ds.get("max_seq_len"))
 
 
-@functools.cache
-def _clean_stale_shared_memory() -> None:
-    """Free shared memory leaked by crashed runs, once per process (later calls would free the
-    memory of this process's own live datasets)."""
-    try:
-        from streaming.base.util import clean_stale_shared_memory
-    except ImportError:
-        log.info("this mosaicml-streaming has no clean_stale_shared_memory; not cleaning up")
-        return
-    clean_stale_shared_memory()
+def document_ids(ids: Any, eos_id: int | None, bos_id: int | None) -> Any:
+    """Per-token document ids of a (batch, seq) tensor; see the module docstring."""
+    import torch
+
+    if eos_id is not None:
+        ends = (ids == eos_id).long()
+        return torch.cumsum(ends, dim=1) - ends
+    if bos_id is None:
+        return torch.zeros_like(ids)
+    starts = (ids == bos_id).long()
+    starts[:, 0] = 0
+    return torch.cumsum(starts, dim=1)
 
 
-def _collate(samples: list[dict[str, Any]], max_seq_len: int) -> dict[str, Any]:
+def _collate(samples: list[dict[str, Any]], max_seq_len: int,
+             separators: tuple[int | None, int | None] | None) -> dict[str, Any]:
     import numpy as np
     import torch
 
     ids = torch.from_numpy(np.stack([s["tokens"][:max_seq_len] for s in samples]).astype(np.int64))
-    return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    if separators is not None:
+        batch["sequence_id"] = document_ids(ids, *separators)
+    return batch
 
 
 def _num_tokens(batch: dict[str, Any]) -> int:
@@ -142,40 +147,59 @@ def _check_tokenizer(manifest: dict[str, Any] | None, tokenizer: Any, folder: Pa
         )
 
 
+def _stored_len(dataset: Any, ds: dict[str, Any], folders: dict[str, Path]) -> None:
+    """Refuse a max_seq_len longer than what a stream stores (datasets without a manifest)."""
+    for name, folder, offset in zip(folders, folders.values(), dataset.sample_offset_per_stream):
+        stored = len(dataset.get_item(int(offset))["tokens"])
+        if ds["max_seq_len"] > stored:
+            raise DataError(
+                f"dataset.max_seq_len: {ds['max_seq_len']} is longer than the sequences stored "
+                f"in {folder} ({stored} tokens); lower it, or re-convert with --max-seq-len "
+                f"{ds['max_seq_len']}" + (f" (stream {name!r})" if ds.get("streams") else "")
+            )
+
+
 def build_text_dataloader(cfg: dict[str, Any], tokenizer: Any, device_batch_size: int):
     """A ``composer.core.DataSpec`` over the MDS shards named by ``cfg`` (see module doc)."""
     from composer.core import DataSpec
     from streaming import StreamingDataset
     from torch.utils.data import DataLoader
 
-    problems = validate_text_loader_cfg(cfg)
-    if problems:
-        raise DataError("text dataloader:\n" + "\n".join(f"  - {p}" for p in problems))
-    cfg = {**_LOADER_DEFAULTS, **cfg}
+    raise_problems("text", validate_text_loader_cfg(cfg))
+    cfg = {**LOADER_DEFAULTS, **cfg}
     ds = {**_DATASET_DEFAULTS, **cfg["dataset"]}
-    folder = Path(ds["local"]).expanduser() / (ds["split"] or "")
-    _check_tokenizer(read_manifest(folder), tokenizer, folder)
+    folders = streams.folders(ds)
+    for folder in folders.values():
+        bad = shard_problems(folder)
+        if bad:
+            raise DataError(f"{len(bad)} bad shard(s) in {folder}: " + "; ".join(bad[:3]))
+        _check_tokenizer(read_manifest(folder), tokenizer, folder)
 
-    _clean_stale_shared_memory()
+    shm.clean_once()
+    source = ({"streams": streams.build_streams(ds)} if ds.get("streams") else
+              {"local": str(Path(ds["local"]).expanduser()), "split": ds["split"]})
     dataset = StreamingDataset(
-        local=str(Path(ds["local"]).expanduser()),
+        **source,
         remote=None,
-        split=ds["split"],
         shuffle=ds["shuffle"],
         shuffle_seed=ds["shuffle_seed"],
+        shuffle_algo=ds["shuffle_algo"],
+        num_canonical_nodes=ds["num_canonical_nodes"],
+        epoch_size=ds["epoch_size"],
         batch_size=device_batch_size,
     )
-    stored = len(dataset[0]["tokens"])
-    if ds["max_seq_len"] > stored:  # datasets without a manifest are only checked here
-        raise DataError(
-            f"dataset.max_seq_len: {ds['max_seq_len']} is longer than the sequences stored in "
-            f"{folder} ({stored} tokens); lower it, or re-convert with --max-seq-len "
-            f"{ds['max_seq_len']}"
-        )
+    shm.hold(dataset)
+    _stored_len(dataset, ds, folders)
+    if ds.get("streams"):
+        log.info("data mix (%d samples per epoch, shuffle_seed %d):\n%s", dataset.epoch_size,
+                 ds["shuffle_seed"], streams.mix_table(dataset, list(folders)))
+    separators = (tokenizer.eos_token_id, tokenizer.bos_token_id) if ds["emit_sequence_id"] \
+        else None
     loader = DataLoader(
         dataset,
         batch_size=device_batch_size,
-        collate_fn=functools.partial(_collate, max_seq_len=ds["max_seq_len"]),
+        collate_fn=functools.partial(_collate, max_seq_len=ds["max_seq_len"],
+                                     separators=separators),
         drop_last=cfg["drop_last"],
         num_workers=cfg["num_workers"],
     )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from foundryx import registry
@@ -108,6 +108,18 @@ class MPTPreTrainedModel(PreTrainedModel):
     config_class = MPTConfig
     base_model_prefix = "transformer"
     _no_split_modules = ["MPTBlock"]
+
+    # Policy hooks read from outside (foundryx.parallel, Composer): blocks are the FSDP2 and
+    # compile units and the activation-checkpointing targets; param_init_fn initialises the
+    # parameters one module owns after a meta-device model is sharded and allocated.
+    def fsdp_wrap_fn(self, module: nn.Module) -> bool:
+        return isinstance(module, MPTBlock)
+
+    def activation_checkpointing_fn(self, module: nn.Module) -> bool:
+        return isinstance(module, MPTBlock)
+
+    def param_init_fn(self, module: nn.Module) -> None:
+        self._init_weights(module)
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter by ``init_config``; works after ``to_empty``."""
@@ -302,3 +314,9 @@ def param_count(cfg: Mapping[str, Any]) -> int:
     with torch.device("meta"):
         model = MPTForCausalLM(MPTConfig(**{**cfg, "init_device": "meta"}))
     return sum(p.numel() for p in model.parameters())
+
+
+# With this module imported, plain `AutoConfig` / `AutoModelForCausalLM.from_pretrained` load
+# folders of model_type "foundryx_mpt" (exported MPT models; see docs/hf.md).
+AutoConfig.register(MPTConfig.model_type, MPTConfig, exist_ok=True)
+AutoModelForCausalLM.register(MPTConfig, MPTForCausalLM, exist_ok=True)

@@ -1,0 +1,1 @@
+"""Built-in Composer callbacks, registered in ``foundryx.registry.callbacks`` by entry points."""

@@ -1,0 +1,158 @@
+"""``Checkpointer``: the Composer callback that resumes, saves and prunes foundryx checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from composer.core import Callback, Event, State
+from composer.loggers import Logger
+from composer.utils import create_interval_scheduler, dist
+
+from foundryx.checkpoint import load as loader
+from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
+from foundryx.checkpoint.save import save
+from foundryx.checkpoint.trainer_state import set_rng_state
+from foundryx.checkpoint.weights import load_model_weights
+from foundryx.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer(Callback):
+    """Sharded checkpoints in ``save_folder`` every ``save_interval`` and at the end of training.
+
+    Before training (Composer's ``AFTER_LOAD``): with ``autoresume``, continue from the newest
+    intact checkpoint in ``save_folder`` (falling back past corrupt ones); otherwise load
+    ``load_path`` if given (a foundryx checkpoint, or a weights file, which rank 0 reads and
+    broadcasts). A ``save_folder`` that already holds checkpoints needs ``autoresume`` or
+    ``overwrite``; with ``overwrite`` they are deleted when this run commits its first one.
+    """
+
+    def __init__(
+        self,
+        save_folder: str | None,
+        save_interval: str = "1000ba",
+        keep: int = -1,
+        overwrite: bool = False,
+        autoresume: bool = False,
+        load_path: str | None = None,
+        load_weights_only: bool = False,
+        run_name: str | None = None,
+    ):
+        self.save_folder = Path(save_folder) if save_folder else None
+        self.should_save = create_interval_scheduler(save_interval)
+        self.keep, self.overwrite, self.autoresume = keep, overwrite, autoresume
+        self.load_path, self.load_weights_only, self.run_name = load_path, load_weights_only, run_name
+        self.replace: set[str] = set()
+        self.loaded: Path | None = None
+        self._rng: dict[str, Any] | None = None
+        self._last_saved = -1
+
+    # -- before training ----------------------------------------------------------------
+    def after_load(self, state: State, logger: Logger) -> None:
+        if self.save_folder is not None:
+            self._tidy(self.save_folder)
+            if self.autoresume:
+                found = loader.newest_intact(self.save_folder)
+                if found is not None:
+                    self._rng = loader.load(state, found)
+                    self.loaded, self._last_saved = found, int(state.timestamp.batch)
+                    return
+                log.info("autoresume: no checkpoint in %s yet; starting from the beginning",
+                         self.save_folder)
+            else:
+                self._check_reuse(self.save_folder)
+        if self.load_path:
+            self._load_path(state, self.load_path)
+
+    def _tidy(self, root: Path) -> None:
+        """Remove temp folders of saves that never committed (rank 0)."""
+        stale = dist.all_gather_object([str(p) for p in unfinished_saves(root)])[0]
+        if dist.get_global_rank() == 0 and stale:
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+            log.info("removed %d unfinished save(s) in %s: %s", len(stale), root,
+                     ", ".join(Path(p).name for p in stale))
+        dist.barrier()
+
+    def _check_reuse(self, root: Path) -> None:
+        existing = [p.name for p, _ in complete_checkpoints(root)]
+        if not existing:
+            return
+        if not self.overwrite:
+            raise CheckpointError(
+                f"save_folder {root} already holds checkpoints ({', '.join(sorted(existing))}); "
+                "set autoresume: true to continue from them, save_overwrite: true to replace "
+                "them, or choose another save_folder"
+            )
+        self.replace = set(existing)
+        log.info("save_overwrite: the %d checkpoint(s) already in %s are deleted when this run "
+                 "saves its first one", len(existing), root)
+
+    def _load_path(self, state: State, path: str) -> None:
+        p = Path(path)
+        if p.is_file() and p.name != "manifest.json":
+            self._load_weights_file(state, p)
+            return
+        folder = loader.verified(resolve_checkpoint(p))
+        self._rng = loader.load(state, folder, weights_only=self.load_weights_only)
+        self.loaded = folder
+
+    def _load_weights_file(self, state: State, path: Path) -> None:
+        """Rank 0 reads a weights file once; every rank receives its part of it."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            set_model_state_dict,
+        )
+
+        full = load_model_weights(path) if dist.get_global_rank() == 0 else {}
+        if full:
+            full = _match_keys(full, set(get_model_state_dict(state.model)), path)
+        distributed = dist.get_world_size() > 1
+        try:
+            set_model_state_dict(state.model, full, options=StateDictOptions(
+                full_state_dict=True, broadcast_from_rank0=distributed))
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}: does not fit the model ({str(e).strip()[:300]})") from None
+        log.info("loaded model weights from %s%s", path,
+                 " (read on rank 0, broadcast)" if distributed else "")
+        self.loaded = path
+
+    # -- during training ----------------------------------------------------------------
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self._rng is not None:  # here, after the dataloader has (re)started, as when saved
+            set_rng_state(self._rng)
+            self._rng = None
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._maybe_save(state, Event.BATCH_CHECKPOINT)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._maybe_save(state, Event.EPOCH_CHECKPOINT)
+
+    def _maybe_save(self, state: State, event: Event) -> None:
+        if self.save_folder is None or not self.should_save(state, event):
+            return
+        if int(state.timestamp.batch) == self._last_saved:
+            return
+        save(state, self.save_folder, run_name=self.run_name, keep=self.keep, replace=self.replace)
+        self.replace = set()
+        self._last_saved = int(state.timestamp.batch)
+
+
+def _match_keys(weights: dict[str, Any], expected: set[str], path: Path) -> dict[str, Any]:
+    """``weights`` keyed like the model; a bare Hugging Face state dict gets the wrapper's
+    ``model.`` prefix. CheckpointError naming the file when the keys still differ."""
+    if not set(weights) <= expected and {f"model.{k}" for k in weights} <= expected:
+        weights = {f"model.{k}": v for k, v in weights.items()}
+    missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or extra:
+        raise CheckpointError(
+            f"{path}: its tensors do not match the model (missing: {missing[:3]}, "
+            f"unexpected: {extra[:3]}); load weights saved from this model"
+        )
+    return weights

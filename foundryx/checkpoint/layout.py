@@ -1,0 +1,167 @@
+"""The on-disk layout of foundryx checkpoints, the manifest, and finding complete checkpoints.
+
+::
+
+    save_folder/
+      ep0-ba8/                  a committed checkpoint (renamed into place when complete)
+        manifest.json           written last: format, timestamp, world size, model signature,
+                                size and sha256 of every other file
+        trainer_state.json      timestamp, schedulers, dataset position, grad scaler
+        rng/rank0.json ...      each rank's RNG states
+        dcp/.metadata           torch.distributed.checkpoint: model + optimizer, sharded
+        dcp/__0_0.distcp ...
+      latest -> ep0-ba8         convenience link; discovery never relies on it
+      .tmp-ep0-ba12/            a save in progress (or one killed half-way): never loaded
+
+A checkpoint is complete when its folder has the final name and holds ``manifest.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from foundryx.errors import CheckpointError
+
+FORMAT = "foundryx-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+DCP_DIR = "dcp"
+RNG_DIR = "rng"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"
+CORRUPT_SUFFIX = ".corrupt"
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint holds; ``files`` maps relative paths to size and sha256."""
+
+    batch: int
+    epoch: int
+    world_size: int
+    run_name: str | None
+    model_class: str
+    model_signature: str
+    num_params: int
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = VERSION
+
+    def write(self, folder: Path) -> None:
+        """Write ``manifest.json`` atomically (temp file, fsync, rename)."""
+        write_json_atomic(folder / MANIFEST, asdict(self))
+
+    @classmethod
+    def read(cls, folder: Path) -> Manifest:
+        path = Path(folder) / MANIFEST
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path}: missing; {folder} is not a complete foundryx checkpoint "
+                "(a save that was interrupted, or another format)"
+            )
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: unreadable manifest ({e}); the checkpoint is corrupt") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise CheckpointError(f"{path}: not a foundryx checkpoint manifest")
+        if data.get("version") != VERSION:
+            raise CheckpointError(
+                f"{path}: manifest version {data.get('version')!r}; this foundryx reads version {VERSION}"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as e:
+            raise CheckpointError(f"{path}: incomplete manifest ({e})") from None
+
+
+def checkpoint_name(epoch: int, batch: int) -> str:
+    return f"ep{epoch}-ba{batch}"
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` through a temporary file and an atomic rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_checkpoint(folder: Path) -> bool:
+    """True for a folder that holds a manifest (complete, though not yet verified)."""
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def complete_checkpoints(save_folder: str | Path) -> list[tuple[Path, Manifest | None]]:
+    """Committed checkpoints in ``save_folder``, newest first (by batch, then epoch).
+
+    An entry whose manifest cannot be read comes first, with ``None``, so the caller reports
+    it; temp folders of unfinished saves and folders set aside as corrupt are skipped.
+    """
+    root = Path(save_folder)
+    if not root.is_dir():
+        return []
+    found: list[tuple[tuple[int, int], Path, Manifest | None]] = []
+    for child in root.iterdir():
+        if (child.name.startswith(TMP_PREFIX) or child.name == LATEST or child.is_symlink()
+                or CORRUPT_SUFFIX in child.name or not is_checkpoint(child)):
+            continue
+        try:
+            m = Manifest.read(child)
+            found.append(((m.batch, m.epoch), child, m))
+        except CheckpointError:
+            found.append(((sys.maxsize, 0), child, None))  # unreadable: check it first
+    found.sort(key=lambda t: (t[0], t[1].name), reverse=True)
+    return [(p, m) for _, p, m in found]
+
+
+def unfinished_saves(save_folder: str | Path) -> list[Path]:
+    """Temp folders left by saves that never committed (a crash or kill during a save)."""
+    root = Path(save_folder)
+    return sorted(p for p in root.glob(TMP_PREFIX + "*") if p.is_dir()) if root.is_dir() else []
+
+
+def point_latest(save_folder: Path, name: str) -> None:
+    """Atomically repoint ``save_folder/latest`` at ``name``."""
+    link = save_folder / LATEST
+    tmp = save_folder / (LATEST + ".tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(name, tmp)
+    os.replace(tmp, link)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder from a checkpoint folder, its manifest, or a save_folder (newest)."""
+    p = Path(path)
+    if p.is_file() and p.name == MANIFEST:
+        return p.parent
+    if is_checkpoint(p):
+        return p
+    if p.is_dir():
+        done = complete_checkpoints(p)
+        if done:
+            return done[0][0]
+        raise CheckpointError(
+            f"{p}: no complete checkpoint here (no folder with a {MANIFEST}); "
+            "give a checkpoint folder or a save_folder that has one"
+        )
+    raise CheckpointError(f"{p}: no such checkpoint folder or file")

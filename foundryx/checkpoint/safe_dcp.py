@@ -1,0 +1,103 @@
+"""Reading torch.distributed.checkpoint (DCP) folders without executing pickled code.
+
+DCP stores its ``.metadata`` with plain ``pickle`` and loads non-tensor items with
+``torch.load(weights_only=False)``. Here the metadata goes through an unpickler that only
+builds DCP's own metadata classes, torch sizes/dtypes/layouts and paths, and non-tensor items
+go through ``torch.load(weights_only=True)``. A pickle that names anything else is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, Metadata
+
+from foundryx.errors import CheckpointError
+
+_DCP_MODULES = ("torch.distributed.checkpoint.",)
+_PATH_CLASSES = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only DCP metadata classes and plain torch value types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:
+            if module.startswith(_DCP_MODULES):
+                obj = getattr(__import__(module, fromlist=[name]), name, None)
+                if isinstance(obj, type) and obj.__module__ == module:
+                    return obj
+            if module == "torch":
+                obj = getattr(torch, name, None)
+                if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                    return obj
+            if module == "torch.serialization" and name == "_get_layout":
+                return _layout_by_name
+            if module == "pathlib" and name in _PATH_CLASSES:
+                return getattr(pathlib, name)
+            if module == "collections" and name == "OrderedDict":
+                from collections import OrderedDict
+
+                return OrderedDict
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def _layout_by_name(name: str) -> torch.layout:
+    layout = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(layout, torch.layout):
+        raise pickle.UnpicklingError(f"unknown tensor layout {name!r}")
+    return layout
+
+
+def read_metadata(dcp_dir: str | Path) -> Metadata:
+    """The DCP metadata of ``dcp_dir``, unpickled safely; CheckpointError naming the file."""
+    path = Path(dcp_dir) / ".metadata"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any malformed pickle: truncated, wrong content, refused global
+        raise CheckpointError(f"{path}: not valid checkpoint metadata ({e})") from None
+    if not isinstance(meta, Metadata):
+        raise CheckpointError(f"{path}: not valid checkpoint metadata (holds {type(meta).__name__})")
+    return meta
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose metadata is unpickled with an allow-list."""
+
+    def read_metadata(self) -> Metadata:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        meta = read_metadata(self.path)
+        if getattr(meta, "storage_meta", None) is None:
+            meta.storage_meta = StorageMeta()
+        meta.storage_meta.load_id = self.load_id
+        return meta
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that reads non-tensor items with ``torch.load(weights_only=True)``.
+
+    The item is decoded safely first; the parent then stores a re-serialised copy that holds
+    only the plain types that decoding allowed.
+    """
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint item {read_item.dest_index.fqn!r}: refused to load ({e})"
+            ) from None
+        clean = io.BytesIO()
+        torch.save(obj, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)

@@ -1,0 +1,134 @@
+"""Saving a sharded checkpoint and committing it atomically (every rank calls ``save``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from composer.utils import dist
+
+from foundryx.checkpoint import trainer_state
+from foundryx.checkpoint.layout import (
+    DCP_DIR,
+    MANIFEST,
+    RNG_DIR,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    Manifest,
+    checkpoint_name,
+    complete_checkpoints,
+    fsync_dir,
+    point_latest,
+    write_json_atomic,
+)
+from foundryx.checkpoint.verify import file_digest, signature
+
+log = logging.getLogger(__name__)
+
+
+def model_and_optim_state(model: torch.nn.Module, optimizers: Any) -> tuple[dict, dict]:
+    """Sharded (DTensor under FSDP) model and optimizer state dicts, keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(model, list(optimizers or []))
+
+
+def tensor_shapes(state_dict: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (global shape, dtype)}`` of the tensors of a (possibly sharded) state dict."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+
+
+def save(
+    state: Any,
+    save_folder: str | Path,
+    *,
+    run_name: str | None,
+    keep: int = -1,
+    replace: set[str] | None = None,
+) -> Path:
+    """Write the checkpoint of ``state`` under ``save_folder`` and commit it; return its folder.
+
+    Files go to ``.tmp-<name>/``; after every rank has written its shards and every file is
+    hashed, rank 0 writes ``manifest.json`` and renames the folder into place, repoints
+    ``latest`` and keeps the newest ``keep`` checkpoints (-1: all). Names in ``replace`` are
+    checkpoints that may be deleted regardless of ``keep`` (an overwritten earlier run).
+    """
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    root = Path(save_folder)
+    ts = state.timestamp
+    name = checkpoint_name(int(ts.epoch), int(ts.batch))
+    tmp, final = root / (TMP_PREFIX + name), root / name
+    rank, world = dist.get_global_rank(), dist.get_world_size()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # an earlier attempt at this very save that did not finish
+        (tmp / RNG_DIR).mkdir(parents=True)
+    dist.barrier()
+
+    model_sd, optim_sd = model_and_optim_state(state.model, state.optimizers)
+    dcp_save({"model": model_sd, "optim": optim_sd},
+             storage_writer=FileSystemWriter(str(tmp / DCP_DIR)))
+    write_json_atomic(tmp / RNG_DIR / f"rank{rank}.json", trainer_state.rng_state())
+    if rank == 0:
+        write_json_atomic(tmp / TRAINER_STATE, trainer_state.capture(state))
+    dist.barrier()
+
+    files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    mine = {rel: file_digest(tmp / rel) for rel in files[rank::world]}
+    digests: dict[str, Any] = {}
+    for part in dist.all_gather_object(mine):
+        digests.update(part)
+    if rank == 0:
+        shapes = tensor_shapes(model_sd)
+        Manifest(
+            batch=int(ts.batch), epoch=int(ts.epoch), world_size=world, run_name=run_name,
+            model_class=type(state.model).__name__, model_signature=signature(shapes),
+            num_params=sum(_numel(s) for s, _ in shapes.values()), files=digests,
+        ).write(tmp)
+        _commit(root, tmp, final)
+        _prune(root, keep, keep_names={name}, replace=replace or set())
+        log.info("checkpoint saved: %s (%d files, %d ranks)", final, len(files) + 1, world)
+    dist.barrier()
+    return final
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _commit(root: Path, tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced."""
+    assert (tmp / MANIFEST).is_file()
+    old = None
+    if final.exists():
+        old = root / (TMP_PREFIX + "old-" + final.name)
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    point_latest(root, final.name)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _prune(root: Path, keep: int, keep_names: set[str], replace: set[str]) -> None:
+    """Delete complete checkpoints beyond the newest ``keep`` and those named in ``replace``."""
+    done = [p for p, _ in complete_checkpoints(root)]
+    doomed = [p for p in done if p.name in replace and p.name not in keep_names]
+    if keep >= 0:
+        kept = [p for p in done if p not in doomed]
+        doomed += [p for p in kept[keep:] if p.name not in keep_names]
+    for p in doomed:
+        shutil.rmtree(p)
+        why = "save_overwrite" if p.name in replace else f"save_num_checkpoints_to_keep={keep}"
+        log.info("checkpoint removed: %s (%s)", p, why)

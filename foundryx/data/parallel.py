@@ -1,0 +1,121 @@
+"""Tokenize batches of documents in worker processes, results in input order.
+
+Each worker (and the main process when ``workers == 1``) tokenizes with one thread
+(``TOKENIZERS_PARALLELISM=false``), so ``workers`` is the number of cores used and the output
+does not depend on it: batches come back in the order they went in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import sys
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+_PARALLELISM = "TOKENIZERS_PARALLELISM"
+_state: dict[str, Any] = {}  # this process's tokenizer, prefix and suffix
+
+
+def _init(tokenizer: Any, prefix: list[int], suffix: list[int]) -> None:
+    _state.update(tokenizer=tokenizer, prefix=prefix, suffix=suffix)
+
+
+def _init_worker(tokenizer: Any, prefix: list[int], suffix: list[int]) -> None:
+    os.environ[_PARALLELISM] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the pool
+    if sys.platform == "linux":  # exit with the parent, even when it is killed (kill -9)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _init(tokenizer, prefix, suffix)
+
+
+def encoder(tokenizer: Any) -> Any:
+    """What tokenizes in the workers: a fast tokenizer's Rust backend (quick to send to a
+    spawned worker, which then needs no transformers import), without truncation or padding,
+    as a Hugging Face call with ``add_special_tokens=False`` uses it; else ``tokenizer``."""
+    if not getattr(tokenizer, "is_fast", False):
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def tokenize_batch(docs: list[str]) -> np.ndarray:
+    """The token stream of ``docs``: ``prefix + ids + suffix`` per document, as int32."""
+    tok, prefix, suffix = _state["tokenizer"], _state["prefix"], _state["suffix"]
+    if hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
+        encoded = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
+    else:
+        encoded = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    out: list[int] = []
+    for ids in encoded:
+        out += prefix
+        out += ids
+        out += suffix
+    return np.asarray(out, dtype=np.int32)
+
+
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    old = os.environ.get(_PARALLELISM)
+    os.environ[_PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_PARALLELISM, None)
+        else:
+            os.environ[_PARALLELISM] = old
+
+
+def tokenize_in_order(
+    batches: Iterable[tuple[Any, list[str]]],
+    tokenizer: Any,
+    prefix: list[int],
+    suffix: list[int],
+    workers: int = 1,
+) -> Iterator[tuple[Any, np.ndarray]]:
+    """``(tag, token stream)`` for each ``(tag, docs)`` of ``batches``, in order.
+
+    With ``workers > 1`` at most ``2 * workers`` batches are in flight, so memory stays
+    bounded however large the input.
+    """
+    tokenizer = encoder(tokenizer)
+    batches = iter(batches)
+    first = list(itertools.islice(batches, 2))
+    batches = itertools.chain(first, batches)
+    if workers <= 1 or len(first) < 2:  # one batch: a pool would be pure overhead
+        _init(tokenizer, prefix, suffix)
+        with _single_threaded():
+            for tag, docs in batches:
+                yield tag, tokenize_batch(docs)
+        return
+    # spawn, not fork: forking a process that runs threads (torch, tokenizers, loggers) can
+    # copy a held lock into the child and hang the pool.
+    ctx = mp.get_context("spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, prefix, suffix))
+    try:
+        pending: deque = deque()
+        for tag, docs in batches:
+            pending.append((tag, pool.apply_async(tokenize_batch, (docs,))))
+            if len(pending) >= 2 * workers:
+                tag0, result = pending.popleft()
+                yield tag0, result.get()
+        while pending:
+            tag0, result = pending.popleft()
+            yield tag0, result.get()
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()

@@ -1,0 +1,101 @@
+"""Free the shared memory that killed foundryx runs left behind, and only that.
+
+``StreamingDataset`` keeps its state in POSIX shared memory named ``<prefix>_<name>``
+(``/dev/shm/000003_locals``, ...), with a new prefix for each dataset instance, so two runs
+on the same data never share it. A run killed together with Python's resource tracker
+(``kill -9`` of a job, the OOM killer) leaves these segments behind. streaming's own
+``clean_stale_shared_memory`` unlinks *every* prefix, including those of other live runs on
+the machine, which breaks them; and which process owns a segment cannot be read from
+``/proc`` either, since every later ``StreamingDataset`` maps the segments of the prefixes
+it skips.
+
+So each foundryx process that builds a dataset holds a shared ``flock`` on
+``<tmp>/foundryx_shm_<prefix>.lock`` for as long as it lives (the kernel releases it when the
+process dies, however it dies) and removes the file at a normal exit. A prefix is stale when
+its lock file exists but nobody holds the lock: then its segments, streaming's lock files and
+the lock file are removed. Prefixes without a foundryx lock file (other programs' datasets)
+are never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_LOCK_GLOB = "foundryx_shm_*.lock"
+_held: dict[int, int] = {}  # prefix → fd of the lock this process holds
+
+
+def lock_path(prefix: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"foundryx_shm_{prefix:06d}.lock"
+
+
+def hold(dataset: Any) -> None:
+    """Mark the shared memory of ``dataset`` (a StreamingDataset) as used by this process."""
+    import fcntl
+
+    prefix = int(dataset._shm_prefix_int)
+    if prefix in _held:
+        return
+    path = lock_path(prefix)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a cleanup is checking this prefix
+    _held[prefix] = fd
+    atexit.register(path.unlink, missing_ok=True)
+
+
+def _unlink_segments(prefix: str) -> None:
+    from multiprocessing import shared_memory
+
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, SHM_TO_CLEAN
+
+    posixshmem = getattr(shared_memory, "_posixshmem", None)
+    for name in SHM_TO_CLEAN:
+        try:
+            if posixshmem is not None:
+                posixshmem.shm_unlink(f"/{prefix}_{name}")
+        except FileNotFoundError:
+            pass
+    for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
+        (Path(tempfile.gettempdir()) / f"{prefix}_{name}").unlink(missing_ok=True)
+
+
+def clean_stale_shared_memory() -> list[str]:
+    """Remove the shared memory of dead foundryx datasets; return the freed prefixes."""
+    import fcntl
+
+    freed = []
+    for path in sorted(Path(tempfile.gettempdir()).glob(_LOCK_GLOB)):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live process holds it
+            os.close(fd)
+            continue
+        try:
+            prefix = path.stem.rsplit("_", 1)[-1]
+            _unlink_segments(prefix)
+            path.unlink(missing_ok=True)
+            freed.append(prefix)
+        finally:
+            os.close(fd)
+    if freed:
+        log.info("freed the shared memory of %d killed streaming dataset(s) (prefixes %s)",
+                 len(freed), ", ".join(freed))
+    return freed
+
+
+@functools.cache
+def clean_once() -> None:
+    """:func:`clean_stale_shared_memory`, at most once per process."""
+    clean_stale_shared_memory()

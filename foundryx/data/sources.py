@@ -1,0 +1,257 @@
+"""Input readers: text documents for conversion, example records for fine-tuning.
+
+An input is named by a string:
+
+* a ``.txt`` file: documents are separated by blank lines (each block of non-blank lines is
+  one document, its lines joined by ``\\n``);
+* a ``.jsonl`` file: one JSON object per line, the document in a text field;
+* a ``.parquet`` file, or a folder of ``*.parquet`` files (sorted by path): a text column;
+* a Hugging Face dataset saved with ``save_to_disk`` (a folder with ``state.json``, or with
+  ``dataset_dict.json`` and then a ``split``): a text column;
+* a Hugging Face hub dataset ``hf://owner/name`` (with ``split`` and optionally ``subset``);
+  offline (``HF_HUB_OFFLINE=1``) only what is in the local cache loads;
+* any other folder: every ``*.txt`` file below it (sorted by path) is one document;
+* an MDS folder (``index.json``): records for fine-tuning only.
+
+Errors name the file and line (or row index) and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from foundryx.errors import DataError
+
+HUB_PREFIX = "hf://"
+_KINDS = "a .txt, .jsonl or .parquet file, a folder, a save_to_disk folder or hf://owner/name"
+
+
+@dataclass
+class Source:
+    """Where documents come from, and how far along a read is (for progress bars)."""
+
+    label: str
+    kind: str  # txt, folder, jsonl, parquet, hf
+    documents: Callable[[], Iterator[str]]
+    total: int | None = None  # progress total, in ``unit``
+    unit: str = "B"  # "B": bytes of text; "docs": rows
+    fingerprint: dict[str, Any] = field(default_factory=dict)  # identity, for resuming
+
+    def progress(self, doc: str) -> int:
+        return len(doc.encode()) if self.unit == "B" else 1
+
+
+def _files_fingerprint(files: list[Path]) -> dict[str, Any]:
+    return {"files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+
+
+def _txt_documents(path: Path) -> Iterator[str]:
+    block: list[str] = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                block.append(line.rstrip("\n"))
+            elif block:
+                yield "\n".join(block)
+                block = []
+    if block:
+        yield "\n".join(block)
+
+
+def _folder_documents(files: list[Path]) -> Iterator[str]:
+    for file in files:
+        text = file.read_text(encoding="utf-8").strip()
+        if text:
+            yield text
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(location, parsed row)`` of each non-blank line."""
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+
+
+def text_of(row: Any, text_field: str, where: str) -> str:
+    """``row[text_field]`` as a string, or a DataError naming ``where``."""
+    if not isinstance(row, dict) or text_field not in row:
+        keys = ", ".join(map(repr, row)) if isinstance(row, dict) else type(row).__name__
+        raise DataError(
+            f"{where}: no field {text_field!r} (found: {keys}); "
+            f"set the text field (--text-field) to the field holding the text"
+        )
+    value = row[text_field]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {text_field!r} is a {type(value).__name__}, expected a string")
+    return value
+
+
+
+def _texts(rows: Iterator[tuple[str, Any]], text_field: str) -> Iterator[str]:
+    """The non-blank ``text_field`` of each ``(location, row)``."""
+    for where, row in rows:
+        text = text_of(row, text_field, where)
+        if text.strip():
+            yield text
+
+
+def _parquet_files(path: Path) -> list[Path]:
+    return [path] if path.is_file() else sorted(path.rglob("*.parquet"))
+
+
+def _parquet_rows(files: list[Path], columns: list[str] | None) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for file in files:
+        try:
+            pf = pq.ParquetFile(file)
+            names = pf.schema_arrow.names
+            missing = [c for c in columns or [] if c not in names]
+            if missing:
+                raise DataError(
+                    f"{file}: no column {missing[0]!r} (columns: {', '.join(names)}); set the text "
+                    f"field (--text-field) to the column holding the text"
+                )
+            row = 0
+            for batch in pf.iter_batches(columns=columns, batch_size=4096):
+                for record in batch.to_pylist():
+                    yield f"{file}[row {row}]", record
+                    row += 1
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: unreadable parquet ({e}); re-export the file") from None
+
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def load_hf_dataset(name: str, split: str | None = None, subset: str | None = None):
+    """A ``datasets.Dataset`` from a save_to_disk folder or ``hf://owner/name``."""
+    import datasets
+
+    if name.startswith(HUB_PREFIX):
+        hub = name[len(HUB_PREFIX):]
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        try:
+            ds = datasets.load_dataset(hub, subset, split=split or "train")
+        except Exception as e:  # noqa: BLE001 - network, cache and name errors all mean "unreachable"
+            why = "offline (HF_HUB_OFFLINE=1) and not in the local cache" if offline else \
+                "no such dataset, no network, or not in the local cache"
+            raise DataError(
+                f"could not load Hugging Face dataset {hub!r} ({why}: {type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); download it where there is network "
+                f"and save it with dataset.save_to_disk(folder), then give that folder"
+            ) from None
+        return ds
+    path = Path(name)
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError, FileNotFoundError) as e:
+        raise DataError(f"{path}: unreadable Hugging Face dataset folder ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(
+                f"{path} holds the splits {', '.join(ds)}; choose one with split (--split)"
+                + (f" ({split!r} is not one of them)" if split else "")
+            )
+        ds = ds[split]
+    return ds
+
+
+def _hf_rows(ds: Any, label: str, columns: list[str] | None) -> Iterator[tuple[str, dict]]:
+    missing = [c for c in columns or [] if c not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"{label}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)}); set the "
+            f"text field (--text-field) to the column holding the text"
+        )
+    view = ds.select_columns(columns) if columns else ds
+    for i, row in enumerate(view):
+        yield f"{label}[{i}]", row
+
+
+
+def open_source(input_path: Path | str, text_field: str = "text", *, split: str | None = None,
+                subset: str | None = None) -> Source:
+    """The :class:`Source` of documents named by ``input_path`` (see the module docstring)."""
+    name = str(input_path)
+    if name.startswith(HUB_PREFIX):
+        ds = load_hf_dataset(name, split, subset)
+        return Source(name, "hf", lambda: _texts(_hf_rows(ds, name, [text_field]), text_field),
+                      len(ds), "docs", {"hub": name, "split": split, "subset": subset})
+    path = Path(input_path)
+    if not path.exists():
+        raise DataError(f"input {path} does not exist; give {_KINDS}")
+    if path.is_dir() and is_hf_folder(path):
+        ds = load_hf_dataset(name, split)
+        arrow = _files_fingerprint(sorted(path.rglob("*.arrow")))
+        return Source(name, "hf", lambda: _texts(_hf_rows(ds, name, [text_field]), text_field),
+                      len(ds), "docs", {**arrow, "split": split})
+    if path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet"))):
+        files = _parquet_files(path)
+        return Source(name, "parquet", lambda: _texts(_parquet_rows(files, [text_field]), text_field),
+                      sum(f.stat().st_size for f in files), "B", _files_fingerprint(files))
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise DataError(f"input folder {path} has no .txt files; give one .txt file per document")
+        return Source(name, "folder", lambda: _folder_documents(files),
+                      sum(f.stat().st_size for f in files), "B", _files_fingerprint(files))
+    if path.suffix == ".txt":
+        docs = lambda: _txt_documents(path)  # noqa: E731
+    elif path.suffix == ".jsonl":
+        docs = lambda: _texts(_jsonl_rows(path), text_field)  # noqa: E731
+    else:
+        raise DataError(f"input {path}: unsupported file type {path.suffix!r}; give {_KINDS}")
+    return Source(name, path.suffix[1:], docs, path.stat().st_size, "B", _files_fingerprint([path]))
+
+
+def read_documents(input_path: Path | str, text_field: str = "text", **kw: Any) -> Iterator[str]:
+    """The non-empty documents of an input (see the module docstring)."""
+    return open_source(input_path, text_field, **kw).documents()
+
+
+def _mds_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    from streaming import LocalDataset
+
+    try:
+        ds = LocalDataset(str(path))
+        for i in range(len(ds)):
+            yield f"{path}[{i}]", ds[i]
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: unreadable MDS dataset ({type(e).__name__}: {e}); "
+                        f"re-write it") from None
+
+
+def read_records(input_path: Path | str, split: str | None = None) -> Iterator[tuple[str, Any]]:
+    """``(location, record)`` of every example of a .jsonl or .parquet file, a save_to_disk
+    folder, ``hf://owner/name`` or an MDS folder; locations name file and line or index."""
+    name = str(input_path)
+    if name.startswith(HUB_PREFIX):
+        return _hf_rows(load_hf_dataset(name, split), name, None)
+    path = Path(input_path)
+    if not path.exists():
+        raise DataError(f"input {path} does not exist; give a .jsonl or .parquet file, a "
+                        f"save_to_disk folder, an MDS folder or hf://owner/name")
+    if path.is_dir() and is_hf_folder(path):
+        return _hf_rows(load_hf_dataset(str(path), split), str(path), None)
+    if path.is_dir() and (path / "index.json").is_file():
+        return _mds_rows(path)
+    if path.suffix == ".parquet" or (path.is_dir() and any(path.rglob("*.parquet"))):
+        return _parquet_rows(_parquet_files(path), None)
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    raise DataError(f"input {path}: unsupported for fine-tuning examples; give a .jsonl or "
+                    f".parquet file, a save_to_disk folder, an MDS folder or hf://owner/name")

@@ -1,0 +1,150 @@
+"""The standalone eval config (``foundryx eval CONFIG``): models, ICL tasks, gauntlet, outputs.
+
+Loaded like a run config: YAML + dotlist overrides + ``${variables.x}``, and every problem is
+reported at once with its path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from foundryx.config.schema import Precision, doc
+from foundryx.config.types import dataclass_problems, join
+from foundryx.errors import ConfigError, did_you_mean
+from foundryx.eval.gauntlet import Gauntlet, load_gauntlet
+from foundryx.eval.quickstart_tasks import SETUP_STEPS
+from foundryx.eval.task_config import ICLTaskConfig, load_icl_tasks
+
+
+@dataclass
+class ModelSpec:
+    """One model to evaluate: a foundryx checkpoint with its run config, or a HF model."""
+
+    label: str = doc("the model's name in tables, e.g. my-run")
+    checkpoint: str | None = doc(
+        "a foundryx checkpoint: folder, save_folder (newest) or weights file", default=None)
+    run_config: str | None = doc("the run YAML that trained `checkpoint` (model + tokenizer)",
+                                 default=None)
+    overrides: list[str] = doc("key=value overrides of run_config", default_factory=list)
+    hf: str | None = doc("a Hugging Face causal LM: local folder (also `foundryx export` "
+                         "output) or hub name", default=None)
+    tokenizer: str | None = doc("tokenizer folder or hub name; default: the model's", default=None)
+
+
+@dataclass
+class EvalConfig:
+    models: list[dict[str, Any]] = doc("models to evaluate: [{label, checkpoint, run_config} "
+                                       "or {label, hf}]")
+    icl_tasks: str | list[dict[str, Any]] = doc("a task file (eval/yamls/tasks.yaml) or a list")
+    icl_data_root: str | None = doc(
+        "folder of relative dataset_uri paths; default: the task file's data_root", default=None)
+    eval_gauntlet: str | dict[str, Any] | None = doc(
+        "a gauntlet file (eval/yamls/gauntlet.yaml) or mapping", default=None)
+    max_seq_len: int = doc("token budget of a row, capped by the model's", default=2048)
+    device_eval_batch_size: int = doc("examples per batch per device", default=4)
+    icl_max_examples: int | None = doc("evaluate the first N examples of each task", default=None)
+    precision: Precision = doc("fp32, amp_bf16, ...", default="fp32")
+    device: Literal["cpu", "gpu"] | None = doc("default: gpu when available", default=None)
+    seed: int = doc("torch seed (few-shot draws have their own seeds)", default=17)
+    output_dir: str = doc("where results.{md,csv,json,png} go", default="eval_results")
+    compare_to: str | None = doc(
+        "a model label of this config, or a YAML of task -> score; see docs/eval.md", default=None)
+    tolerance: float = doc("how far below the reference a score may be", default=0.02)
+    tolerances: dict[str, float] = doc("per-result tolerances, e.g. {arc_easy/0-shot: 0.05}",
+                                       default_factory=dict)
+    dump_examples: int = doc("write rendered prompts and scores of the first N examples",
+                             default=0)
+    skip_missing_data: bool = doc("skip tasks whose data file is absent (logged) instead of "
+                                  "failing", default=False)
+    setup: dict[str, dict[str, Any]] = doc(
+        "steps run before reading data, e.g. {quickstart_facts: {out_dir: ...}}",
+        default_factory=dict)
+    progress_bar: bool = doc("show a tqdm bar per task", default=True)
+    python_log_level: str | None = doc("log level of foundryx", default="info")
+    variables: dict[str, Any] = doc("values for ${variables.x} interpolation", default_factory=dict)
+
+
+@dataclass
+class LoadedEvalConfig:
+    cfg: EvalConfig
+    models: list[ModelSpec]
+    tasks: list[ICLTaskConfig]
+    gauntlet: Gauntlet | None
+    source: str
+    resolved: dict[str, Any] = field(default_factory=dict)
+
+
+def _model_problems(models: list[Any]) -> tuple[list[ModelSpec], list[str]]:
+    specs, problems, labels = [], [], set()
+    for i, m in enumerate(models):
+        path = join("models", i)
+        if not isinstance(m, dict):
+            problems.append(f"{path}: expected a mapping with label and checkpoint or hf")
+            continue
+        found = dataclass_problems(ModelSpec, m, path)
+        if not found:
+            spec = ModelSpec(**m)
+            if (spec.checkpoint is None) == (spec.hf is None):
+                found.append(f"{path}: give exactly one of checkpoint (with run_config) and hf")
+            elif spec.checkpoint is not None and spec.run_config is None:
+                found.append(f"{path}.run_config: missing; the run YAML that trained the "
+                             "checkpoint rebuilds its model and tokenizer")
+            if spec.label in labels:
+                found.append(f"{path}.label: {spec.label!r} is used twice")
+            labels.add(spec.label)
+            specs.append(spec)
+        problems += found
+    if not models:
+        problems.append("models: the list is empty; add {label, hf} or {label, checkpoint, run_config}")
+    return specs, problems
+
+
+def _section(problems: list[str], fn, *args) -> Any:
+    try:
+        return fn(*args)
+    except ConfigError as e:
+        where = f"{e.source}: " if e.source else ""
+        problems += [where + p for p in e.problems]
+        return None
+
+
+def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEvalConfig:
+    """Read, merge, resolve and validate an eval config; raise ConfigError with every problem."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from foundryx.config.load import _parse_overrides, _read_yaml, _resolve
+
+    node = _read_yaml(Path(path))
+    dot, problems = _parse_overrides(list(overrides or []))
+    try:
+        merged = OmegaConf.merge(node, dot)
+    except (TypeError, OmegaConfBaseException) as e:
+        raise ConfigError([f"overrides: cannot apply them ({e}); a list is replaced whole, "
+                           "e.g. 'num_fewshot=[0,5]', not by index"], source=path) from None
+    data = _resolve(merged, "", problems)
+    problems += dataclass_problems(EvalConfig, data)
+    if problems:
+        raise ConfigError(problems, source=path)
+    data.pop("variables", None)
+    cfg = EvalConfig(**data)
+    specs, problems = _model_problems(cfg.models)
+    for name in cfg.setup:
+        if name not in SETUP_STEPS:
+            problems.append(f"setup.{name}: unknown step{did_you_mean(name, SETUP_STEPS) or ''}; "
+                            f"steps: {', '.join(SETUP_STEPS)}")
+    for key, value in (("device_eval_batch_size", cfg.device_eval_batch_size),
+                       ("max_seq_len", cfg.max_seq_len), ("icl_max_examples", cfg.icl_max_examples)):
+        if value is not None and value <= 0:
+            problems.append(f"{key}: must be positive, got {value}")
+    tasks = _section(problems, load_icl_tasks, cfg.icl_tasks, cfg.icl_data_root) or []
+    gauntlet = None
+    if cfg.eval_gauntlet is not None and tasks:
+        keys = {t.key(s) for t in tasks for s in t.shots}
+        gauntlet = _section(problems, load_gauntlet, cfg.eval_gauntlet, keys)
+    if problems:
+        raise ConfigError(problems, source=path)
+    return LoadedEvalConfig(cfg, specs, tasks, gauntlet, path, data)

@@ -1,0 +1,174 @@
+"""The eval gauntlet: benchmarks grouped in categories, rescaled, weighted and averaged.
+
+A benchmark's score ``acc`` becomes ``acc - random_baseline`` (``subtract_random_baseline``)
+and then ``(acc - baseline) / (1 - baseline)`` (``rescale_accuracy``), so 0 is chance and 1 is
+perfect. A category is the weighted mean of its benchmarks (``EQUAL``: 1 each; ``SAMPLE_SZ``:
+the number of examples; ``LOG_SAMPLE_SZ``: ``max(log2(examples), 1)``); ``average`` is the
+mean of the categories, and each named entry of ``averages`` the mean of its categories. A
+category missing a benchmark result (or an average missing a category) is left out, and a line
+says so. The YAML keys are LLM Foundry's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from composer.core import Callback, State
+from composer.loggers import Logger
+
+from foundryx.config.schema import doc
+from foundryx.config.types import dataclass_problems, join
+from foundryx.errors import ConfigError
+
+log = logging.getLogger(__name__)
+AVERAGE = "average"
+
+
+@dataclass
+class Benchmark:
+    name: str = doc("an ICL task label")
+    num_fewshot: int = doc("which of the task's few-shot counts")
+    random_baseline: float = doc("the accuracy of guessing, e.g. 0.25 for 4 choices", default=0.0)
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.num_fewshot}-shot"
+
+
+@dataclass
+class Category:
+    name: str = doc("the category's name, e.g. world_knowledge")
+    benchmarks: list[dict[str, Any]] = doc("[{name, num_fewshot, random_baseline}, ...]")
+
+
+@dataclass
+class GauntletConfig:
+    categories: list[dict[str, Any]] = doc("[{name, benchmarks}, ...]")
+    weighting: Literal["EQUAL", "SAMPLE_SZ", "LOG_SAMPLE_SZ"] = doc(
+        "benchmark weights in a category", default="EQUAL")
+    subtract_random_baseline: bool = doc("score - random_baseline", default=True)
+    rescale_accuracy: bool = doc("then divide by 1 - random_baseline", default=True)
+    averages: dict[str, list[str]] = doc("named means of categories", default_factory=dict)
+
+
+@dataclass
+class Gauntlet:
+    cfg: GauntletConfig
+    categories: dict[str, list[Benchmark]]
+
+    @property
+    def baselines(self) -> dict[str, float]:
+        return {b.key: b.random_baseline for bs in self.categories.values() for b in bs}
+
+
+def _read(source: str | dict[str, Any]) -> tuple[Any, str | None]:
+    if isinstance(source, dict):
+        return source, None
+    from foundryx.config.load import _read_yaml, _resolve
+
+    problems: list[str] = []
+    data = _resolve(_read_yaml(Path(source)), "", problems)
+    if problems or set(data) != {"eval_gauntlet"}:
+        raise ConfigError(problems or ["a gauntlet file holds one key, eval_gauntlet"], source=source)
+    return data["eval_gauntlet"], source
+
+
+def _valid_items(cls: type, items: list[Any], path: str, problems: list[str]) -> list[tuple[str, dict]]:
+    """(path, item) of each mapping of ``items`` that fits ``cls``; the others' problems."""
+    out = []
+    for i, item in enumerate(items):
+        where = join(path, i)
+        found = dataclass_problems(cls, item, where) if isinstance(item, dict) else [
+            f"{where}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(cls))}"]
+        problems += found
+        if not found:
+            out.append((where, item))
+    return out
+
+
+def load_gauntlet(source: str | dict[str, Any], task_keys: set[str], where: str = "eval_gauntlet") -> Gauntlet:
+    """A validated gauntlet from a file (with an ``eval_gauntlet:`` key) or a mapping; every
+    benchmark must be one of ``task_keys`` (``label/N-shot``). Raises ConfigError."""
+    data, origin = _read(source)
+    if not isinstance(data, dict):
+        raise ConfigError([f"{where}: expected a mapping with categories, got {data!r}"], source=origin)
+    problems = dataclass_problems(GauntletConfig, data, where)
+    categories: dict[str, list[Benchmark]] = {}
+    cats = [] if problems else data["categories"]
+    for path, cat in _valid_items(Category, cats, join(where, "categories"), problems):
+        if cat["name"] in categories or cat["name"] == AVERAGE:
+            problems.append(f"{path}.name: {cat['name']!r} is used twice or is reserved")
+        benches = []
+        for bpath, b in _valid_items(Benchmark, cat["benchmarks"], join(path, "benchmarks"), problems):
+            bench = Benchmark(**b)
+            if not 0 <= bench.random_baseline < 1:
+                problems.append(f"{bpath}.random_baseline: must be in [0, 1), got {bench.random_baseline}")
+            if bench.key not in task_keys:
+                problems.append(f"{bpath}: {bench.key} is not among the ICL tasks evaluated "
+                                f"({', '.join(sorted(task_keys)) or 'none'}); add it or remove it")
+            benches.append(bench)
+        categories[cat["name"]] = benches
+    for name, members in (data.get("averages") or {}).items() if not problems else ():
+        problems += [f"{where}.averages.{name}: unknown category {c!r}" for c in members
+                     if c not in categories]
+    if problems:
+        raise ConfigError(problems, source=origin)
+    return Gauntlet(GauntletConfig(**data), categories)
+
+
+def _weight(mode: str, n: int) -> float:
+    return {"EQUAL": 1.0, "SAMPLE_SZ": float(n), "LOG_SAMPLE_SZ": max(math.log2(max(n, 1)), 1.0)}[mode]
+
+
+def gauntlet_scores(g: Gauntlet, scores: dict[str, float], sizes: dict[str, int]) -> dict[str, float]:
+    """Category scores, ``average`` and the named averages from task scores (see module doc)."""
+    cfg, out = g.cfg, {}
+    for name, benches in g.categories.items():
+        missing = [b.key for b in benches if b.key not in scores]
+        if missing:
+            log.info("gauntlet: category %s left out: no result for %s", name, ", ".join(missing))
+            continue
+        total = weights = 0.0
+        for b in benches:
+            s = scores[b.key]
+            if cfg.subtract_random_baseline:
+                s -= b.random_baseline
+                if cfg.rescale_accuracy:
+                    s /= 1.0 - b.random_baseline
+            w = _weight(cfg.weighting, sizes.get(b.key, 1))
+            total, weights = total + w * s, weights + w
+        out[name] = total / weights if weights else 0.0
+    present = [c for c in g.categories if c in out]
+    if present:
+        out[AVERAGE] = sum(out[c] for c in present) / len(present)
+    for name, members in cfg.averages.items():
+        if all(c in out for c in members):
+            out[name] = sum(out[c] for c in members) / len(members)
+        else:
+            log.info("gauntlet: average %s left out: a category is missing", name)
+    return out
+
+
+class GauntletCallback(Callback):
+    """Logs ``icl/gauntlet/<name>`` after each evaluation: during training and after
+    ``Trainer.eval()``."""
+
+    def __init__(self, gauntlet: Gauntlet, metric_names: dict[str, str], sizes: dict[str, int]):
+        self.gauntlet, self.metric_names, self.sizes = gauntlet, metric_names, sizes
+
+    def eval_standalone_end(self, state: State, logger: Logger) -> None:
+        self.eval_after_all(state, logger)
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        scores = {}
+        for key, name in self.metric_names.items():
+            metric = state.eval_metrics.get(key, {}).get(name)
+            if metric is not None:
+                scores[key] = float(metric.compute())
+        composite = gauntlet_scores(self.gauntlet, scores, self.sizes)
+        logger.log_metrics({f"icl/gauntlet/{k}": v for k, v in composite.items()})

@@ -1,0 +1,118 @@
+"""Eval results as a markdown table, CSV, JSON, per-model score YAMLs and a PNG bar chart."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+KINDS = ("task", "category", "gauntlet")
+
+
+@dataclass
+class EvalResults:
+    """Scores of every model on every result key (``task/N-shot``, ``task/N-shot/category``,
+    ``gauntlet/name``), in the order they were added."""
+
+    models: list[str] = field(default_factory=list)
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    examples: dict[str, int] = field(default_factory=dict)
+    baselines: dict[str, float] = field(default_factory=dict)
+
+    def add(self, model: str, key: str, score: float, kind: str, examples: int | None = None) -> None:
+        if model not in self.scores:
+            self.models.append(model)
+            self.scores[model] = {}
+        self.scores[model][key] = score
+        self.kinds.setdefault(key, kind)
+        if examples is not None:
+            self.examples[key] = examples
+
+    def keys(self, *kinds: str) -> list[str]:
+        """Result keys of the given kinds (all by default), tasks first, gauntlet last."""
+        wanted = kinds or KINDS
+        order = {"task": 0, "category": 0, "gauntlet": 1}
+        keys = [k for k in self.kinds if self.kinds[k] in wanted]
+        return sorted(keys, key=lambda k: order[self.kinds[k]])
+
+    def cell(self, model: str, key: str) -> str:
+        v = self.scores.get(model, {}).get(key)
+        return "-" if v is None or math.isnan(v) else f"{v:.4f}"
+
+
+def markdown_table(results: EvalResults) -> str:
+    head = ["result", "examples", *results.models]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    for key in results.keys():
+        name = ("  " if results.kinds[key] == "category" else "") + key
+        cells = [name, str(results.examples.get(key, ""))] + [results.cell(m, key) for m in results.models]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def bar_chart(results: EvalResults, path: Path) -> None:
+    """Horizontal grouped bars: every model on every task (and gauntlet score), baselines marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(k, t) for k, t in ((results.keys("task"), "accuracy"),
+                                  (results.keys("gauntlet"), "gauntlet score (0 = chance)")) if k]
+    heights = [max(1.5, 0.25 * len(keys) * max(1, len(results.models)) + 0.8) for keys, _ in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, sum(heights) + 0.6),
+                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    n = len(results.models)
+    bar = 0.8 / max(n, 1)
+    for ax, (keys, xlabel) in zip(axes[:, 0], panels):
+        for j, model in enumerate(results.models):
+            ys = [i + (j - (n - 1) / 2) * bar for i in range(len(keys))]
+            vals = [results.scores[model].get(k, float("nan")) for k in keys]
+            ax.barh(ys, vals, height=bar, label=model)
+            for y, v in zip(ys, vals):
+                if not math.isnan(v):
+                    ax.text(v, y, f" {v:.3f}", va="center", fontsize=7)
+        for i, k in enumerate(keys):
+            if k in results.baselines:
+                ax.plot([results.baselines[k]] * 2, [i - 0.45, i + 0.45], "k--", lw=1)
+        ax.set_yticks(range(len(keys)), keys, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(xlabel)
+        finite = [v for m in results.models for k in keys
+                  if not math.isnan(v := results.scores[m].get(k, float("nan")))]
+        ax.set_xlim(min([0.0, *finite]) - 0.02, 1.08)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].legend(loc="lower right", fontsize=8)
+    axes[0, 0].set_title("ICL eval" + ("  (dashed: random baseline)" if results.baselines else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(results: EvalResults, out_dir: str | Path, source: str = "") -> dict[str, Path]:
+    """results.md/.csv/.json/.png and scores/<model>.yaml (usable with --compare-to)."""
+    out = Path(out_dir)
+    (out / "scores").mkdir(parents=True, exist_ok=True)
+    paths = {ext: out / f"results.{ext}" for ext in ("md", "csv", "json", "png")}
+    paths["md"].write_text(markdown_table(results) + "\n")
+    with paths["csv"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["result", "kind", "examples", *results.models])
+        for key in results.keys():
+            w.writerow([key, results.kinds[key], results.examples.get(key, ""),
+                        *[results.scores[m].get(key, "") for m in results.models]])
+    paths["json"].write_text(json.dumps({
+        "config": source, "models": results.models, "scores": results.scores,
+        "kinds": results.kinds, "examples": results.examples, "random_baselines": results.baselines,
+    }, indent=2) + "\n")
+    for model in results.models:
+        p = out / "scores" / f"{model.replace('/', '_')}.yaml"
+        p.write_text(yaml.safe_dump({k: results.scores[model][k] for k in results.keys()
+                                     if k in results.scores[model]}, sort_keys=False))
+    bar_chart(results, paths["png"])
+    return paths

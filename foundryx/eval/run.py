@@ -1,0 +1,129 @@
+"""``run_eval``: one standalone eval run (``foundryx eval`` and ``eval/eval.py`` end here)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from foundryx.errors import ConfigError
+from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
+from foundryx.eval.config import LoadedEvalConfig
+from foundryx.eval.quickstart_tasks import SETUP_STEPS
+from foundryx.eval.report import EvalResults, markdown_table, write_results
+from foundryx.eval.runner import add_model_results, evaluate_model
+
+log = logging.getLogger("foundryx")
+
+
+@dataclass
+class Comparison:
+    model: str
+    reference: str
+    checks: list[Check]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def table(self) -> str:
+        return comparison_table(self.checks, self.model, self.reference)
+
+
+@dataclass
+class EvalOutcome:
+    results: EvalResults
+    comparisons: list[Comparison] = field(default_factory=list)
+    paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.comparisons)
+
+    def report(self) -> str:
+        """The results table and each comparison, as printed by ``foundryx eval``."""
+        parts = [markdown_table(self.results)] + [c.table() for c in self.comparisons]
+        if self.paths:
+            parts.append("wrote " + ", ".join(str(p) for p in self.paths.values()))
+        return "\n\n".join(parts)
+
+
+def _reference(loaded: LoadedEvalConfig, compare_to: str | None):
+    """(label or None, loaded reference file or None); raises ConfigError for neither."""
+    if compare_to is None:
+        return None, None
+    labels = [m.label for m in loaded.models]
+    if compare_to in labels:
+        if len(labels) < 2:
+            raise ConfigError([f"compare_to: {compare_to!r} is the only model; add the model to "
+                               "check, or compare against a reference scores YAML"], loaded.source)
+        return compare_to, None
+    if Path(compare_to).is_file():
+        return None, load_reference(compare_to)
+    raise ConfigError([f"compare_to: {compare_to!r} is neither a model label of this config "
+                       f"({', '.join(labels)}) nor a reference scores file"], loaded.source)
+
+
+def _compare(results: EvalResults, loaded: LoadedEvalConfig, compare_to: str, ref_label, ref_file,
+             tolerance: float) -> list[Comparison]:
+    tolerances = loaded.cfg.tolerances
+    if ref_label is not None:
+        reference = {k: (v, None) for k, v in results.scores[ref_label].items()}
+        models = [m for m in results.models if m != ref_label]
+    else:
+        reference, models, ref_label = ref_file, results.models, Path(compare_to).name
+    return [Comparison(m, ref_label, compare_scores(results.scores[m], reference, tolerance, tolerances))
+            for m in models]
+
+
+def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
+             tolerance: float | None = None, dump_examples: int | None = None,
+             write: bool = True) -> EvalOutcome:
+    """Evaluate every model of ``loaded`` on every task; write the results (rank 0) and compare
+    with the reference (``compare_to``/``tolerance``/``dump_examples`` override the config's)."""
+    from composer.utils import dist, get_device, reproducibility
+
+    from foundryx.eval.models import load_eval_model
+    from foundryx.train import pick_device, setup_logging
+
+    cfg = loaded.cfg
+    compare_to = compare_to if compare_to is not None else cfg.compare_to
+    tolerance = tolerance if tolerance is not None else cfg.tolerance
+    dump = dump_examples if dump_examples is not None else cfg.dump_examples
+    ref_label, ref_file = _reference(loaded, compare_to)
+    setup_logging(cfg.python_log_level)
+    device = get_device(pick_device(cfg.device))
+    if dist.get_world_size() > 1 and not dist.is_initialized():
+        dist.initialize_dist(device)
+    reproducibility.seed_all(cfg.seed)
+    if dist.get_global_rank() == 0:
+        for name, options in cfg.setup.items():
+            written = SETUP_STEPS[name](**(options or {}))
+            log.info("setup %s: wrote %s", name, ", ".join(map(str, written.values())))
+    dist.barrier()
+
+    results, dumped = EvalResults(), []
+    for spec in loaded.models:
+        model, tokenizer = load_eval_model(spec)
+        device.module_to_device(model)
+        task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump)
+        add_model_results(results, spec.label, task_results, loaded)
+        dumped += [{"model": spec.label, **rec} for r in task_results for rec in r.dumped]
+        del model
+        gc.collect()
+    outcome = EvalOutcome(results)
+    if compare_to is not None:
+        outcome.comparisons = _compare(results, loaded, compare_to, ref_label, ref_file, tolerance)
+    if write and dist.get_global_rank() == 0:
+        outcome.paths = write_results(results, cfg.output_dir, loaded.source)
+        for c in outcome.comparisons:
+            path = Path(cfg.output_dir) / f"comparison_{c.model}.md".replace("/", "_")
+            path.write_text(c.table() + "\n")
+            outcome.paths[f"comparison {c.model}"] = path
+        if dump:
+            path = Path(cfg.output_dir) / "examples.jsonl"
+            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in dumped))
+            outcome.paths["examples"] = path
+    return outcome

@@ -1,0 +1,155 @@
+"""Evaluate a model on ICL tasks outside training: the loop, the example dumps, the results.
+
+The loop calls the Composer model's ``eval_forward`` and ``update_metric`` exactly as Composer's
+evaluators do during training, so both give the same numbers. With several processes
+(``composer -n N eval/eval.py ...``) each evaluates its share of every task and the metrics
+gather the rows (see :mod:`foundryx.eval.data`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from foundryx import registry
+from foundryx.eval.config import LoadedEvalConfig
+from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task
+from foundryx.eval.gauntlet import gauntlet_scores
+from foundryx.eval.metrics import macro_average
+from foundryx.eval.report import EvalResults
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TaskResult:
+    key: str
+    score: float
+    examples: int
+    categories: dict[str, float] = field(default_factory=dict)  # with has_categories
+    outcomes: dict[int, bool] = field(default_factory=dict)  # example id -> correct
+    dumped: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _row_records(task: PreparedTask, tokenizer: Any, batch: dict[str, Any], info: dict[str, Any],
+                 limit: int) -> list[dict[str, Any]]:
+    """One record per primary row of an example below ``limit``."""
+    out = []
+    for i, (eid, primary) in enumerate(zip(batch["example_id"].tolist(), batch["primary"].tolist())):
+        if not primary or eid >= limit:
+            continue
+        ex = task.examples[eid]
+        if task.task_type.mode == "generate":
+            out.append({"example": eid, "prompt": ex.rendered.queries[0][0].rstrip(),
+                        "answers": list(ex.rendered.answers), "output": info["output"][i],
+                        "cleaned": info["cleaned"][i], "correct": info["correct"][i]})
+            continue
+        choice = int(batch["choice"][i])
+        enc = ex.rows[choice]
+        context, continuation = ex.rendered.queries[choice]
+        rec = {"example": eid, "choice": choice, "context": context.rstrip(),
+               "continuation": " " + continuation.strip(),
+               "scored_tokens": tokenizer.convert_ids_to_tokens(list(enc.ids[enc.cont_start:enc.cont_end]))}
+        if enc.truncated:
+            rec["tokens_cut_on_the_left"] = enc.truncated
+        for k in ("loss", "tokens", "correct"):
+            if k in info:
+                rec[k] = info[k][i]
+        if "predicted" in info:
+            rec["predicted_tokens"] = tokenizer.convert_ids_to_tokens(info["predicted"][i])
+        out.append(rec)
+    return out
+
+
+def _group_records(task: PreparedTask, rows: list[dict[str, Any]], outcomes: dict[int, bool]) -> list[dict]:
+    """Per-example dump records: the example's rows (one per choice) and its outcome."""
+    by_example: dict[int, list[dict]] = {}
+    for r in rows:
+        by_example.setdefault(r.pop("example"), []).append(r)
+    out = []
+    for eid in sorted(by_example):
+        ex = task.examples[eid].rendered
+        rec = {"task": task.key, "example": eid, "line": ex.line, "category": ex.category or None}
+        if task.task_type.mode == "generate":
+            rec.update(by_example[eid][0])
+        else:
+            rows = sorted(by_example[eid], key=lambda r: r["choice"])
+            rec.update({"gold": ex.gold, "rows": rows, "correct": outcomes.get(eid)})
+            if "loss" in rows[0]:
+                rec["chosen"] = min(rows, key=lambda r: (r["loss"], r["choice"]))["choice"]
+        out.append(rec)
+    return out
+
+
+def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size: int, device: Any,
+                  precision: str = "fp32", dump: int = 0, progress: bool = True) -> TaskResult:
+    """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task."""
+    from composer.core.precision import get_precision_context
+    from composer.utils import dist
+
+    rank, world = dist.get_global_rank(), dist.get_world_size()
+    metric = device.module_to_device(registry.metrics.get(task.metric)())
+    loader = build_dataloader(task, tokenizer, task.cfg.batch_size or batch_size, rank, world)
+    rows: list[dict[str, Any]] = []
+    model.eval()
+    with torch.no_grad():
+        for batch in tqdm(loader, desc=task.key, disable=not progress or rank != 0, leave=False):
+            batch = device.batch_to_device(batch)
+            with get_precision_context(precision):
+                outputs = model.eval_forward(batch)
+                model.update_metric(batch, outputs, metric)
+            if dump:
+                rows += _row_records(task, tokenizer, batch, metric.last_update, dump)
+    with metric.sync_context():  # every process's rows
+        ids, correct, _ = metric.outcomes()
+        by_category = metric.category_scores()
+    outcomes = dict(zip(ids.tolist(), correct.tolist()))
+    cats = {}
+    if task.cfg.has_categories:
+        cats = {task.categories[c]: s for c, s in sorted(by_category.items())}
+    if world > 1 and dump:
+        rows = [r for part in dist.all_gather_object(rows) for r in part]
+    return TaskResult(task.key, macro_average(by_category), len(task.examples), cats, outcomes,
+                      _group_records(task, rows, outcomes) if dump else [])
+
+
+def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device: Any, *,
+                   dump: int = 0) -> list[TaskResult]:
+    """Every task of ``loaded`` at every few-shot count, for one model."""
+    from foundryx.eval.models import model_max_len
+
+    cfg = loaded.cfg
+    limit = model_max_len(model)
+    if limit is not None and limit < cfg.max_seq_len:
+        log.info("rows are cut to the model's %d tokens (max_seq_len is %d)", limit, cfg.max_seq_len)
+    results = []
+    for task_cfg in loaded.tasks:
+        if cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
+            log.info("skipping task %s: %s is absent (skip_missing_data)", task_cfg.label,
+                     task_cfg.dataset_uri)
+            continue
+        for task in prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit):
+            results.append(evaluate_task(model, task, tokenizer, batch_size=cfg.device_eval_batch_size,
+                                         device=device, precision=cfg.precision, dump=dump,
+                                         progress=cfg.progress_bar))
+    return results
+
+
+def add_model_results(results: EvalResults, label: str, task_results: list[TaskResult],
+                      loaded: LoadedEvalConfig) -> None:
+    """Record one model's task, category and gauntlet scores."""
+    for r in task_results:
+        results.add(label, r.key, r.score, "task", r.examples)
+        for name, score in r.categories.items():
+            results.add(label, f"{r.key}/{name}", score, "category")
+    if loaded.gauntlet is not None:
+        scores = {r.key: r.score for r in task_results}
+        sizes = {r.key: r.examples for r in task_results}
+        for name, score in gauntlet_scores(loaded.gauntlet, scores, sizes).items():
+            results.add(label, f"gauntlet/{name}", score, "gauntlet")
+        results.baselines.update(loaded.gauntlet.baselines)

@@ -1,0 +1,75 @@
+"""Writing a Hugging Face model folder atomically: safetensors, config.json,
+generation_config.json and tokenizer files appear together or not at all."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from foundryx.errors import ExportError
+
+
+def replaceable(out: Path) -> bool:
+    """An existing ``out`` may be replaced only if it is an empty folder or a model folder."""
+    return out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())
+
+
+def check_target(out: str | Path, overwrite: bool) -> Path:
+    """``out`` as a Path, or ExportError when it exists and may not (or cannot) be replaced."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise ExportError(f"{out} already exists; choose another folder or pass --overwrite "
+                              "(overwrite: true in the callback)")
+        if not replaceable(out):
+            raise ExportError(f"{out} exists and is not a model folder (no config.json); "
+                              "refusing to replace it, choose another folder")
+    return out
+
+
+def write_atomically(out: str | Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Run ``fill(tmp)`` on a temporary sibling folder of ``out``, then rename it to ``out``
+    (replacing an older export when ``overwrite``). On any error nothing is left behind."""
+    out = check_target(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    old = None
+    try:
+        fill(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not out.exists():
+            os.replace(old / out.name, out)  # put the previous export back
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def set_special_tokens(model: Any, tokenizer: Any) -> None:
+    """Copy the tokenizer's bos/eos/pad ids into the model config and generation config."""
+    if tokenizer is None:
+        return
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(tokenizer, name, None)
+        if value is not None:
+            setattr(model.config, name, value)
+            if getattr(model, "generation_config", None) is not None:
+                setattr(model.generation_config, name, value)
+
+
+def save_model_folder(folder: Path, model: Any, tokenizer: Any, max_shard_size: str = "5GB") -> None:
+    """``save_pretrained`` of model (safetensors) and tokenizer into ``folder``."""
+    set_special_tokens(model, tokenizer)
+    model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)

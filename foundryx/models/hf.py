@@ -1,0 +1,244 @@
+"""``hf_causal_lm``: any Hugging Face causal LM as a Composer model.
+
+Llama, Mistral, Qwen2, GPT-NeoX, GPT-2 and every other ``AutoModelForCausalLM`` architecture,
+from a local folder or hub name (``pretrained_model_name_or_path``; weights loaded when
+``pretrained: true``) or from a config dict (``config: {model_type: llama, ...}``, random
+init), with ``config_overrides`` on top. Exported foundryx MPT folders load too.
+
+The model stays plain single-device PyTorch: FSDP2 wraps each decoder block (the classes in
+the model's ``_no_split_modules``) through ``fsdp_wrap_fn``, activation checkpointing uses
+``activation_checkpointing_fn``, and meta-device parameters are initialised per module by
+``param_init_fn`` (Composer's hooks on the wrapped model).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
+from composer.models import HuggingFaceModel
+from torch import nn
+
+import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
+from foundryx.config.components import signature_problems
+from foundryx.errors import ConfigError
+from foundryx.models.hf_source import (
+    apply_overrides,
+    config_from_dict,
+    looks_like_path,
+    override_problems,
+    resolve_source,
+)
+
+log = logging.getLogger(__name__)
+
+INIT_DEVICES = ("cpu", "meta", "mixed")
+NAME = "hf_causal_lm"
+
+
+class ComposerHFCausalLM(HuggingFaceModel):
+    """A Hugging Face ``AutoModelForCausalLM`` as a Composer model.
+
+    Args:
+        pretrained_model_name_or_path: a local folder (``save_pretrained`` or ``foundryx
+            export`` output) or a hub name.
+        pretrained: load the folder's weights (true) or only its config, with random init.
+        config: instead of a folder, a config dict with ``model_type`` (random init).
+        config_overrides: config attributes to change, e.g. ``{num_hidden_layers: 2}``.
+        trust_remote_code: allow a folder's own modeling code (``auto_map``).
+        attn_implementation: Hugging Face attention backend, e.g. ``sdpa`` or ``eager``.
+        init_device: ``cpu``; ``meta`` (random init materialised after FSDP2 sharding); or
+            ``mixed`` (rank 0 loads the weights, the others build on meta and receive their
+            shards from rank 0, so CPU memory holds one copy).
+        allow_embedding_resizing: grow the embeddings when the tokenizer is larger.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        pretrained_model_name_or_path: str | None = None,
+        pretrained: bool = True,
+        config: dict[str, Any] | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        init_device: str = "cpu",
+        allow_embedding_resizing: bool = False,
+    ):
+        section = {
+            "pretrained_model_name_or_path": pretrained_model_name_or_path,
+            "pretrained": pretrained, "config": config, "config_overrides": config_overrides,
+            "trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation,
+            "init_device": init_device, "allow_embedding_resizing": allow_embedding_resizing,
+        }
+        problems = _section_problems(section)
+        if problems:
+            raise ConfigError([f"model.{p}" for p in problems])
+        hf_config, source = build_config(
+            pretrained_model_name_or_path, config, config_overrides or {}, trust_remote_code
+        )
+        if tokenizer is not None and len(tokenizer) > hf_config.vocab_size and not allow_embedding_resizing:
+            raise ConfigError([
+                f"model: the model's vocab_size {hf_config.vocab_size} is smaller than the "
+                f"tokenizer's {len(tokenizer)} tokens; set model.allow_embedding_resizing: true, "
+                f"or model.config_overrides.vocab_size >= {len(tokenizer)} with pretrained: false"
+            ])
+        model = _build_model(hf_config, source, pretrained, trust_remote_code,
+                             attn_implementation, init_device)
+        attach_parallel_hooks(model)
+        super().__init__(
+            model=model,
+            tokenizer=tokenizer,
+            use_logits=True,
+            metrics=[LanguageCrossEntropy()],
+            eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
+            shift_labels=True,
+            allow_embedding_resizing=allow_embedding_resizing,
+        )
+        self.n_matmul_params = matmul_params(self.model)
+        self._warned_packing = False
+
+    def forward(self, batch: Mapping[str, Any]):
+        if batch.get("sequence_id") is not None and not self._warned_packing:
+            self._warned_packing = True
+            log.warning("hf_causal_lm: the batches carry sequence_id (packed examples), which "
+                        "Hugging Face models do not take: packed examples attend to each other; "
+                        "set packing_ratio: null in the loader to keep them apart")
+        return super().forward(batch)
+
+    @classmethod
+    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
+        """Problems of a model section, found without loading weights (for the validator)."""
+        return _section_problems(section)
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        """Training FLOPs of a batch: ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``,
+        N = parameters used in matmuls (see :func:`matmul_params`), as for MPT."""
+        b, s = batch["input_ids"].shape[:2]
+        cfg = self.model.config
+        return 3 * b * (2 * self.n_matmul_params * s + 4 * cfg.num_hidden_layers * cfg.hidden_size * s * s)
+
+
+def _section_problems(section: Mapping[str, Any]) -> list[str]:
+    """Option names, types and combinations; local folders and config dicts are read."""
+    p = signature_problems(ComposerHFCausalLM, dict(section), {"tokenizer"}, "", NAME)
+    if p:
+        return p
+    path, config = section.get("pretrained_model_name_or_path"), section.get("config")
+    overrides = section.get("config_overrides") or {}
+    pretrained = section.get("pretrained", True)
+    init_device = section.get("init_device", "cpu")
+    if (path is None) == (config is None):
+        p.append("pretrained_model_name_or_path: give exactly one of pretrained_model_name_or_path "
+                 "(a folder or hub name) and config (a dict with model_type)")
+    if config is not None and pretrained is True:
+        p.append("pretrained: a config dict has no weights; set pretrained: false")
+    if not isinstance(pretrained, bool):
+        p.append(f"pretrained: {pretrained!r} is not valid; use true or false")
+    if config is not None and not isinstance(config, Mapping):
+        p.append(f"config: expected a mapping with model_type, got {config!r}")
+    if path is not None and not isinstance(path, str):
+        p.append(f"pretrained_model_name_or_path: expected a folder or hub name, got {path!r}")
+    if not isinstance(overrides, Mapping):
+        p.append(f"config_overrides: expected a mapping of config attributes, got {overrides!r}")
+    if init_device not in INIT_DEVICES:
+        p.append(f"init_device: {init_device!r} is not valid; use one of {', '.join(INIT_DEVICES)}")
+    elif init_device == "meta" and pretrained is True and path is not None:
+        p.append("init_device: meta would discard the pretrained weights; use mixed (rank 0 "
+                 "loads them, the other ranks receive their shards) or cpu")
+    if p:
+        return p
+    if path is not None and not looks_like_path(path) and not Path(path).expanduser().is_dir():
+        return p  # a hub name: checked when the model is built
+    try:
+        hf_config, _ = build_config(path, config, {}, bool(section.get("trust_remote_code")))
+    except ConfigError as e:
+        return p + [q.removeprefix("model.") for q in e.problems]
+    return p + override_problems(hf_config, overrides, "config_overrides")
+
+
+def build_config(
+    path: str | None, config: Mapping[str, Any] | None, overrides: Mapping[str, Any],
+    trust_remote_code: bool = False,
+) -> tuple[Any, tuple[str, bool] | None]:
+    """``(PretrainedConfig, (source, local_files_only) or None)`` from a folder/hub name or a
+    config dict, with ``overrides`` applied."""
+    from transformers import AutoConfig
+
+    if config is not None:
+        return apply_overrides(config_from_dict(config, "model.config"), overrides,
+                               "model.config_overrides"), None
+    source = resolve_source(path, "model.pretrained_model_name_or_path")
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            source[0], local_files_only=source[1], trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"model.pretrained_model_name_or_path: cannot load the config of "
+                           f"{path!r}: {_first_line(e)}"]) from None
+    return apply_overrides(hf_config, overrides, "model.config_overrides"), source
+
+
+def _build_model(hf_config: Any, source: tuple[str, bool] | None, pretrained: bool,
+                 trust_remote_code: bool, attn_implementation: str | None, init_device: str) -> nn.Module:
+    from composer.utils import dist
+    from transformers import AutoModelForCausalLM
+
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kw["attn_implementation"] = attn_implementation
+    on_meta = init_device == "meta" or (init_device == "mixed" and dist.get_global_rank() != 0)
+    if on_meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(hf_config, **kw)
+    if not pretrained:
+        return AutoModelForCausalLM.from_config(hf_config, **kw)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source[0], config=hf_config, local_files_only=source[1], **kw
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ConfigError([
+            f"model.pretrained_model_name_or_path: cannot load the weights of {source[0]!r}: "
+            f"{_first_line(e)} (config_overrides that change weight shapes need pretrained: false)"
+        ]) from None
+
+
+def block_classes(model: nn.Module) -> tuple[type, ...]:
+    """The decoder block classes of ``model``, from its ``_no_split_modules`` names."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def attach_parallel_hooks(model: nn.Module) -> None:
+    """Composer's per-model hooks: FSDP2 wraps and checkpoints each decoder block; meta
+    parameters are initialised with the model's own ``_init_weights``."""
+    blocks = block_classes(model)
+    if not blocks:
+        log.info("%s has no _no_split_modules: FSDP2 shards it as one unit and activation "
+                 "checkpointing has no blocks to wrap", type(model).__name__)
+
+    def is_block(module: nn.Module) -> bool:
+        return isinstance(module, blocks)
+
+    model.fsdp_wrap_fn = is_block
+    model.activation_checkpointing_fn = is_block
+    model.param_init_fn = model._init_weights
+
+
+def matmul_params(model: nn.Module) -> int:
+    """Parameters used in matmuls: all but embedding tables; a tied output projection counts."""
+    total = sum(p.numel() for p in model.parameters())
+    tables = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = out is not None and inp is not None and out.weight is inp.weight
+    return total - tables + (out.weight.numel() if tied else 0)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

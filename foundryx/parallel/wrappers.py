@@ -1,0 +1,50 @@
+"""Per-module forward wrappers: activation checkpointing, activation CPU offload, compile.
+
+Each replaces ``module.forward`` on the instance and keeps the module where it is, so
+parameter names (and so checkpoints) do not change, and FSDP's hooks, which run around
+``forward``, stay outside the checkpointed or compiled region.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Recompute ``module``'s forward in backward instead of storing its activations."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module._foundryx_checkpointed = True
+
+
+def offload_activations(module: nn.Module) -> None:
+    """Keep the tensors that ``module``'s backward needs in (pinned) CPU memory."""
+    from torch.autograd.graph import save_on_cpu
+
+    inner = module.forward
+    pin = torch.cuda.is_available()
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with save_on_cpu(pin_memory=pin):
+            return inner(*args, **kwargs)
+
+    module.forward = forward
+    module._foundryx_offloaded = True
+
+
+def compile_forward(module: nn.Module, options: dict[str, Any]) -> None:
+    """``torch.compile`` the module's forward (after any checkpoint/offload wrapper)."""
+    module.forward = torch.compile(module.forward, **options)
+    module._foundryx_compiled = True

@@ -1,0 +1,243 @@
+"""Checkpoints in one process: layout, atomic commit, keep-K, exact resume, fallback, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from composer.core import Callback
+
+from foundryx.checkpoint import load_model_weights
+from foundryx.checkpoint.callback import Checkpointer
+from foundryx.checkpoint.layout import MANIFEST, complete_checkpoints
+from foundryx.errors import CheckpointError
+
+VOCAB, SEQ = 64, 16
+
+
+class LossRecorder(Callback):
+    """Keeps each batch's loss."""
+
+    def __init__(self):
+        self.losses: dict[int, float] = {}
+
+    def batch_end(self, state, logger):
+        self.losses[int(state.timestamp.batch)] = float(state.loss)
+
+
+def make_trainer(folder: Path | None, max_duration: str = "3ba", d_model: int = 32, **ckpt_kw):
+    """A tiny MPT Trainer on fixed random tokens with a Checkpointer saving every batch."""
+    from composer import Trainer
+    from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
+    from composer.utils import reproducibility
+    from torch.utils.data import DataLoader
+
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+    reproducibility.seed_all(3)
+    model = ComposerMPTCausalLM(None, d_model=d_model, n_heads=2, n_layers=2, max_seq_len=SEQ,
+                                vocab_size=VOCAB)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(0, VOCAB, (SEQ,), generator=g)} for _ in range(64)]
+    ckpt_kw.setdefault("run_name", "test")
+    ckpt = Checkpointer(str(folder) if folder else None, save_interval="1ba", **ckpt_kw)
+    rec = LossRecorder()
+    trainer = Trainer(
+        model=model, train_dataloader=DataLoader(data, batch_size=4), max_duration=max_duration,
+        optimizers=DecoupledAdamW(model.parameters(), lr=3e-3),
+        schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="2ba"),
+        callbacks=[ckpt, rec], device="cpu", seed=3, progress_bar=False, log_to_console=False,
+    )
+    return trainer, ckpt, rec
+
+
+def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``folder`` with its bytes and mtime (to prove nothing was touched)."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor], dict[int, float]]:
+    """A save_folder after 3 batches saved every batch, keeping 2; and the final weights."""
+    folder = tmp_path_factory.mktemp("ckpt") / "save"
+    trainer, _, rec = make_trainer(folder, keep=2)
+    trainer.fit()
+    weights = {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
+    trainer.close()
+    return folder, weights, rec.losses
+
+
+@pytest.fixture
+def copy_of(saved, tmp_path) -> Path:
+    dst = tmp_path / "save"
+    shutil.copytree(saved[0], dst, symlinks=True)
+    return dst
+
+
+def test_layout_keep_last_k_and_latest(saved):
+    folder, _, _ = saved
+    assert sorted(p.name for p, _ in complete_checkpoints(folder)) == ["ep0-ba2", "ep0-ba3"]
+    assert os.readlink(folder / "latest") == "ep0-ba3"
+    manifest = json.loads((folder / "ep0-ba3" / MANIFEST).read_text())
+    assert manifest["batch"] == 3 and manifest["world_size"] == 1 and manifest["run_name"] == "test"
+    assert {"dcp/.metadata", "trainer_state.json", "rng/rank0.json"} <= set(manifest["files"])
+    assert not list(folder.glob(".tmp-*"))
+
+
+def test_load_model_weights_is_the_full_state_dict(saved):
+    folder, weights, _ = saved
+    for path in (folder, folder / "ep0-ba3", folder / "ep0-ba3" / MANIFEST):
+        loaded = load_model_weights(path)
+        assert loaded.keys() == weights.keys()
+        assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+
+
+def test_resume_continues_exactly(saved, copy_of, tmp_path):
+    """3 batches, then autoresume to 5 == 5 batches straight: same losses and weights."""
+    folder, first = copy_of, saved[2]
+    straight, _, rec_straight = make_trainer(tmp_path / "straight", max_duration="5ba")
+    straight.fit()
+    assert [rec_straight.losses[b] for b in (1, 2, 3)] == [first[b] for b in (1, 2, 3)]
+    resumed, ckpt, rec = make_trainer(folder, max_duration="5ba", autoresume=True, keep=2)
+    resumed.fit()
+    assert ckpt.loaded == folder / "ep0-ba3"
+    assert sorted(rec.losses) == [4, 5]
+    assert [rec.losses[b] for b in (4, 5)] == [rec_straight.losses[b] for b in (4, 5)]
+    a, b = straight.state.model.state_dict(), resumed.state.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert int(resumed.state.timestamp.batch) == 5
+
+
+def test_unfinished_save_is_never_loaded_and_is_cleaned(copy_of):
+    # a save killed before its commit: files written, renamed never (the manifest may exist)
+    shutil.copytree(copy_of / "ep0-ba3", copy_of / ".tmp-ep0-ba4")
+    # a final-named folder without manifest (not written by foundryx, but must not count)
+    shutil.copytree(copy_of / "ep0-ba3", copy_of / "ep0-ba9")
+    (copy_of / "ep0-ba9" / MANIFEST).unlink()
+    assert [p.name for p, _ in complete_checkpoints(copy_of)] == ["ep0-ba3", "ep0-ba2"]
+    trainer, ckpt, _ = make_trainer(copy_of, max_duration="3ba", autoresume=True)
+    assert ckpt.loaded == copy_of / "ep0-ba3"
+    assert not (copy_of / ".tmp-ep0-ba4").exists()
+
+
+def test_corrupt_latest_falls_back_to_previous(copy_of):
+    shard = next((copy_of / "ep0-ba3" / "dcp").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, wrong hash
+    shard.write_bytes(bytes(data))
+    trainer, ckpt, rec = make_trainer(copy_of, max_duration="4ba", autoresume=True, keep=5)
+    assert ckpt.loaded == copy_of / "ep0-ba2"
+    assert (copy_of / "ep0-ba3.corrupt").is_dir()  # kept for inspection, never overwritten
+    trainer.fit()
+    assert sorted(rec.losses) == [3, 4]
+    assert (copy_of / "ep0-ba3" / MANIFEST).is_file()  # saved again by the resumed run
+
+
+def _break(folder: Path, how: str, other: Path) -> Path:
+    ck = folder / "ep0-ba3"
+    shard = next((ck / "dcp").glob("*.distcp"))
+    if how == "deleted":
+        shard.unlink()
+        return shard
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+        return shard
+    shutil.copy(other / MANIFEST, ck / MANIFEST)  # the manifest of another model
+    return ck / "dcp" / ".metadata"
+
+
+@pytest.fixture(scope="module")
+def other_model_ckpt(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("other") / "save"
+    trainer, _, _ = make_trainer(folder, max_duration="1ba", d_model=64)
+    trainer.fit()
+    trainer.close()
+    return folder / "ep0-ba1"
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "foreign_manifest"])
+def test_broken_checkpoint_error_names_the_file_and_touches_nothing(copy_of, other_model_ckpt, how):
+    bad = _break(copy_of, how, other_model_ckpt)
+    before = snapshot(copy_of)
+    with pytest.raises(CheckpointError) as e:
+        make_trainer(None, max_duration="5ba", load_path=str(copy_of / "ep0-ba3"))
+    assert str(bad) in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        load_model_weights(copy_of / "ep0-ba3")
+    assert str(bad) in str(e.value)
+    assert snapshot(copy_of) == before
+
+
+def test_checkpoint_of_another_model_is_refused_with_the_differences(other_model_ckpt):
+    with pytest.raises(CheckpointError) as e:
+        make_trainer(None, load_path=str(other_model_ckpt))
+    msg = str(e.value)
+    assert "different model" in msg and str(other_model_ckpt) in msg
+    assert "model has shape (32,), checkpoint has (64,)" in msg and "more" in msg
+
+
+def test_existing_checkpoints_need_autoresume_or_overwrite(copy_of):
+    with pytest.raises(CheckpointError, match="autoresume: true.*save_overwrite: true"):
+        make_trainer(copy_of, autoresume=False)
+    trainer, _, _ = make_trainer(copy_of, max_duration="1ba", overwrite=True, keep=-1)
+    trainer.fit()  # the earlier run's checkpoints go when this run commits its first one
+    assert [p.name for p, _ in complete_checkpoints(copy_of)] == ["ep0-ba1"]
+
+
+def test_load_weights_only_keeps_the_clock(saved):
+    folder, weights, _ = saved
+    trainer, ckpt, _ = make_trainer(None, load_path=str(folder), load_weights_only=True)
+    assert int(trainer.state.timestamp.batch) == 0
+    sd = trainer.state.model.state_dict()
+    assert all(torch.equal(sd[k], weights[k]) for k in weights)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/foundryx-pwned",))
+
+
+def test_pickled_code_is_never_executed(copy_of, tmp_path):
+    marker = Path("/tmp/foundryx-pwned")
+    marker.unlink(missing_ok=True)
+    meta = copy_of / "ep0-ba3" / "dcp" / ".metadata"
+    meta.write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(CheckpointError, match=r"\.metadata: not valid checkpoint metadata.*refusing"):
+        load_model_weights(copy_of / "ep0-ba3", verify=False)
+    evil = tmp_path / "weights.pt"
+    evil.write_bytes(pickle.dumps({"w": _Boom()}))
+    with pytest.raises(CheckpointError, match="weights_only"):
+        load_model_weights(evil)
+    assert not marker.exists()
+
+
+def test_load_path_weights_file(saved, tmp_path):
+    from safetensors.torch import save_file
+
+    _, weights, _ = saved
+    hf_keys = tmp_path / "model.safetensors"  # keys of the inner Hugging Face model
+    save_file({k.removeprefix("model."): v.contiguous() for k, v in weights.items()}, hf_keys)
+    trainer, ckpt, _ = make_trainer(None, load_path=str(hf_keys))
+    sd = trainer.state.model.state_dict()
+    assert ckpt.loaded == hf_keys and all(torch.equal(sd[k], weights[k]) for k in weights)
+    other = tmp_path / "other.pt"
+    torch.save({"x": torch.zeros(1)}, other)
+    with pytest.raises(CheckpointError, match=f"{other}: its tensors do not match the model"):
+        make_trainer(None, load_path=str(other))
+
+
+def test_autoresume_with_no_intact_checkpoint_stops_and_touches_nothing(copy_of):
+    shards = [next((copy_of / name / "dcp").glob("*.distcp")) for name in ("ep0-ba2", "ep0-ba3")]
+    for shard in shards:
+        shard.write_bytes(shard.read_bytes()[:-10])
+    before = snapshot(copy_of)
+    with pytest.raises(CheckpointError, match="no usable checkpoint") as e:
+        make_trainer(copy_of, autoresume=True)
+    assert all(str(s) in str(e.value) for s in shards)
+    assert snapshot(copy_of) == before

@@ -1,0 +1,173 @@
+"""Parallelism policies in one process: blocks, activation checkpointing, compile, mixed
+precision, mesh shapes, meta-device materialisation, and the fsdp_config section."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from foundryx.config.schema import FSDPConfig
+from foundryx.errors import ConfigError
+from foundryx.parallel import parallelize
+from foundryx.parallel.fsdp import mesh_shape, mixed_precision_policy
+from foundryx.parallel.policy import blocks, checkpoint_targets
+
+
+def tiny_mpt(n_layers: int = 4, **kw):
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+    torch.manual_seed(0)
+    return ComposerMPTCausalLM(None, d_model=32, n_heads=2, n_layers=n_layers, max_seq_len=16,
+                               vocab_size=64, **kw)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad()
+    out = model({"input_ids": ids})
+    loss = model.loss(out, {"input_ids": ids})
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_blocks_come_from_the_model_hook_in_order():
+    model = tiny_mpt()
+    names = [n for n, _ in blocks(model)]
+    assert names == [f"model.transformer.blocks.{i}" for i in range(4)]
+
+
+def test_blocks_fall_back_to_no_split_modules():
+    class Layer(nn.Linear):
+        pass
+
+    class HFish(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Layer(4, 4) for _ in range(3))
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = HFish()
+
+    assert [n for n, _ in blocks(Wrapper())] == [f"model.layers.{i}" for i in range(3)]
+
+
+def test_checkpoint_every_nth_and_by_class():
+    model = tiny_mpt()
+    every2 = [n for n, _ in checkpoint_targets(model, None, 2)]
+    assert every2 == ["model.transformer.blocks.1", "model.transformer.blocks.3"]
+    ffns = checkpoint_targets(model, ["MLP"], 1)
+    assert [type(m).__name__ for _, m in ffns] == ["MLP"] * 4
+    with pytest.raises(ConfigError, match="no module of class 'MPTBlok'.*did you mean 'MPTBlock'"):
+        checkpoint_targets(model, ["MPTBlok"], 1)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        checkpoint_targets(model, None, 0)
+
+
+def test_activation_checkpointing_recomputes_and_keeps_gradients():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = loss_and_grads(tiny_mpt(), ids)
+    model = tiny_mpt()
+    parallelize(model, FSDPConfig(activation_checkpointing=True, activation_checkpointing_every=2))
+    calls = {i: 0 for i in range(4)}
+    for i, block in enumerate(model.model.transformer.blocks):
+        block.ffn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    loss, grads = loss_and_grads(model, ids)
+    assert calls == {0: 1, 1: 2, 2: 1, 3: 2}  # blocks 1 and 3 run forward again in backward
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.allclose(grads[n], ref_grads[n], atol=1e-7, rtol=0) for n in ref_grads)
+
+
+def test_compile_per_block_and_offload_keep_names_and_numbers():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    ref_loss, ref_grads = loss_and_grads(tiny_mpt(2), ids)
+    model = tiny_mpt(2)
+    keys = list(model.state_dict())
+    cfg = FSDPConfig(compile=True, compile_options={"backend": "eager"}, activation_cpu_offload=True,
+                     activation_checkpointing=True)
+    parallelize(model, cfg)
+    assert all(getattr(b, "_foundryx_compiled", False) for b in model.model.transformer.blocks)
+    assert list(model.state_dict()) == keys
+    loss, grads = loss_and_grads(model, ids)
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    assert all(torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in ref_grads)
+
+
+def test_meta_init_materialises_like_the_model_init():
+    model = tiny_mpt(init_device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    parallelize(model, None)
+    assert not any(p.is_meta for p in model.parameters())
+    w = model.model.transformer.blocks[0].attn.out_proj.weight
+    expected = (2 / 32) ** 0.5 / (2 * 4) ** 0.5  # kaiming normal, divided by sqrt(2 * n_layers)
+    assert abs(w.std().item() / expected - 1) < 0.15
+    assert torch.equal(model.model.transformer.norm_f.weight, torch.ones(32))
+
+
+def test_mixed_precision_policies():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    default = mixed_precision_policy("DEFAULT", "amp_bf16")
+    assert (default.param_dtype, default.reduce_dtype) == (bf16, fp32)
+    pure = mixed_precision_policy("PURE", "amp_bf16")
+    assert (pure.param_dtype, pure.reduce_dtype) == (bf16, bf16)
+    assert mixed_precision_policy("FULL", "amp_bf16").param_dtype is None
+    explicit = mixed_precision_policy({"param_dtype": "bf16", "output_dtype": "fp32"}, "fp32")
+    assert (explicit.param_dtype, explicit.reduce_dtype, explicit.output_dtype) == (bf16, None, fp32)
+    with pytest.raises(ConfigError, match="param_dtype: unknown dtype 'bf61'.*did you mean 'bf16'"):
+        mixed_precision_policy({"param_dtype": "bf61"}, "fp32")
+
+
+def test_mesh_shapes():
+    assert mesh_shape(FSDPConfig(), 8, 4) == (1, 8)
+    assert mesh_shape(FSDPConfig(sharding_strategy="HYBRID_SHARD"), 8, 4) == (2, 4)
+    assert mesh_shape(FSDPConfig(data_parallel_shard_degree=2), 8, 4) == (4, 2)
+    with pytest.raises(ConfigError, match="does not divide the world size 8"):
+        mesh_shape(FSDPConfig(data_parallel_shard_degree=3), 8, 4)
+
+
+def test_hybrid_sharding_on_gloo_needs_sum_reductions():
+    from torch.distributed.fsdp import FSDPModule
+
+    from foundryx.parallel.fsdp import sum_only_reductions
+
+    assert not sum_only_reductions(1, "cpu") and not sum_only_reductions(2, "cuda")
+    if hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        assert sum_only_reductions(2, "cpu")
+    else:
+        with pytest.raises(ConfigError, match="HYBRID_SHARD on CPU .gloo. needs torch >= 2.8"):
+            sum_only_reductions(2, "cpu")
+
+
+def test_fsdp_config_section_is_typed_and_checked(quickstart_data):
+    from foundryx.config import load_config
+
+    overrides = [f"variables.data_root={quickstart_data}", "fsdp_config.mixd_precision=PURE",
+                 "fsdp_config.sharding_strategy=HYBRID", "fsdp_config.activation_checkpointing=3"]
+    with pytest.raises(ConfigError) as e:
+        load_config("yamls/quickstart.yaml", overrides)
+    msg = str(e.value)
+    assert "fsdp_config.mixd_precision: unknown key (did you mean 'mixed_precision'?)" in msg
+    assert "fsdp_config.sharding_strategy" in msg and "did you mean 'HYBRID_SHARD'" in msg
+    assert "fsdp_config.activation_checkpointing: expected true/false" in msg
+    ok = load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                               "fsdp_config.activation_checkpointing_every=2"])
+    assert isinstance(ok.cfg.fsdp_config, FSDPConfig)
+    assert ok.cfg.fsdp_config.activation_checkpointing_every == 2
+
+
+def test_llama_style_pretraining_config_is_valid(quickstart_data):
+    from foundryx.config import load_config
+    from foundryx.models.mpt.modeling import param_count
+
+    loaded = load_config("yamls/pretrain/llama-style-1b.yaml", [
+        f"variables.data_local={quickstart_data}/mds", f"variables.tokenizer_name={quickstart_data}/tokenizer",
+        "variables.max_seq_len=128", "eval_loader.dataset.split=val",
+    ], world_size=8)
+    model = {k: v for k, v in loaded.cfg.model.items() if k != "name"}
+    assert model["attn_config"]["rope"] and model["attn_config"]["kv_n_heads"] == 4
+    assert (model["norm_type"], model["ffn_config"]["ffn_type"], model["no_bias"]) == ("rmsnorm", "swiglu", True)
+    assert 1.2e9 < param_count(model) < 1.35e9
+    assert loaded.cfg.fsdp_config.activation_checkpointing_every == 2 and loaded.cfg.fsdp_config.compile

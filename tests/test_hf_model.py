@@ -1,0 +1,157 @@
+"""hf_causal_lm: tiny random Hugging Face models from folders and configs train; bad sections
+are reported before anything is built; an offline hub name fails at once."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from hf_tiny import HF_CONFIGS, hf_folder, token_batch
+
+from foundryx import registry
+from foundryx.config.components import component_problems
+from foundryx.errors import ConfigError
+from foundryx.models.hf import ComposerHFCausalLM
+
+
+def train_steps(model, steps: int = 12, lr: float = 1e-2) -> list[float]:
+    batch = token_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("model_type", sorted(HF_CONFIGS))
+def test_pretrained_folder_loads_and_trains(model_type, tmp_path, tiny_tokenizer):
+    folder = hf_folder(model_type, tmp_path / model_type, tiny_tokenizer)
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    model = registry.models.get("hf_causal_lm")(
+        tokenizer=tiny_tokenizer, pretrained_model_name_or_path=str(folder)
+    )
+    loaded = model.model.state_dict()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    losses = train_steps(model)
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_pretrained_false_is_random_init_of_the_folder_config(tmp_path):
+    folder = hf_folder("llama", tmp_path / "m")
+    model = ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), pretrained=False,
+                               config_overrides={"num_hidden_layers": 1})
+    assert model.model.config.num_hidden_layers == 1 and len(model.model.model.layers) == 1
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(saved[key], model.model.state_dict()[key])
+
+
+def test_config_dict_with_overrides_trains():
+    model = ComposerHFCausalLM(config={"model_type": "qwen2", **HF_CONFIGS["qwen2"]},
+                               pretrained=False, config_overrides={"intermediate_size": 48})
+    assert type(model.model).__name__ == "Qwen2ForCausalLM"
+    assert model.model.model.layers[0].mlp.up_proj.out_features == 48
+    losses = train_steps(model)
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_fsdp_and_init_hooks_mark_decoder_blocks():
+    model = ComposerHFCausalLM(config={"model_type": "llama", **HF_CONFIGS["llama"]}, pretrained=False)
+    hf = model.model
+    assert hf.fsdp_wrap_fn(hf.model.layers[0]) and hf.activation_checkpointing_fn(hf.model.layers[1])
+    assert not hf.fsdp_wrap_fn(hf.model.embed_tokens) and not hf.fsdp_wrap_fn(hf.lm_head)
+    assert hf.param_init_fn == hf._init_weights
+
+
+def test_meta_init_and_mixed_init_on_rank_zero(tmp_path):
+    cfg = {"model_type": "llama", **HF_CONFIGS["llama"]}
+    meta = ComposerHFCausalLM(config=cfg, pretrained=False, init_device="meta")
+    assert all(p.is_meta for p in meta.parameters())
+    folder = hf_folder("llama", tmp_path / "m")
+    mixed = ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), init_device="mixed")
+    assert not any(p.is_meta for p in mixed.parameters())  # this process is rank 0
+
+
+def test_flops_per_batch_counts_matmul_params():
+    model = ComposerHFCausalLM(config={"model_type": "gpt2", **HF_CONFIGS["gpt2"]}, pretrained=False)
+    hf = model.model
+    n = sum(p.numel() for p in hf.parameters()) - hf.transformer.wpe.weight.numel()  # tied: wte counts
+    b, s = 4, 16
+    assert model.flops_per_batch(token_batch(b, s)) == 3 * b * (2 * n * s + 4 * 2 * 32 * s * s)
+
+
+def test_small_vocab_needs_resizing(tiny_tokenizer):
+    cfg = {"model_type": "llama", **HF_CONFIGS["llama"], "vocab_size": 300}
+    with pytest.raises(ConfigError, match="allow_embedding_resizing"):
+        ComposerHFCausalLM(tokenizer=tiny_tokenizer, config=cfg, pretrained=False)
+    model = ComposerHFCausalLM(tokenizer=tiny_tokenizer, config=cfg, pretrained=False,
+                               allow_embedding_resizing=True)
+    assert model.model.get_input_embeddings().weight.shape[0] == len(tiny_tokenizer)
+
+
+@pytest.mark.parametrize(
+    "section, needle",
+    [
+        ({}, "give exactly one of pretrained_model_name_or_path"),
+        ({"config": {"model_type": "llama"}}, "pretrained: a config dict has no weights"),
+        ({"config": {"model_type": "lama"}, "pretrained": False}, "did you mean 'llama'"),
+        ({"config": {"model_type": "llama"}, "pretrained": False,
+          "config_overrides": {"num_layers": 1}}, "did you mean 'num_hidden_layers'"),
+        ({"pretrained_model_name_or_path": "./no/such/folder"}, "does not exist"),
+        ({"pretrained_model_name": "x"}, "did you mean 'pretrained_model_name_or_path'"),
+        ({"config": "llama", "pretrained": False}, "expected a mapping with model_type"),
+        ({"config": {"model_type": "llama"}, "pretrained": False, "init_device": "gpu"},
+         "init_device: 'gpu' is not valid"),
+    ],
+)
+def test_bad_sections_are_reported_by_the_validator(section, needle):
+    problems = component_problems({"model": {"name": "hf_causal_lm", **section}})
+    assert any(p.startswith("model.") and needle in p for p in problems), problems
+
+
+def test_meta_init_with_pretrained_weights_is_refused(tmp_path):
+    folder = hf_folder("gpt2", tmp_path / "m")
+    with pytest.raises(ConfigError, match="use mixed"):
+        ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), init_device="meta")
+
+
+def test_hub_name_offline_fails_at_once(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set.*huggingface-cli download"):
+        ComposerHFCausalLM(pretrained_model_name_or_path="someone/not-cached-model")
+    assert time.monotonic() - start < 5
+
+
+def test_unreachable_hub_fails_at_once(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="hub is unreachable"):
+        ComposerHFCausalLM(pretrained_model_name_or_path="someone/not-cached-model")
+    assert time.monotonic() - start < 5
+
+
+
+def test_packed_batches_warn_once(monkeypatch):
+    import foundryx.models.hf as hf
+
+    warnings = []
+    monkeypatch.setattr(hf.log, "warning", lambda msg, *a: warnings.append(msg % a))
+    model = ComposerHFCausalLM(config={"model_type": "llama", **HF_CONFIGS["llama"]}, pretrained=False)
+    batch = {**token_batch(), "sequence_id": torch.zeros(4, 16, dtype=torch.long)}
+    model(batch)
+    model(batch)
+    assert len(warnings) == 1 and "packed examples attend to each other" in warnings[0]
