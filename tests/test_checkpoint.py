@@ -21,10 +21,14 @@ VOCAB, SEQ = 64, 16
 
 
 class LossRecorder(Callback):
-    """Keeps each batch's loss."""
+    """Keeps each batch's loss and learning rate."""
 
     def __init__(self):
         self.losses: dict[int, float] = {}
+        self.lrs: dict[int, float] = {}
+
+    def batch_start(self, state, logger):
+        self.lrs[int(state.timestamp.batch) + 1] = state.optimizers[0].param_groups[0]["lr"]
 
     def batch_end(self, state, logger):
         self.losses[int(state.timestamp.batch)] = float(state.loss)
@@ -112,6 +116,7 @@ def test_resume_continues_exactly(saved, copy_of, tmp_path):
     a, b = straight.state.model.state_dict(), resumed.state.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert int(resumed.state.timestamp.batch) == 5
+    assert [rec.lrs[b] for b in (4, 5)] == [rec_straight.lrs[b] for b in (4, 5)]
 
 
 def test_unfinished_save_is_never_loaded_and_is_cleaned(copy_of):

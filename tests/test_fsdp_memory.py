@@ -62,7 +62,7 @@ def weights_hash(model) -> str:
 def run(mode: str, nproc: int, out: Path) -> tuple[dict, list[float]]:
     torchrun = Path(sys.executable).parent / "torchrun"
     r = subprocess.run(
-        [str(torchrun), "--nproc_per_node", str(nproc), "--master_port", str(29400 + nproc),
+        [str(torchrun), "--nproc_per_node", str(nproc), "--standalone",
          __file__, mode, str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
