@@ -1,1 +1,0 @@
-"""An example foundryx plugin."""
