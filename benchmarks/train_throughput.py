@@ -11,7 +11,8 @@ for several processes): it registers a ``synthetic`` dataloader (random tokens, 
 cases, which have no 2048-token corpus offline) and calls ``foundryx train``. Tokens/s and
 MFU are Composer's SpeedMonitor numbers (MFU = model FLOPs per second / the GPU's peak bf16
 FLOPs), averaged over the batches after ``--warmup``. The CPU cases train the quickstart
-on its generated data (``data/quickstart``, created if missing).
+on its generated data (``data/quickstart``, created if missing), each process with
+``OMP_NUM_THREADS`` = cores / processes unless it is set.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def run_case(config: str, overrides: list[str], nproc: int, out: Path, warmup: i
             "console_log_interval=1000ba", "python_log_level=warning"]
     script = [str(Path(__file__).resolve()), "--worker", *args]
     cmd = [str(BIN / "composer"), "-n", str(nproc), *script] if nproc > 1 else [sys.executable, *script]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription on CPU
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"case failed: {' '.join(cmd)}\n{r.stderr[-3000:]}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

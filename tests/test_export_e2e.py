@@ -92,6 +92,25 @@ def test_checkpoint_exports_as_llama_loadable_by_plain_transformers(pretrained, 
     assert all(torch.equal(callback[k], exported[k]) for k in exported)
 
 
+def test_checkpoint_of_a_training_run_exports_without_config(pretrained, capsys):
+    """Checkpoints of ``foundryx train`` carry the model config and tokenizer (``hf/``)."""
+    from safetensors.torch import load_file
+
+    from foundryx.cli import main
+
+    ckpt = pretrained / "ckpt"
+    manifest = json.loads((ckpt / "latest" / "manifest.json").read_text())
+    assert {"hf/config.json", "hf/tokenizer.json"} <= set(manifest["files"])
+    out = pretrained / "no-config"
+    assert main(["export", str(ckpt), str(out), "--no-progress"]) == 0, capsys.readouterr().err
+    assert (out / "tokenizer.json").is_file()
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    callback = load_file(str(pretrained / "hf" / "ba8" / "model.safetensors"))
+    exported = load_file(str(out / "model.safetensors"))
+    assert callback.keys() == exported.keys()
+    assert all(torch.equal(callback[k], exported[k]) for k in exported)
+
+
 def test_config_that_does_not_match_the_checkpoint(pretrained, quickstart_data, capsys):
     from foundryx.cli import main
 

@@ -77,6 +77,7 @@ def save(
     write_json_atomic(tmp / RNG_DIR / f"rank{rank}.json", trainer_state.rng_state())
     if rank == 0:
         write_json_atomic(tmp / TRAINER_STATE, trainer_state.capture(state))
+        _write_hf_metadata(tmp, state.model)
     dist.barrier()
 
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -96,6 +97,18 @@ def save(
         log.info("checkpoint saved: %s (%d files, %d ranks)", final, len(files) + 1, world)
     dist.barrier()
     return final
+
+
+def _write_hf_metadata(folder: Path, model: Any) -> None:
+    """Put the model's Hugging Face config and tokenizer in ``folder/hf/`` so that
+    ``foundryx export`` and ``foundryx eval`` need no run config; a model without a
+    Hugging Face config (a plugin's own ComposerModel) gets none."""
+    inner = getattr(model, "model", None)
+    if not hasattr(getattr(inner, "config", None), "save_pretrained"):
+        return
+    from foundryx.export import write_model_metadata
+
+    write_model_metadata(folder, model)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

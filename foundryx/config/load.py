@@ -29,7 +29,8 @@ class LoadedConfig:
         return yaml.safe_dump(self.resolved, sort_keys=False)
 
 
-def _read_yaml(path: Path) -> DictConfig:
+def read_yaml(path: Path) -> DictConfig:
+    """The YAML mapping at ``path``; ConfigError when it is missing, malformed or not a mapping."""
     if not path.is_file():
         hint = "" if path.suffix in (".yaml", ".yml") else " (run configs are .yaml files)"
         raise ConfigError([f"{path}: no such config file{hint}; see yamls/ for examples"])
@@ -44,7 +45,8 @@ def _read_yaml(path: Path) -> DictConfig:
     return node
 
 
-def _parse_overrides(overrides: list[str]) -> tuple[DictConfig, list[str]]:
+def parse_overrides(overrides: list[str]) -> tuple[DictConfig, list[str]]:
+    """``key=value`` command-line overrides as a config, and a problem per malformed one."""
     good, problems = [], []
     for o in overrides:
         if "=" not in o or o.startswith("="):
@@ -57,7 +59,7 @@ def _parse_overrides(overrides: list[str]) -> tuple[DictConfig, list[str]]:
         return OmegaConf.create(), problems + [f"overrides: {e}"]
 
 
-def _resolve(node: Any, path: str, problems: list[str]) -> Any:
+def resolve(node: Any, path: str, problems: list[str]) -> Any:
     """Resolve interpolations key by key, so every broken one is reported."""
     if isinstance(node, (DictConfig, ListConfig)):
         keys = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
@@ -68,7 +70,7 @@ def _resolve(node: Any, path: str, problems: list[str]) -> Any:
             except OmegaConfBaseException as e:
                 problems.append(f"{join(path, key)}: {_interp_message(e)}")
                 continue
-            out[key] = _resolve(child, join(path, key), problems)
+            out[key] = resolve(child, join(path, key), problems)
         return out if isinstance(node, DictConfig) else list(out.values())
     return node
 
@@ -78,18 +80,26 @@ def _interp_message(e: Exception) -> str:
     return f"cannot resolve interpolation ({msg}); define it under variables:"
 
 
+def read_merged(path: str | Path, overrides: list[str] | None) -> tuple[DictConfig, list[str]]:
+    """The YAML at ``path`` with ``overrides`` merged in (still unresolved), and the problems
+    found so far; an override that cannot merge at all is a ConfigError."""
+    node = read_yaml(Path(path))
+    dot, problems = parse_overrides(list(overrides or []))
+    try:
+        return OmegaConf.merge(node, dot), problems
+    except (OmegaConfBaseException, TypeError, ValueError) as e:  # e.g. a list indexed by a key
+        raise ConfigError(problems + [
+            f"overrides: cannot apply them to {path} ({e}); a list is replaced whole, "
+            "e.g. 'num_fewshot=[0,5]', not by index"], source=str(path)) from None
+
+
 def load_config(
     path: str | Path, overrides: list[str] | None = None, world_size: int | None = None
 ) -> LoadedConfig:
     """Read, merge, resolve and validate a run config; raise ConfigError with every problem."""
     path = Path(path)
-    node = _read_yaml(path)
-    dot, problems = _parse_overrides(list(overrides or []))
-    try:
-        merged = OmegaConf.merge(node, dot)
-    except (OmegaConfBaseException, TypeError, ValueError) as e:  # e.g. a list indexed by a key
-        raise ConfigError(problems + [f"overrides: cannot apply to {path}: {e}"]) from None
-    data = _resolve(merged, "", problems)
+    merged, problems = read_merged(path, overrides)
+    data = resolve(merged, "", problems)
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data)
     problems += cross_section_problems(data)

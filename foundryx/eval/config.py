@@ -111,21 +111,10 @@ def _section(problems: list[str], fn, *args) -> Any:
 
 def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEvalConfig:
     """Read, merge, resolve and validate an eval config; raise ConfigError with every problem."""
-    from pathlib import Path
+    from foundryx.config.load import read_merged, resolve
 
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from foundryx.config.load import _parse_overrides, _read_yaml, _resolve
-
-    node = _read_yaml(Path(path))
-    dot, problems = _parse_overrides(list(overrides or []))
-    try:
-        merged = OmegaConf.merge(node, dot)
-    except (TypeError, OmegaConfBaseException) as e:
-        raise ConfigError([f"overrides: cannot apply them ({e}); a list is replaced whole, "
-                           "e.g. 'num_fewshot=[0,5]', not by index"], source=path) from None
-    data = _resolve(merged, "", problems)
+    merged, problems = read_merged(path, overrides)
+    data = resolve(merged, "", problems)
     problems += dataclass_problems(EvalConfig, data)
     if problems:
         raise ConfigError(problems, source=path)

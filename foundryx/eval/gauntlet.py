@@ -69,10 +69,10 @@ class Gauntlet:
 def _read(source: str | dict[str, Any]) -> tuple[Any, str | None]:
     if isinstance(source, dict):
         return source, None
-    from foundryx.config.load import _read_yaml, _resolve
+    from foundryx.config.load import read_yaml, resolve
 
     problems: list[str] = []
-    data = _resolve(_read_yaml(Path(source)), "", problems)
+    data = resolve(read_yaml(Path(source)), "", problems)
     if problems or set(data) != {"eval_gauntlet"}:
         raise ConfigError(problems or ["a gauntlet file holds one key, eval_gauntlet"], source=source)
     return data["eval_gauntlet"], source

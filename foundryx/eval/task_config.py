@@ -94,10 +94,10 @@ def _entry_problems(entry: Any, path: str) -> list[str]:
 
 def _read_task_file(path: Path) -> tuple[list[Any], str | None]:
     """``(entries, data_root)`` of a task file."""
-    from foundryx.config.load import _read_yaml, _resolve
+    from foundryx.config.load import read_yaml, resolve
 
     problems: list[str] = []
-    data = _resolve(_read_yaml(path), "", problems)
+    data = resolve(read_yaml(path), "", problems)
     if problems:
         raise ConfigError(problems, source=str(path))
     unknown = sorted(set(data) - {"icl_tasks", "data_root"})

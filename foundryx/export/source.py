@@ -33,16 +33,13 @@ def read_model_sections(path: str | Path, overrides: list[str] | None, with_toke
     """The resolved ``model`` (and ``tokenizer``) sections of a run YAML, checked like
     ``load_config`` checks them; the rest of the config (data folders that may live on
     another machine, batch sizes, ...) is not needed for an export and not checked."""
-    from omegaconf import OmegaConf
-
     from foundryx.config.components import component_problems
-    from foundryx.config.load import _parse_overrides, _read_yaml, _resolve
+    from foundryx.config.load import read_merged, resolve
     from foundryx.errors import ConfigError
 
-    dot, problems = _parse_overrides(list(overrides or []))
-    merged = OmegaConf.merge(_read_yaml(Path(path)), dot)
+    merged, problems = read_merged(path, overrides)
     names = ("model", "tokenizer") if with_tokenizer else ("model",)
-    sections = {name: _resolve(merged.get(name), name, problems) for name in names}
+    sections = {name: resolve(merged.get(name), name, problems) for name in names}
     problems += [f"{name}: missing; the export needs it" for name in names
                  if not isinstance(sections[name], dict)]
     problems += component_problems({k: v for k, v in sections.items() if isinstance(v, dict)})
