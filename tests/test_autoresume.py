@@ -1,5 +1,6 @@
 """Autoresume on 2 CPU processes (gloo, FSDP2): kill -9 at three points, resume, and end
-bit-identical to an uninterrupted run; resume on a different world size (2 -> 1, 1 -> 2).
+bit-identical to an uninterrupted run; resume on a different world size (2 -> 1, 1 -> 2,
+4 -> 2).
 
 Runs go through the composer launcher (and torchrun for 1 -> 2) with this file as the
 training script: its ``__main__`` installs the fault (``FOUNDRYX_TEST_KILL``) and runs
@@ -137,6 +138,21 @@ def test_resume_on_two_processes_from_one_with_torchrun(reference, quickstart_da
     assert all(abs(got[b] - ref[b]) < 1e-4 for b in got), (got, ref)
     manifest = json.loads((tmp_path / "ckpt" / "ep0-ba12" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
+
+
+def test_four_processes_then_resume_on_two(reference, quickstart_data, tmp_path):
+    """4 ranks train batches 1-4 (same losses as the 2-rank reference: the loader's order does
+    not depend on the world size), are killed at batch 5, and 2 ranks go on from ep0-ba4."""
+    r = train(quickstart_data, tmp_path, nproc=4, kill="batch:5")
+    assert r.returncode != 0 and names(tmp_path / "ckpt") == ["ep0-ba4"], ok(r)
+    manifest = json.loads((tmp_path / "ckpt" / "ep0-ba4" / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
+    r = train(quickstart_data, tmp_path)
+    assert r.returncode == 0, ok(r)
+    assert "saved with world size 4, now 2" in logs(tmp_path, r)
+    ref, got = losses(reference), losses(tmp_path)
+    assert sorted(got) == list(range(1, 13))
+    assert all(abs(got[b] - ref[b]) < 1e-4 for b in got), (got, ref)
 
 
 def install_fault(spec: str) -> None:
