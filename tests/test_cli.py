@@ -1,4 +1,9 @@
-"""The CLI: bad input gives one message and exit code 2, never a traceback."""
+"""The CLI: bad input gives one message and exit code 2, never a traceback.
+
+Two cases run as real processes (``train.py`` and ``python -m foundryx.cli``) to see what a
+user sees; the others call ``foundryx.cli.main`` in this process, which is the same code
+path without the ten seconds of interpreter start and imports each.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +34,15 @@ def assert_user_error(r: subprocess.CompletedProcess, *needles: str) -> None:
         assert n in r.stderr, r.stderr
 
 
+def in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``foundryx ARGS`` run by ``main`` here, as a CompletedProcess."""
+    from foundryx.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["foundryx", *args], code, out, err)
+
+
 def test_missing_yaml_via_train_py():
     assert_user_error(run("train.py", "yamls/nope.yaml"), "yamls/nope.yaml: no such config file")
 
@@ -37,15 +51,15 @@ def test_unknown_registry_name_in_list():
     assert_user_error(foundryx("registry", "list", "callback"), "did you mean 'callbacks'")
 
 
-def test_registry_list_shows_kind_and_source():
-    r = foundryx("registry", "list", "optimizers")
+def test_registry_list_shows_kind_and_source(capsys):
+    r = in_process(capsys, "registry", "list", "optimizers")
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if "decoupled_adamw" in ln)
     assert line.split()[:4] == ["optimizers", "decoupled_adamw", "class", "foundryx"]
 
 
-def test_dry_run_prints_resolved_config_and_derived(quickstart_data):
-    r = foundryx("train", "--dry-run", "yamls/quickstart.yaml",
+def test_dry_run_prints_resolved_config_and_derived(quickstart_data, capsys):
+    r = in_process(capsys, "train", "--dry-run", "yamls/quickstart.yaml",
                  f"variables.data_root={quickstart_data}", "global_train_batch_size=32")
     assert r.returncode == 0, r.stderr
     assert "global_train_batch_size: 32" in r.stdout
@@ -53,14 +67,14 @@ def test_dry_run_prints_resolved_config_and_derived(quickstart_data):
     assert "${" not in r.stdout  # interpolations are resolved
 
 
-def test_bad_config_lists_all_problems(quickstart_data):
-    r = foundryx("train", "--dry-run", "yamls/quickstart.yaml",
+def test_bad_config_lists_all_problems(quickstart_data, capsys):
+    r = in_process(capsys, "train", "--dry-run", "yamls/quickstart.yaml",
                  f"variables.data_root={quickstart_data}", "optimizer.name=adamx", "seeed=3")
     assert_user_error(r, "2 problems", "optimizer.name", "seeed: unknown key (did you mean 'seed'?)")
 
 
-def test_mpt_1b_without_data_names_the_folder(tmp_path):
-    r = foundryx("train", "--dry-run", "yamls/mpt-1b.yaml",
+def test_mpt_1b_without_data_names_the_folder(tmp_path, capsys):
+    r = in_process(capsys, "train", "--dry-run", "yamls/mpt-1b.yaml",
                  f"variables.data_local={tmp_path}/c4")
     assert_user_error(r, "train_loader.dataset.local", f"{tmp_path}/c4")
 
@@ -86,7 +100,10 @@ def test_usage_errors_exit_2(argv):
     ids=["misspelt-key", "wrong-type", "unknown-registry-name", "unknown-attn-impl",
          "missing-data", "batch-vs-world-size"],
 )
-def test_each_bad_input_is_one_message_and_exit_2(quickstart_data, overrides, env, needle):
-    r = run("train.py", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
-            *overrides, env=env)
+def test_each_bad_input_is_one_message_and_exit_2(quickstart_data, overrides, env, needle,
+                                                 monkeypatch, capsys):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    r = in_process(capsys, "train", "yamls/quickstart.yaml",
+                   f"variables.data_root={quickstart_data}", *overrides)
     assert_user_error(r, needle)

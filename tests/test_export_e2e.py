@@ -111,6 +111,23 @@ def test_checkpoint_of_a_training_run_exports_without_config(pretrained, capsys)
     assert all(torch.equal(callback[k], exported[k]) for k in exported)
 
 
+def test_eval_reads_a_checkpoint_without_its_run_config(pretrained):
+    from foundryx.checkpoint import load_model_weights
+    from foundryx.eval.config import _model_problems
+    from foundryx.eval.models import load_eval_model
+
+    specs, problems = _model_problems([{"label": "run", "checkpoint": str(pretrained / "ckpt")}])
+    assert problems == []
+    model, tokenizer = load_eval_model(specs[0])
+    assert type(model.model).__name__ == "MPTForCausalLM" and model.model.config.d_model == 64
+    assert 1000 < len(tokenizer) <= model.model.config.vocab_size == 1024  # the quickstart BPE
+    want = load_model_weights(pretrained / "ckpt")
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _, problems = _model_problems([{"label": "x", "checkpoint": str(pretrained / "hf" / "ba8")}])
+    assert len(problems) == 1 and "holds no hf/ folder" in problems[0]
+
+
 def test_config_that_does_not_match_the_checkpoint(pretrained, quickstart_data, capsys):
     from foundryx.cli import main
 

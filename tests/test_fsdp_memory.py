@@ -20,6 +20,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 MODEL = dict(d_model=1024, n_heads=8, n_layers=5, max_seq_len=64, vocab_size=1024)
 MODEL_MB = 4 * (12 * 1024 * 1024 * 5 + 1024 * 1024 + 64 * 1024) / 2**20  # fp32 parameters
+BLOCK_MB = 4 * 12 * 1024 * 1024 / 2**20  # one block: meta init fills it full-size, then shards
 
 
 def worker(mode: str, out: Path) -> None:
@@ -77,7 +78,8 @@ def test_two_sharded_processes_hold_one_copy_not_two(tmp_path):
     one, (grown1,) = run("meta", 1, tmp_path / "one.json")
     assert grown1 > 0.9 * MODEL_MB  # one process holds the whole model
     two, grown2 = run("meta", 2, tmp_path / "two.json")
-    assert max(grown2) < 0.65 * grown1, (grown1, grown2)  # each holds about half
+    # each holds its half, plus one block's full-size init temporaries at a time
+    assert max(grown2) < 0.5 * grown1 + BLOCK_MB + 8, (grown1, grown2)
     assert two["after"] == one["after"]  # sharded meta init == unsharded init, same seed
 
     bcast, grown_b = run("rank0", 2, tmp_path / "bcast.json")

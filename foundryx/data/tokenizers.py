@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foundryx.errors import DataError
+from foundryx.models.hf_source import looks_like_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -65,11 +66,6 @@ _FIX = (
 )
 
 
-def _looks_like_path(name: str) -> bool:
-    """A name starting with ``.``, ``/`` or ``~`` or with two slashes is a path, not a hub id."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1
-
-
 def build_hf_tokenizer(path: str, **kwargs) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder or a Hugging Face hub name (``path``).
 
@@ -79,7 +75,7 @@ def build_hf_tokenizer(path: str, **kwargs) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     local = Path(path).expanduser()
-    if not local.is_dir() and _looks_like_path(path):
+    if not local.is_dir() and looks_like_path(path):
         raise DataError(f"tokenizer folder {path!r} does not exist. {_FIX}")
     if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
         raise DataError(
@@ -104,7 +100,7 @@ def tokenizer_config_problems(section: dict[str, Any]) -> list[str]:
     path = section.get("path")
     if not isinstance(path, str) or not path:
         return ["path: missing; give a local tokenizer folder or a hub name"]
-    if _looks_like_path(path) and not Path(path).expanduser().is_dir():
+    if looks_like_path(path) and not Path(path).expanduser().is_dir():
         return [f"path: tokenizer folder {path} does not exist. {_FIX}"]
     return []
 

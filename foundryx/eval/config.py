@@ -24,8 +24,8 @@ class ModelSpec:
     label: str = doc("the model's name in tables, e.g. my-run")
     checkpoint: str | None = doc(
         "a foundryx checkpoint: folder, save_folder (newest) or weights file", default=None)
-    run_config: str | None = doc("the run YAML that trained `checkpoint` (model + tokenizer)",
-                                 default=None)
+    run_config: str | None = doc("the run YAML that trained `checkpoint` (model + tokenizer); "
+                                 "default: the checkpoint's hf/ folder", default=None)
     overrides: list[str] = doc("key=value overrides of run_config", default_factory=list)
     hf: str | None = doc("a Hugging Face causal LM: local folder (also `foundryx export` "
                          "output) or hub name", default=None)
@@ -88,8 +88,12 @@ def _model_problems(models: list[Any]) -> tuple[list[ModelSpec], list[str]]:
             if (spec.checkpoint is None) == (spec.hf is None):
                 found.append(f"{path}: give exactly one of checkpoint (with run_config) and hf")
             elif spec.checkpoint is not None and spec.run_config is None:
-                found.append(f"{path}.run_config: missing; the run YAML that trained the "
-                             "checkpoint rebuilds its model and tokenizer")
+                from foundryx.export.source import metadata_folder
+
+                if metadata_folder(spec.checkpoint) is None:
+                    found.append(f"{path}.run_config: missing, and {spec.checkpoint} holds no "
+                                 "hf/ folder (model config + tokenizer); give the run YAML that "
+                                 "trained the checkpoint")
             if spec.label in labels:
                 found.append(f"{path}.label: {spec.label!r} is used twice")
             labels.add(spec.label)

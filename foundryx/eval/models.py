@@ -1,5 +1,6 @@
-"""Models for standalone eval: a foundryx checkpoint (rebuilt from its run config) or a
-Hugging Face causal LM, each as a Composer ``HuggingFaceModel`` with its tokenizer."""
+"""Models for standalone eval: a foundryx checkpoint (rebuilt from its run config or its
+``hf/`` folder) or a Hugging Face causal LM, each as a Composer ``HuggingFaceModel`` with its
+tokenizer."""
 
 from __future__ import annotations
 
@@ -20,26 +21,50 @@ def wrap_hf_model(model: Any, tokenizer: Any) -> Any:
                             eval_metrics=[])
 
 
-def _from_checkpoint(spec: ModelSpec) -> tuple[Any, Any]:
+def _model_from_run_config(spec: ModelSpec) -> tuple[Any, Any]:
     from foundryx import builders
-    from foundryx.checkpoint import load_model_weights
     from foundryx.config import load_config
     from foundryx.data.tokenizers import build_hf_tokenizer
 
     loaded = load_config(spec.run_config, spec.overrides, world_size=1)
     tokenizer = build_hf_tokenizer(spec.tokenizer) if spec.tokenizer else builders.build_tokenizer(loaded.cfg)
-    model = builders.build_model(loaded.cfg, tokenizer)
+    return builders.build_model(loaded.cfg, tokenizer), tokenizer
+
+
+def _model_from_metadata(spec: ModelSpec) -> tuple[Any, Any]:
+    """The model (random weights) and tokenizer described by the checkpoint's ``hf/`` folder."""
+    from transformers import AutoModelForCausalLM
+
+    from foundryx.data.tokenizers import build_hf_tokenizer
+    from foundryx.export.source import spec_from_checkpoint
+
+    tokenizer = build_hf_tokenizer(spec.tokenizer) if spec.tokenizer else None
+    meta = spec_from_checkpoint(spec.checkpoint, tokenizer)
+    if meta is None or meta.tokenizer is None:
+        raise CheckpointError(f"{spec.checkpoint}: no hf/ folder with a model config and tokenizer; "
+                              "give run_config, the run YAML that trained it")
+    return wrap_hf_model(AutoModelForCausalLM.from_config(meta.config), meta.tokenizer), meta.tokenizer
+
+
+def _from_checkpoint(spec: ModelSpec) -> tuple[Any, Any]:
+    from foundryx.checkpoint import load_model_weights
+
+    if spec.run_config:
+        model, tokenizer = _model_from_run_config(spec)
+    else:
+        model, tokenizer = _model_from_metadata(spec)
     state = load_model_weights(spec.checkpoint)
+    source = spec.run_config or "its hf/ folder"
     fix = "give the run config (and overrides) it was trained with"
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatches
         lines = [ln.strip() for ln in str(e).splitlines()[1:4]]
         raise CheckpointError(f"{spec.checkpoint}: its weights do not fit the model of "
-                              f"{spec.run_config} ({'; '.join(lines)}); {fix}") from None
+                              f"{source} ({'; '.join(lines)}); {fix}") from None
     if missing or unexpected:
         raise CheckpointError(
-            f"{spec.checkpoint}: its weights do not match the model of {spec.run_config} "
+            f"{spec.checkpoint}: its weights do not match the model of {source} "
             f"(missing: {', '.join(missing[:5]) or 'none'}; unexpected: "
             f"{', '.join(unexpected[:5]) or 'none'}); {fix}"
         )

@@ -87,16 +87,31 @@ def write_model_metadata(folder: str | Path, composer_model: Any) -> Path:
     return out
 
 
+def metadata_folder(checkpoint: str | Path) -> Path | None:
+    """The ``hf/`` folder of a checkpoint folder, of the newest checkpoint of a save_folder,
+    or beside a weights file; None when there is none (or no checkpoint at all)."""
+    from foundryx.checkpoint.layout import resolve_checkpoint
+    from foundryx.errors import CheckpointError
+
+    path = Path(checkpoint)
+    if path.is_dir() or path.name == "manifest.json":
+        try:
+            path = resolve_checkpoint(path)
+        except CheckpointError:
+            return None
+    meta = (path if path.is_dir() else path.parent) / METADATA_DIR
+    return meta if (meta / "config.json").is_file() else None
+
+
 def spec_from_checkpoint(checkpoint: str | Path, tokenizer: Any = None) -> ModelSpec | None:
-    """The spec stored in ``hf/`` of a checkpoint folder (or beside a weights file), or None
-    when there is none."""
+    """The spec stored in ``hf/`` of a checkpoint (see :func:`metadata_folder`), or None when
+    there is none."""
     from transformers import AutoConfig, AutoTokenizer
 
     import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt)
 
-    path = Path(checkpoint)
-    meta = (path if path.is_dir() else path.parent) / METADATA_DIR
-    if not (meta / "config.json").is_file():
+    meta = metadata_folder(checkpoint)
+    if meta is None:
         return None
     config = AutoConfig.from_pretrained(meta, local_files_only=True)
     if tokenizer is None and (meta / "tokenizer_config.json").is_file():
