@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from foundryx.errors import DataError
+from foundryx.errors import ConfigError, DataError
 from foundryx.eval.config import load_eval_config
 from foundryx.eval.data import prepare_task
 from foundryx.eval.gauntlet import load_gauntlet
@@ -34,10 +34,22 @@ def test_task_file_and_gauntlet_cover_the_standard_tasks():
     assert load_icl_tasks("eval/yamls/tasks.yaml", "/data")[0].dataset_uri.startswith("/data/")
 
 
-@pytest.mark.parametrize("name", ["hf_eval.yaml", "quickstart.yaml"])
-def test_eval_configs_validate(name):
-    loaded = load_eval_config(f"eval/yamls/{name}")
+@pytest.mark.parametrize(("name", "overrides"), [("hf_eval.yaml", ["skip_missing_data=true"]),
+                                                 ("quickstart.yaml", [])])
+def test_eval_configs_validate(name, overrides):
+    loaded = load_eval_config(f"eval/yamls/{name}", overrides)
     assert loaded.models and loaded.tasks and loaded.gauntlet is not None
+
+
+@pytest.mark.needs_shared
+def test_missing_task_data_is_reported_before_any_model_loads(shared_dir):
+    """../shared/eval_data has every standard task but hellaswag."""
+    with pytest.raises(ConfigError) as e:
+        load_eval_config("eval/yamls/hf_eval.yaml")
+    assert len(e.value.problems) == 1, e.value.problems
+    assert e.value.problems[0].startswith("icl_tasks: hellaswag: dataset_uri ../shared/eval_data/"
+                                          "language_understanding/hellaswag.jsonl: no such file")
+    assert "skip_missing_data=true" in e.value.problems[0]
 
 
 @pytest.mark.needs_shared

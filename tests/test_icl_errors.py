@@ -93,3 +93,32 @@ def test_eval_config_problems_are_reported_together(tmp_path):
     assert "models[1].label: 'm' is used twice" in text
     assert "setup.quickstart_fact: unknown step (did you mean 'quickstart_facts'?)" in text
     assert "eval_gauntlet.categories[0].benchmarks[0]: t/5-shot is not among the ICL tasks evaluated (t/0-shot)" in text
+
+
+def test_run_config_checks_its_icl_tasks_up_front(tmp_path, quickstart_data):
+    """`foundryx train --dry-run` reports a bad task entry and a missing dataset with the rest."""
+    from foundryx.config import load_config
+
+    write_jsonl(tmp_path / "here.jsonl", [{"context": "a", "continuation": "b"}])
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text(
+        f"data_root: {tmp_path}\nicl_tasks:\n"
+        "  - {label: here, dataset_uri: here.jsonl, icl_task_type: language_modeling}\n"
+        "  - {label: gone, dataset_uri: gone.jsonl, icl_task_type: language_modeling}\n"
+        "  - {label: typo, dataset_uri: here.jsonl, icl_task_type: multiple_choise}\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                              f"icl_tasks={tasks}", "max_durration=3ba"])
+    text = str(e.value)
+    assert "2 problems" in text, text
+    assert "max_durration: unknown key (did you mean 'max_duration'?)" in text
+    assert f"{tasks}: icl_tasks[2].icl_task_type: unknown icl_task 'multiple_choise'" in text
+    assert "did you mean 'multiple_choice'?" in text
+    tasks.write_text(tasks.read_text().replace("multiple_choise", "multiple_choice"))
+    with pytest.raises(ConfigError) as e:
+        load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                              f"icl_tasks={tasks}"])
+    assert e.value.problems == [
+        f"icl_tasks: gone: dataset_uri {tmp_path}/gone.jsonl: no such file; set icl_data_root, "
+        "or data_root in the task file, to the folder that holds it"]

@@ -103,6 +103,11 @@ def load_config(
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data)
     problems += cross_section_problems(data)
+    if isinstance(data.get("icl_tasks"), (str, list)):  # other types: a schema problem above
+        from foundryx.eval.config import icl_problems
+
+        problems += icl_problems(data["icl_tasks"], data.get("icl_data_root"),
+                                 data.get("eval_gauntlet"))[2]
     if problems:
         raise ConfigError(problems, source=str(path))
     data.pop("variables", None)

@@ -7,6 +7,7 @@ reported at once with its path.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from foundryx.config.schema import Precision, doc
@@ -113,6 +114,25 @@ def _section(problems: list[str], fn, *args) -> Any:
         return None
 
 
+def icl_problems(icl_tasks: Any, icl_data_root: str | None, eval_gauntlet: Any,
+                 check_files: bool = True, missing_hint: str = ""
+                 ) -> tuple[list[ICLTaskConfig], Any, list[str]]:
+    """``(tasks, gauntlet, problems)`` of the ICL sections of a run or eval config: the task
+    file and entries, that each dataset file exists (``check_files``; not read yet), and the
+    gauntlet."""
+    problems: list[str] = []
+    tasks = _section(problems, load_icl_tasks, icl_tasks, icl_data_root) or []
+    if check_files:
+        problems += [f"icl_tasks: {t.label}: dataset_uri {t.dataset_uri}: no such file; set "
+                     f"icl_data_root, or data_root in the task file, to the folder that holds it{missing_hint}"
+                     for t in tasks if not Path(t.dataset_uri).is_file()]
+    gauntlet = None
+    if eval_gauntlet is not None and tasks:
+        keys = {t.key(s) for t in tasks for s in t.shots}
+        gauntlet = _section(problems, load_gauntlet, eval_gauntlet, keys)
+    return tasks, gauntlet, problems
+
+
 def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEvalConfig:
     """Read, merge, resolve and validate an eval config; raise ConfigError with every problem."""
     from foundryx.config.load import read_merged, resolve
@@ -133,11 +153,12 @@ def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEva
                        ("max_seq_len", cfg.max_seq_len), ("icl_max_examples", cfg.icl_max_examples)):
         if value is not None and value <= 0:
             problems.append(f"{key}: must be positive, got {value}")
-    tasks = _section(problems, load_icl_tasks, cfg.icl_tasks, cfg.icl_data_root) or []
-    gauntlet = None
-    if cfg.eval_gauntlet is not None and tasks:
-        keys = {t.key(s) for t in tasks for s in t.shots}
-        gauntlet = _section(problems, load_gauntlet, cfg.eval_gauntlet, keys)
+    # setup steps write their tasks' files when the eval starts, so those are not there yet
+    tasks, gauntlet, more = icl_problems(
+        cfg.icl_tasks, cfg.icl_data_root, cfg.eval_gauntlet,
+        check_files=not (cfg.setup or cfg.skip_missing_data),
+        missing_hint=" (or skip_missing_data=true to leave such tasks out)")
+    problems += more
     if problems:
         raise ConfigError(problems, source=path)
     return LoadedEvalConfig(cfg, specs, tasks, gauntlet, path, data)
