@@ -148,4 +148,3 @@ def load_icl_tasks(
         if root is not None and not Path(t.dataset_uri).is_absolute() else t
         for t in tasks
     ]
-

@@ -82,8 +82,9 @@ def write_model_metadata(folder: str | Path, composer_model: Any) -> Path:
     ``foundryx export`` needs no ``--config``. Returns the ``hf`` folder."""
     out = Path(folder) / METADATA_DIR
     composer_model.model.config.save_pretrained(out)
-    if getattr(composer_model, "tokenizer", None) is not None:
-        composer_model.tokenizer.save_pretrained(out)
+    tokenizer = getattr(composer_model, "tokenizer", None)
+    if hasattr(tokenizer, "save_pretrained"):  # a plugin's own tokenizer may not have one
+        tokenizer.save_pretrained(out)
     return out
 
 
