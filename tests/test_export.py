@@ -219,3 +219,20 @@ def test_run_config_needs_only_its_model_and_tokenizer(tmp_path, tiny_tokenizer)
     with pytest.raises(CheckpointError, match=f"model section of {tmp_path / 'run.yaml'}"):
         export_checkpoint(tmp_path / "w.pt", tmp_path / "o2", config=tmp_path / "run.yaml",
                           overrides=["model.d_model=64"], progress=False)
+
+
+def test_checkpoint_metadata_of_models_without_hf_parts(tmp_path):
+    """A plugin's ComposerModel without a Hugging Face config gets no hf/ folder; one whose
+    tokenizer cannot save_pretrained gets the config alone (the checkpoint save goes on)."""
+    from types import SimpleNamespace
+
+    from foundryx.checkpoint.save import _write_hf_metadata
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+    _write_hf_metadata(tmp_path / "a", SimpleNamespace(model=torch.nn.Linear(2, 2)))
+    assert not (tmp_path / "a").exists()
+    model = ComposerMPTCausalLM(None, **{**LLAMA_STYLE, "d_model": 32, "n_heads": 4, "n_layers": 2,
+                                         "vocab_size": VOCAB})
+    model.tokenizer = object()
+    _write_hf_metadata(tmp_path / "b", model)
+    assert [p.name for p in (tmp_path / "b" / "hf").iterdir()] == ["config.json"]

@@ -164,3 +164,10 @@ def test_hf_finetune_of_the_export_under_fsdp2(pretrained, quickstart_data, tmp_
     exported = load_file(str(tmp_path / "hf" / "ba8" / "model.safetensors"))
     ckpt = load_model_weights(tmp_path / "ckpt")
     assert all(torch.equal(exported[k], ckpt["model." + k]) for k in exported)
+    # and `foundryx export` of that hf_causal_lm checkpoint needs no run config either
+    r = run(["-m", "foundryx.cli", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+             "--no-progress"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert again.keys() == exported.keys() and all(torch.equal(again[k], exported[k]) for k in again)
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
