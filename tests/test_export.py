@@ -226,14 +226,13 @@ def test_checkpoint_metadata_of_models_without_hf_parts(tmp_path):
     tokenizer cannot save_pretrained gets the config alone (the checkpoint save goes on)."""
     from types import SimpleNamespace
 
-    from foundryx.checkpoint.save import _write_hf_metadata
     from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
-    _write_hf_metadata(tmp_path / "a", SimpleNamespace(model=torch.nn.Linear(2, 2)))
+    assert write_model_metadata(tmp_path / "a", SimpleNamespace(model=torch.nn.Linear(2, 2))) is None
     assert not (tmp_path / "a").exists()
     model = ComposerMPTCausalLM(None, **{**LLAMA_STYLE, "d_model": 32, "n_heads": 4, "n_layers": 2,
                                          "vocab_size": VOCAB})
     model.tokenizer = object()
-    _write_hf_metadata(tmp_path / "b", model)
+    assert write_model_metadata(tmp_path / "b", model) == tmp_path / "b" / "hf"
     names = {p.name for p in (tmp_path / "b" / "hf").iterdir()}
     assert "config.json" in names and not any(n.startswith(("tokenizer", "special")) for n in names)

@@ -60,6 +60,8 @@ def save(
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
+    from foundryx.export.source import write_model_metadata  # imports the export formats
+
     root = Path(save_folder)
     ts = state.timestamp
     name = checkpoint_name(int(ts.epoch), int(ts.batch))
@@ -77,7 +79,7 @@ def save(
     write_json_atomic(tmp / RNG_DIR / f"rank{rank}.json", trainer_state.rng_state())
     if rank == 0:
         write_json_atomic(tmp / TRAINER_STATE, trainer_state.capture(state))
-        _write_hf_metadata(tmp, state.model)
+        write_model_metadata(tmp, state.model)  # hf/: config + tokenizer, for export and eval
     dist.barrier()
 
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
@@ -97,18 +99,6 @@ def save(
         log.info("checkpoint saved: %s (%d files, %d ranks)", final, len(files) + 1, world)
     dist.barrier()
     return final
-
-
-def _write_hf_metadata(folder: Path, model: Any) -> None:
-    """Put the model's Hugging Face config and tokenizer in ``folder/hf/`` so that
-    ``foundryx export`` and ``foundryx eval`` need no run config; a model without a
-    Hugging Face config (a plugin's own ComposerModel) gets none."""
-    inner = getattr(model, "model", None)
-    if not hasattr(getattr(inner, "config", None), "save_pretrained"):
-        return
-    from foundryx.export import write_model_metadata
-
-    write_model_metadata(folder, model)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

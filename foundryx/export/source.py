@@ -77,13 +77,18 @@ def spec_from_run_config(path: str | Path, overrides: list[str] | None = None,
     return ModelSpec(config, tokenizer, f"model section of {path}")
 
 
-def write_model_metadata(folder: str | Path, composer_model: Any) -> Path:
+def write_model_metadata(folder: str | Path, composer_model: Any) -> Path | None:
     """Write ``folder/hf/``: the model's config.json and its tokenizer files, so that
-    ``foundryx export`` needs no ``--config``. Returns the ``hf`` folder."""
+    ``foundryx export`` and ``foundryx eval`` need no run config. Returns the ``hf`` folder, or
+    None for a model without a Hugging Face config (a plugin's own ComposerModel); a tokenizer
+    without ``save_pretrained`` is left out."""
+    config = getattr(getattr(composer_model, "model", None), "config", None)
+    if not hasattr(config, "save_pretrained"):
+        return None
     out = Path(folder) / METADATA_DIR
-    composer_model.model.config.save_pretrained(out)
+    config.save_pretrained(out)
     tokenizer = getattr(composer_model, "tokenizer", None)
-    if hasattr(tokenizer, "save_pretrained"):  # a plugin's own tokenizer may not have one
+    if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(out)
     return out
 
