@@ -9,20 +9,14 @@ from typing import Any
 
 from foundryx import registry
 from foundryx.config import TrainConfig
+from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
+    build_component,
+    options_parameter,
+    split_name,
+)
 from foundryx.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-
-def split_name(section: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``{name: x, a: 1}`` → ``("x", {"a": 1})``."""
-    return section["name"], {k: v for k, v in section.items() if k != "name"}
-
-
-def build_component(reg_name: str, section: dict[str, Any], **supplied: Any) -> Any:
-    """Call the registered object named by ``section['name']`` with the section's options."""
-    name, kwargs = split_name(section)
-    return registry.get_registry(reg_name).get(name)(**supplied, **kwargs)
 
 
 def build_named(reg_name: str, mapping: dict[str, dict[str, Any] | None]) -> list[Any]:
@@ -40,8 +34,12 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
 
 
 def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size: int) -> Any:
-    """Dataloader factories get the whole section: ``factory(cfg, tokenizer, batch_size)``."""
+    """A loader with an options dataclass gets it (see foundryx.config.components); one
+    without gets the whole section: ``factory(cfg, tokenizer, device_batch_size)``."""
     factory = registry.dataloaders.get(section["name"])
+    if options_parameter(factory) is not None:
+        return build_component("dataloaders", section, tokenizer=tokenizer,
+                               device_batch_size=device_batch_size)
     return factory(section, tokenizer, device_batch_size)
 
 

@@ -40,7 +40,7 @@ def fresh_state():
 def test_builtins_are_registered():
     names = registry.attention_implementations.names()
     assert {"torch", "triton", "flash", "auto"} <= set(names)
-    assert MPTConfig(attn_config={"attn_impl": "auto"}).problems() == []
+    assert MPTConfig(attn_config={"attn_impl": "auto"}).attn.attn_impl == "auto"
 
 
 def test_auto_on_cpu_runs_torch_and_logs_one_line(caplog):

@@ -6,8 +6,9 @@ import json
 import time
 
 import pytest
+from config_checks import section_problems
 
-from foundryx import registry
+from foundryx.config.components import build_component
 from foundryx.data import quickstart
 from foundryx.data.convert import MANIFEST
 from foundryx.data.quickstart import prepare_quickstart
@@ -61,11 +62,12 @@ def test_vocab_size_too_small(tmp_path):
 
 
 def test_build_hf_tokenizer(tiny_tokenizer):
-    assert registry.tokenizers.get("hf") is build_hf_tokenizer
     tok = build_hf_tokenizer(tiny_tokenizer.name_or_path, model_max_length=77)
     assert tok.model_max_length == 77
     assert tok.pad_token_id == tok.eos_token_id
-    assert build_hf_tokenizer.config_problems({"path": tiny_tokenizer.name_or_path}) == []
+    section = {"path": tiny_tokenizer.name_or_path, "model_max_length": 55}
+    assert section_problems("tokenizers", "hf", section) == []
+    assert build_component("tokenizers", {"name": "hf", **section}).model_max_length == 55
 
 
 def test_build_hf_tokenizer_sets_missing_pad(tiny_tokenizer, tmp_path):
@@ -81,9 +83,9 @@ def test_build_hf_tokenizer_errors(tmp_path):
     missing = str(tmp_path / "no" / "tokenizer")
     with pytest.raises(DataError, match="does not exist.*a local folder with tokenizer files"):
         build_hf_tokenizer(missing)
-    [problem] = build_hf_tokenizer.config_problems({"path": missing})
+    [problem] = section_problems("tokenizers", "hf", {"path": missing})
     assert problem.startswith(f"path: tokenizer folder {missing} does not exist")
-    assert build_hf_tokenizer.config_problems({})[0].startswith("path: missing")
+    assert section_problems("tokenizers", "hf", {})[0].startswith("path: missing")
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="could not load tokenizer .* as a local folder"):
         build_hf_tokenizer(str(tmp_path / "empty"))

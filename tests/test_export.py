@@ -120,9 +120,10 @@ def test_bf16_export(tmp_path):
 
 def test_checkpoint_with_metadata_exports_without_config(tmp_path, tiny_tokenizer):
     from foundryx.models.mpt.composer import ComposerMPTCausalLM
+    from foundryx.models.mpt.configuration import FIELDS
 
     model = ComposerMPTCausalLM(tiny_tokenizer, **{k: v for k, v in random_mpt().config.to_dict().items()
-                                                    if k in ComposerMPTCausalLM.config_keys()})
+                                                    if k in FIELDS})
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     with pytest.raises(ExportError, match="holds no model config.*--config"):
         export_checkpoint(tmp_path / "weights.pt", tmp_path / "out", progress=False)

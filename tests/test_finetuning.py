@@ -7,15 +7,16 @@ import logging
 
 import pytest
 import torch
+from config_checks import section_problems
 
 from foundryx import registry
 from foundryx.data.finetuning.examples import IGNORE
 from foundryx.data.finetuning.loader import (
+    FinetuningDatasetOptions,
     build_finetuning_dataloader,
     load_examples,
-    validate_finetuning_cfg,
 )
-from foundryx.errors import DataError
+from foundryx.errors import ConfigError, DataError
 
 CHATS = [
     {"messages": [{"role": "system", "content": "Be brief."},
@@ -33,10 +34,13 @@ def write_jsonl(path, rows):
     return path
 
 
-def dataset(path, **kw) -> dict:
-    return {"path": str(path), "max_seq_len": 256, "split": None, "target_prompts": "none",
-            "target_responses": "last", "packing_ratio": None, "shuffle": False,
-            "shuffle_seed": 0, "skip_bad_examples": False, **kw}
+def dataset(path, **kw) -> FinetuningDatasetOptions:
+    return FinetuningDatasetOptions(**{"path": str(path), "max_seq_len": 256, "shuffle": False,
+                                       **kw})
+
+
+def loader_problems(options: dict) -> list[str]:
+    return section_problems("dataloaders", "finetuning", options)
 
 
 def learned(tokenizer, ids, labels) -> str:
@@ -150,9 +154,9 @@ def test_skip_bad_examples_counts_them(tmp_path, tiny_tokenizer, caplog):
 
 def test_batches_pad_and_mask(tmp_path, tiny_tokenizer):
     src = write_jsonl(tmp_path / "mixed.jsonl", PAIRS + CHATS)
-    cfg = {"name": "finetuning", "dataset": {"path": str(src), "max_seq_len": 256,
-                                             "shuffle": False}, "drop_last": False}
-    assert validate_finetuning_cfg(cfg) == []
+    cfg = {"dataset": {"path": str(src), "max_seq_len": 256, "shuffle": False},
+           "drop_last": False}
+    assert loader_problems(cfg) == []
     spec = build_finetuning_dataloader(cfg, tiny_tokenizer, 8)
     examples = load_examples(dataset(src), tiny_tokenizer)
     rows = 0
@@ -168,20 +172,21 @@ def test_batches_pad_and_mask(tmp_path, tiny_tokenizer):
 
 
 def test_config_problems(tmp_path):
-    cfg = {"name": "finetuning", "drop_lst": True,
+    cfg = {"drop_lst": True,
            "dataset": {"path": str(tmp_path / "none.jsonl"), "max_seq_len": 0,
                        "target_prompts": "some", "target_responses": "first",
                        "packing_ratio": 0.5, "shufle": True}}
-    problems = validate_finetuning_cfg(cfg)
-    assert any(p.startswith("drop_lst: unknown option of the finetuning loader") for p in problems)
+    problems = loader_problems(cfg)
+    assert any(p.startswith("drop_lst: unknown option of the 'finetuning' dataloader")
+               for p in problems)
     assert any(p.startswith("dataset.shufle: unknown option") and "shuffle" in p for p in problems)
-    assert "dataset.max_seq_len: expected a positive integer, got 0" in problems
-    assert "dataset.target_prompts: expected none or all, got 'some'" in problems
-    assert "dataset.target_responses: expected last or all, got 'first'" in problems
-    assert "dataset.packing_ratio: expected null, auto or a number >= 1, got 0.5" in problems
+    assert "dataset.max_seq_len: expected an integer > 0, got 0" in problems
+    assert "dataset.target_prompts: expected one of 'none', 'all', got 'some'" in problems
+    assert "dataset.target_responses: expected one of 'last', 'all', got 'first'" in problems
+    assert "dataset.packing_ratio: expected a number >= 1, got 0.5" in problems
     assert any(p.startswith(f"dataset.path: {tmp_path / 'none.jsonl'} does not exist")
                for p in problems)
-    with pytest.raises(DataError, match="finetuning dataloader:"):
+    with pytest.raises(ConfigError, match="'finetuning' dataloader"):
         build_finetuning_dataloader(cfg, None, 4)
-    assert validate_finetuning_cfg({"name": "finetuning"})[0].startswith("dataset: expected")
+    assert loader_problems({})[0].startswith("dataset: missing")
     assert torch  # the loader's batches are torch tensors (checked above)

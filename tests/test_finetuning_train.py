@@ -27,7 +27,7 @@ def test_packed_chat_training_loss_falls(tmp_path, tiny_tokenizer):
                            {"role": "assistant", "content": f"{2 * i}"}]} for i in range(40)]
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(json.dumps(c) + "\n" for c in chats))
-    cfg = {"name": "finetuning", "dataset": {"path": str(src), "max_seq_len": 128,
+    cfg = {"dataset": {"path": str(src), "max_seq_len": 128,
                                              "packing_ratio": "auto", "shuffle_seed": 1}}
     spec = build_finetuning_dataloader(cfg, tiny_tokenizer, 4)
     torch.manual_seed(0)

@@ -108,9 +108,9 @@ def test_small_vocab_needs_resizing(tiny_tokenizer):
           "config_overrides": {"num_layers": 1}}, "did you mean 'num_hidden_layers'"),
         ({"pretrained_model_name_or_path": "./no/such/folder"}, "does not exist"),
         ({"pretrained_model_name": "x"}, "did you mean 'pretrained_model_name_or_path'"),
-        ({"config": "llama", "pretrained": False}, "expected a mapping with model_type"),
+        ({"config": "llama", "pretrained": False}, "config: expected a mapping or null"),
         ({"config": {"model_type": "llama"}, "pretrained": False, "init_device": "gpu"},
-         "init_device: 'gpu' is not valid"),
+         "init_device: expected one of 'cpu', 'meta', 'mixed', got 'gpu'"),
     ],
 )
 def test_bad_sections_are_reported_by_the_validator(section, needle):

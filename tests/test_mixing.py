@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 
 import pytest
+from config_checks import section_problems
 
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.synthetic import generate_corpus
-from foundryx.data.text import build_text_dataloader, validate_text_loader_cfg
-from foundryx.errors import DataError
+from foundryx.data.text import build_text_dataloader
+from foundryx.errors import ConfigError
 
 SEQ = 16
 
@@ -34,7 +35,11 @@ def two_streams(tmp_path_factory, tiny_tokenizer):
 def mixed_cfg(root, weights: dict[str, dict], **dataset) -> dict:
     streams = {name: {"local": str(root / name), "split": "train", **w} for name, w in weights.items()}
     ds = {"streams": streams, "max_seq_len": SEQ, "shuffle": True, "shuffle_seed": 3, **dataset}
-    return {"name": "text", "dataset": ds, "drop_last": False}
+    return {"dataset": ds, "drop_last": False}
+
+
+def loader_problems(options: dict) -> list[str]:
+    return section_problems("dataloaders", "text", options)
 
 
 def origins(spec, rows, limit=None) -> list[str]:
@@ -106,10 +111,10 @@ def test_stream_config_problems(two_streams, tmp_path):
     bad = mixed_cfg(root, {"a": {"proportion": 0.5, "repeat": 2}, "b": {"choose": 2.5},
                            "c": {"local": str(tmp_path / "none"), "proprtion": 1}}, epoch_size=9)
     bad["dataset"]["local"] = str(root)
-    problems = validate_text_loader_cfg(bad)
+    problems = loader_problems(bad)
     assert "dataset.local: give either local (one dataset) or streams, not both" in problems
     assert any(p.startswith("dataset.streams.a.repeat: give only one of proportion") for p in problems)
-    assert "dataset.streams.b.choose: expected a positive integer, got 2.5" in problems
+    assert "dataset.streams.b.choose: expected an integer or null, got 2.5" in problems
     assert any(p.startswith("dataset.streams.c.proprtion: unknown option") and "proportion" in p
                for p in problems)
     assert any(p.startswith(f"dataset.streams.c.local: folder {tmp_path / 'none'} does not exist")
@@ -117,6 +122,6 @@ def test_stream_config_problems(two_streams, tmp_path):
     assert any(p.startswith("dataset.streams: give proportion to every stream or to none")
                for p in problems)
     assert any(p.startswith("dataset.epoch_size: only with proportion") for p in problems)
-    with pytest.raises(DataError, match="text dataloader:"):
+    with pytest.raises(ConfigError, match="'text' dataloader"):
         build_text_dataloader(bad, None, 4)
-    assert validate_text_loader_cfg(mixed_cfg(root, {"a": {"repeat": 0.5}, "b": {}})) == []
+    assert loader_problems(mixed_cfg(root, {"a": {"repeat": 0.5}, "b": {}})) == []

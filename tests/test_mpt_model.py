@@ -1,15 +1,19 @@
 """MPT model, config and Composer wrapper against an explicit float64 reference."""
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from config_checks import section_problems
 
+from foundryx.config.components import options_parameter
 from foundryx.errors import ConfigError, DataError
 from foundryx.models.mpt.composer import ComposerMPTCausalLM
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import MPTBlock, MPTForCausalLM, param_count
+from foundryx.models.mpt.options import MPTOptions
 
 TINY = {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 16, "vocab_size": 40}
 SEQ = 16
@@ -355,12 +359,12 @@ def test_sub_configs_merge_over_defaults():
     assert cfg.attn_config["rope"] and cfg.attn_config["attn_impl"] == "torch"
     assert cfg.attn_config["alibi_bias_max"] == 8
     assert cfg.ffn_hidden_size == 4 * TINY["d_model"] and cfg.kv_n_heads == TINY["n_heads"]
-    assert MPTConfig(**TINY).problems() == []
+    assert cfg.attn.rope is True and cfg.init.name == "kaiming_normal_"  # typed views
 
 
 def test_problems_are_all_reported_with_their_keys():
-    problems = ComposerMPTCausalLM.config_problems(
-        {
+    problems = section_problems(
+        "models", "mpt_causal_lm", {
             "d_model": 100,
             "n_heads": 8,
             "n_layers": 0,
@@ -379,41 +383,39 @@ def test_problems_are_all_reported_with_their_keys():
     )
     text = "\n".join(problems)
     for expected in [
-        "vocab_sise: unknown model option (did you mean 'vocab_size'?)",
-        "n_layers: 0 is not valid",
+        "vocab_sise: unknown option of the 'mpt_causal_lm' model (did you mean 'vocab_size'?)",
+        "n_layers: expected an integer > 0, got 0",
         "d_model: 100 is not divisible by n_heads 8",
         "norm_type: unknown name 'rms' in registry 'norms' (did you mean 'rmsnorm'?)",
         "attn_config.kv_n_heads: 3 does not divide n_heads 8; use one of 1, 2, 4, 8",
         "attn_config.alibi and attn_config.rope are both true; choose one",
-        "attn_config.atn_pdrop: unknown option (did you mean 'attn_pdrop'?)",
+        "attn_config.atn_pdrop: unknown option of the 'mpt_causal_lm' model (did you mean "
+        "'attn_pdrop'?)",
         "attn_config.attn_impl: unknown name 'flashy'",
         "ffn_config.ffn_type: unknown name 'glu'",
         "init_config.init_std: baseline_ needs init_std",
     ]:
         assert expected in text
-    assert len(problems) == 10
-    assert all(": " in p and "; " in p for p in problems)
+    assert len(problems) == 10, text
 
 
-def test_accepted_keys():
-    keys = MPTConfig.accepted_keys()
-    assert {
-        "d_model",
-        "attn_config",
-        "ffn_config",
-        "init_config",
-        "no_bias",
-        "init_device",
-        "tie_word_embeddings",
-        "logit_scale",
-    } <= keys
-    assert "kwargs" not in keys and ComposerMPTCausalLM.config_keys() == keys
+def test_options_are_one_dataclass():
+    """The registered model declares MPTOptions; MPTConfig holds exactly those fields, with
+    the same defaults, and refuses what the YAML validator refuses."""
+    assert options_parameter(ComposerMPTCausalLM) == ("options", MPTOptions)
+    saved = MPTConfig().to_dict()
+    for f in dataclasses.fields(MPTOptions):
+        default = getattr(MPTOptions(), f.name)
+        want = dataclasses.asdict(default) if dataclasses.is_dataclass(default) else default
+        assert saved[f.name] == want or f.name == "learned_pos_emb", f.name
+    with pytest.raises(ConfigError, match="attn_config.atn_pdrop: unknown option"):
+        MPTConfig(attn_config={"atn_pdrop": 0.1})
 
 
 def test_wrapper_refuses_bad_config():
     with pytest.raises(ConfigError) as err:
         ComposerMPTCausalLM(**{**TINY, "n_heads": 5}, attn_config={"rope": 1})
-    assert len(err.value.problems) == 2
+    assert len(err.value.problems) == 2, err.value.problems
 
 
 def test_mpt_1b_param_count():

@@ -9,7 +9,11 @@ import pytest
 import torch
 from test_finetuning import CHATS, PAIRS, write_jsonl
 
-from foundryx.data.finetuning.loader import build_finetuning_dataloader, load_examples
+from foundryx.data.finetuning.loader import (
+    FinetuningDatasetOptions,
+    build_finetuning_dataloader,
+    load_examples,
+)
 from foundryx.data.packing import auto_packing_ratio, first_fit_decreasing, pack
 
 SEQ = 256
@@ -41,7 +45,7 @@ def test_pack_in_windows_and_auto_ratio():
 
 
 def packed_cfg(src, ratio) -> dict:
-    return {"name": "finetuning", "drop_last": False,
+    return {"drop_last": False,
             "dataset": {"path": str(src), "max_seq_len": SEQ, "packing_ratio": ratio,
                         "shuffle": True, "shuffle_seed": 5}}
 
@@ -63,9 +67,8 @@ def split_rows(spec) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 @pytest.mark.parametrize("ratio", ["auto", 2])
 def test_packing_keeps_every_token(tmp_path, tiny_tokenizer, caplog, ratio):
     src = write_jsonl(tmp_path / "data.jsonl", (PAIRS + CHATS) * 3)
-    examples = load_examples({"path": str(src), "max_seq_len": SEQ, "split": None,
-                              "target_prompts": "none", "target_responses": "last",
-                              "skip_bad_examples": False}, tiny_tokenizer)
+    examples = load_examples(FinetuningDatasetOptions(path=str(src), max_seq_len=SEQ),
+                             tiny_tokenizer)
     with caplog.at_level(logging.INFO, logger="foundryx.data.finetuning.loader"):
         spec = build_finetuning_dataloader(packed_cfg(src, ratio), tiny_tokenizer, 4)
     got = split_rows(spec)

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_checks import section_problems
 
 from foundryx import registry
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.synthetic import generate_corpus
-from foundryx.data.text import build_text_dataloader, validate_text_loader_cfg
-from foundryx.errors import DataError
+from foundryx.data.text import build_text_dataloader
+from foundryx.errors import ConfigError, DataError
 
 SEQ = 32
 
@@ -33,7 +34,11 @@ def mds_root(tmp_path, tiny_tokenizer) -> Path:
 
 def loader_cfg(root, **dataset) -> dict:
     ds = {"local": str(root), "split": "train", "max_seq_len": SEQ, **dataset}
-    return {"name": "text", "dataset": ds, "drop_last": False, "num_workers": 0}
+    return {"dataset": ds, "drop_last": False, "num_workers": 0}
+
+
+def loader_problems(options: dict) -> list[str]:
+    return section_problems("dataloaders", "text", options)
 
 
 def stored_rows(root: Path) -> list[tuple[int, ...]]:
@@ -88,30 +93,30 @@ def test_shuffle_order_is_deterministic_for_a_seed(mds_root, tiny_tokenizer, tmp
 
 def test_missing_folder_and_split(tmp_path, mds_root, tiny_tokenizer):
     missing = tmp_path / "nowhere"
-    problems = validate_text_loader_cfg(loader_cfg(missing))
+    problems = loader_problems(loader_cfg(missing))
     assert len(problems) == 1
     assert problems[0].startswith(f"dataset.local: folder {missing} does not exist")
     assert "foundryx data convert" in problems[0] and "make data" in problems[0]
-    with pytest.raises(DataError, match=f"{missing} does not exist"):
+    with pytest.raises(ConfigError, match=f"{missing} does not exist"):
         build_text_dataloader(loader_cfg(missing), tiny_tokenizer, 4)
 
-    [problem] = validate_text_loader_cfg(loader_cfg(mds_root, split="val"))
+    [problem] = loader_problems(loader_cfg(mds_root, split="val"))
     assert problem.startswith(f"dataset.split: folder {mds_root / 'val'} does not exist")
     assert "subfolders of" in problem and "train" in problem
 
     (tmp_path / "not_mds").mkdir()
-    [problem] = validate_text_loader_cfg(loader_cfg(tmp_path, split="not_mds"))
+    [problem] = loader_problems(loader_cfg(tmp_path, split="not_mds"))
     assert "has no index.json" in problem
 
 
 def test_max_seq_len_longer_than_stored(mds_root, tiny_tokenizer):
     cfg = loader_cfg(mds_root, max_seq_len=SEQ + 1)
-    [problem] = validate_text_loader_cfg(cfg)
+    [problem] = loader_problems(cfg)
     assert problem.startswith(f"dataset.max_seq_len: {SEQ + 1} is longer")
-    with pytest.raises(DataError, match=f"longer than the sequences stored.*{SEQ} tokens"):
+    with pytest.raises(ConfigError, match=f"longer than the sequences stored.*{SEQ} tokens"):
         build_text_dataloader(cfg, tiny_tokenizer, 4)
     (mds_root / "train" / "foundryx_manifest.json").unlink()  # a plain MDS dataset
-    assert validate_text_loader_cfg(cfg) == []
+    assert loader_problems(cfg) == []
     with pytest.raises(DataError, match=f"longer than the sequences stored.*{SEQ} tokens"):
         build_text_dataloader(cfg, tiny_tokenizer, 4)
 
@@ -119,19 +124,23 @@ def test_max_seq_len_longer_than_stored(mds_root, tiny_tokenizer):
 def test_option_problems_without_a_dataset(tmp_path):
     cfg = loader_cfg(tmp_path / "x", shuffle="yes", shufle_seed=3, max_seq_len=0)
     cfg.update(num_workers=-1, drop_lst=True)
-    problems = validate_text_loader_cfg(cfg)
-    assert "drop_lst: unknown option of the text loader (did you mean 'drop_last'?)" in problems
+    problems = loader_problems(cfg)
+    assert "drop_lst: unknown option of the 'text' dataloader (did you mean 'drop_last'?)" \
+        in problems
     assert any(p.startswith("dataset.shufle_seed: unknown option") and "shuffle_seed" in p
                for p in problems)
-    assert "dataset.shuffle: expected true or false, got 'yes'" in problems
+    assert "dataset.shuffle: expected true/false, got 'yes'" in problems
     assert "num_workers: expected an integer >= 0, got -1" in problems
-    assert "dataset.max_seq_len: expected a positive integer, got 0" in problems
-    assert validate_text_loader_cfg({"name": "text"})[0].startswith("dataset: expected")
+    assert "dataset.max_seq_len: expected an integer > 0, got 0" in problems
+    assert loader_problems({})[0].startswith("dataset: missing")
 
 
-def test_config_validator_hook(mds_root):
-    check = registry.dataloaders.get("text").config_problems
-    assert check(loader_cfg(mds_root)) == []
+def test_registered_loader_declares_its_options(mds_root):
+    from foundryx.config.components import options_parameter
+    from foundryx.data.text import TextLoaderOptions
+
+    assert options_parameter(registry.dataloaders.get("text")) == ("options", TextLoaderOptions)
+    assert loader_problems(loader_cfg(mds_root)) == []
 
 
 def test_other_tokenizer_is_refused(mds_root, tiny_tokenizer, tmp_path):

@@ -1,19 +1,69 @@
-"""Check config sections that name registry entries, against what each entry accepts.
+"""Config sections that name registry entries: check them against what each entry declares,
+and build them.
 
-A registered object may define ``config_problems(section: dict) -> list[str]`` (paths
-relative to the section) to check its own options; otherwise its call signature is used:
-unknown keyword arguments and missing required ones are problems.
+A registered component declares its options as a dataclass: one parameter of the registered
+callable (a function, or a class's ``__init__``) is annotated with the dataclass (alone or in
+a union, e.g. ``options: TextLoaderOptions | Mapping[str, Any]``). The section's keys, minus
+``name``, are that dataclass's fields, checked by the one validator
+(:func:`foundryx.config.types.dataclass_problems`) and passed to the component as an instance.
+The other parameters are supplied by the builder (``SUPPLIED_ARGS``). A component without
+such a parameter gets its keyword arguments checked against its signature.
+
+An options dataclass may also define ``problems_with(self, model: ModelFacts) -> list[str]``
+to check itself against the run's model (paths relative to its own section), so no check
+here names a component.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import typing
+from dataclasses import dataclass
 from typing import Any
 
 from foundryx import registry
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS, SUPPLIED_ARGS
-from foundryx.config.types import join
+from foundryx.config.types import (
+    RULE_ERRORS,
+    build,
+    dataclass_problems,
+    is_int,
+    join,
+    lenient_build,
+)
 from foundryx.errors import RegistryError, did_you_mean
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What other sections may check against the model: read from the model's options
+    (attributes ``max_seq_len`` and ``uses_sequence_id``, when it has them)."""
+
+    max_seq_len: int | None = None
+    uses_sequence_id: bool = False
+
+
+def options_parameter(obj: Any) -> tuple[str, type] | None:
+    """``(parameter name, options dataclass)`` of a registered callable, or None."""
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return None
+    scope = getattr(inspect.unwrap(target), "__globals__", {})
+    for name, param in params.items():
+        tp = param.annotation
+        if isinstance(tp, str):  # ``from __future__ import annotations``
+            try:
+                tp = eval(tp, scope)  # noqa: S307  (the component's own annotation)
+            except Exception:  # noqa: BLE001  (a name only imported for type checking)
+                continue
+        args = typing.get_args(tp) if typing.get_origin(tp) else (tp,)
+        found = [a for a in args if isinstance(a, type) and dataclasses.is_dataclass(a)]
+        if found:
+            return name, found[0]
+    return None
 
 
 def signature_problems(obj: Any, kwargs: dict[str, Any], supplied: set[str], path: str, name: str) -> list[str]:
@@ -41,22 +91,54 @@ def signature_problems(obj: Any, kwargs: dict[str, Any], supplied: set[str], pat
     return problems
 
 
-def entry_problems(reg_name: str, name: Any, kwargs: dict[str, Any], path: str, name_path: str) -> list[str]:
-    reg = registry.get_registry(reg_name)
+def _entry(reg_name: str, name: Any, name_path: str) -> tuple[Any, list[str]]:
     if not isinstance(name, str):
-        return [f"{name_path}: expected the name of an entry in registry {reg_name!r}, got {name!r}"]
+        return None, [f"{name_path}: expected the name of an entry in registry {reg_name!r}, got {name!r}"]
     try:
-        obj = reg.get(name)
+        return registry.get_registry(reg_name).get(name), []
     except RegistryError as e:
-        return [f"{name_path}: {e}"]
-    check = getattr(obj, "config_problems", None)
-    if callable(check):
-        return [f"{path}.{p}" for p in check(kwargs)]
+        return None, [f"{name_path}: {e}"]
+
+
+def entry_problems(reg_name: str, name: Any, kwargs: dict[str, Any], path: str, name_path: str) -> list[str]:
+    """Problems of the options ``kwargs`` of registry entry ``name`` (YAML path ``path``)."""
+    obj, problems = _entry(reg_name, name, name_path)
+    if obj is None:
+        return problems
+    found = options_parameter(obj)
+    if found is not None:
+        return dataclass_problems(found[1], kwargs, path, owner=f"the {name!r} {reg_name[:-1]}")
     return signature_problems(obj, kwargs, SUPPLIED_ARGS.get(reg_name, set()), path, name)
 
 
+def _options(reg_name: str, section: Any) -> Any:
+    """The options instance of a component section as far as it goes (see
+    :func:`~foundryx.config.types.lenient_build`), or None (no dataclass, or no instance)."""
+    if not isinstance(section, dict) or not isinstance(section.get("name"), str):
+        return None
+    obj, _ = _entry(reg_name, section["name"], "name")
+    found = options_parameter(obj) if obj is not None else None
+    if found is None:
+        return None
+    try:
+        return lenient_build(found[1], {k: v for k, v in section.items() if k != "name"})
+    except RULE_ERRORS:
+        return None
+
+
+def model_facts(model_section: Any) -> ModelFacts:
+    """What the model section says other sections must fit (see :class:`ModelFacts`)."""
+    opts = _options("models", model_section)
+    source = opts if opts is not None else (model_section if isinstance(model_section, dict) else {})
+    get = (lambda k: getattr(source, k, None)) if opts is not None else source.get
+    seq = get("max_seq_len")
+    return ModelFacts(max_seq_len=seq if is_int(seq) else None,
+                      uses_sequence_id=get("uses_sequence_id") is True)
+
+
 def component_problems(data: dict[str, Any]) -> list[str]:
-    """Problems of every registry-backed section of a resolved config."""
+    """Problems of every registry-backed section of a resolved config, each alone and then
+    against the model (``problems_with``)."""
     problems: list[str] = []
     for section, reg_name in COMPONENT_SECTIONS.items():
         value = data.get(section)
@@ -76,4 +158,29 @@ def component_problems(data: dict[str, Any]) -> list[str]:
             kwargs = kwargs or {}
             if isinstance(kwargs, dict):
                 problems += entry_problems(reg_name, name, kwargs, join(section, name), join(section, name))
+    facts = model_facts(data.get("model"))
+    for section, reg_name in COMPONENT_SECTIONS.items():
+        opts = _options(reg_name, data.get(section)) if section != "model" else None
+        if callable(getattr(opts, "problems_with", None)):
+            try:
+                problems += [join(section, p) for p in opts.problems_with(facts)]
+            except RULE_ERRORS:  # values already reported as bad
+                pass
     return problems
+
+
+def split_name(section: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``{name: x, a: 1}`` → ``("x", {"a": 1})``."""
+    return section["name"], {k: v for k, v in section.items() if k != "name"}
+
+
+def build_component(reg_name: str, section: dict[str, Any], **supplied: Any) -> Any:
+    """Call the registered object named by ``section['name']`` with the section's options
+    (as its options dataclass, when it declares one) and the arguments the caller supplies
+    (e.g. ``tokenizer``)."""
+    name, kwargs = split_name(section)
+    obj = registry.get_registry(reg_name).get(name)
+    found = options_parameter(obj)
+    if found is not None:
+        return obj(**supplied, **{found[0]: build(found[1], kwargs)})
+    return obj(**supplied, **kwargs)

@@ -11,7 +11,6 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from foundryx.config.components import component_problems
-from foundryx.config.cross_checks import cross_section_problems
 from foundryx.config.derived import Derived, derive, world_size_from_env
 from foundryx.config.schema import TrainConfig
 from foundryx.config.types import dataclass_problems, join
@@ -102,7 +101,6 @@ def load_config(
     data = resolve(merged, "", problems)
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data)
-    problems += cross_section_problems(data)
     if isinstance(data.get("icl_tasks"), (str, list)):  # other types: a schema problem above
         from foundryx.eval.config import icl_problems
 

@@ -8,15 +8,15 @@ checked against the registered object (see :mod:`foundryx.config.components`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from foundryx.config.types import option
 
 Precision = Literal["fp32", "amp_fp16", "amp_bf16", "amp_fp8"]
 
 
-def doc(text: str, **kw: Any) -> Any:
-    """A dataclass field with a doc string (shown by ``foundryx train --help-config``)."""
-    return field(metadata={"doc": text}, **kw)
+doc = option  # a field with a doc string and constraints (shown by ``--help-config``)
 
 
 MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]

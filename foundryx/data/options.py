@@ -1,68 +1,42 @@
-"""Checks shared by the dataloaders' ``config_problems`` (paths relative to the section)."""
+"""What the dataloaders' options share: the loader keys, and checks of MDS folders."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from foundryx.config.components import ModelFacts
+from foundryx.config.types import is_int, option
 from foundryx.data.convert import INDEX, read_manifest
-from foundryx.errors import DataError, did_you_mean
 
 CONVERT_FIX = (
     "run `foundryx data convert --input ... --out <folder> ...`, or `make data` for the quickstart"
 )
 
 
-def key_problems(section: dict, allowed: set[str], prefix: str, loader: str) -> list[str]:
-    """Unknown keys of ``section``, each with a did-you-mean or the accepted keys."""
-    return [
-        f"{prefix}{key}: unknown option of the {loader} loader"
-        f"{did_you_mean(key, allowed) or '; accepts: ' + ', '.join(sorted(allowed))}"
-        for key in section
-        if key not in allowed
-    ]
+@dataclass(kw_only=True)
+class LoaderOptions:
+    """What every foundryx loader section holds besides its ``dataset``."""
 
+    drop_last: bool = option("drop the last incomplete batch", default=True)
+    num_workers: int = option("dataloader worker processes", default=0, ge=0)
 
-LOADER_DEFAULTS: dict[str, Any] = {"drop_last": True, "num_workers": 0}
-
-
-def section_problems(cfg: dict, dataset_keys: set[str], loader: str) -> list[str]:
-    """Unknown keys of a loader section and of its ``dataset``, and bad loader options."""
-    c = {**LOADER_DEFAULTS, **cfg}
-    return [
-        *key_problems(cfg, {"name", "dataset", *LOADER_DEFAULTS}, "", loader),
-        *key_problems(cfg["dataset"], dataset_keys, "dataset.", loader),
-        *check([
-            ("drop_last", c["drop_last"], isinstance(c["drop_last"], bool), "true or false"),
-            ("num_workers", c["num_workers"], is_int(c["num_workers"]) and c["num_workers"] >= 0,
-             "an integer >= 0"),
-        ]),
-    ]
-
-
-def raise_problems(loader: str, problems: list[str]) -> None:
-    """Raise one DataError listing ``problems`` of the ``loader`` section, if any."""
-    if problems:
-        raise DataError(f"{loader} dataloader:\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def check(rows: list[tuple[str, Any, bool, str]]) -> list[str]:
-    """``path: expected <want>, got <value>`` for each ``(path, value, ok, want)`` not ok."""
-    return [f"{path}: expected {want}, got {value!r}" for path, value, ok, want in rows if not ok]
+    def problems_with(self, model: ModelFacts) -> list[str]:
+        """A ``dataset.max_seq_len`` the model cannot take."""
+        seq = self.dataset.max_seq_len
+        if model.max_seq_len is not None and seq > model.max_seq_len:
+            return [f"dataset.max_seq_len: {seq} is longer than model.max_seq_len "
+                    f"{model.max_seq_len}; lower it to {model.max_seq_len} or less, or raise "
+                    "model.max_seq_len"]
+        return []
 
 
 def mds_folder_problems(local: Any, split: Any, prefix: str, max_seq_len: Any = None,
-                        seq_path: str = "dataset.max_seq_len") -> list[str]:
-    """Problems of the MDS folder ``local/split``; ``prefix`` is the YAML path of their section
-    (e.g. ``dataset.`` or ``dataset.streams.web.``)."""
+                        seq_path: str = "max_seq_len") -> list[str]:
+    """Problems of the MDS folder ``local/split``; ``prefix`` is the path of their section
+    relative to the loader's ``dataset`` (e.g. ``""`` or ``streams.web.``)."""
     if not isinstance(local, str) or not local:
         return [f"{prefix}local: expected the folder of MDS shards, got {local!r}; {CONVERT_FIX}"]
     root = Path(local).expanduser()
@@ -86,8 +60,6 @@ def mds_folder_problems(local: Any, split: Any, prefix: str, max_seq_len: Any = 
 
 def shard_problems(folder: Path) -> list[str]:
     """Missing or cut-short shards of the MDS dataset in ``folder`` (sizes from index.json)."""
-    import json
-
     try:
         shards = json.loads((folder / INDEX).read_text())["shards"]
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -15,79 +15,71 @@ deterministically from the shuffle seed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from foundryx.data.options import is_int, is_number, key_problems, mds_folder_problems
+from foundryx.config.types import option
+from foundryx.data.options import mds_folder_problems
 
 WEIGHTS = ("proportion", "repeat", "choose")
-STREAM_KEYS = {"local", "split", *WEIGHTS}
 
 
-def _weight_problems(stream: dict[str, Any], path: str) -> list[str]:
-    given = [w for w in WEIGHTS if stream.get(w) is not None]
+@dataclass
+class StreamOptions:
+    """One entry of ``dataset.streams``."""
+
+    local: str = option("folder of MDS shards (written by `foundryx data convert`)")
+    split: str | None = option("subfolder of local; null: the dataset's split", default=None)
+    proportion: float | None = option("relative weight (give it to every stream or none)",
+                                      default=None, gt=0)
+    repeat: float | None = option("times each sample is taken per epoch", default=None, gt=0)
+    choose: int | None = option("samples taken per epoch", default=None, gt=0)
+
+    def weights(self) -> dict[str, float]:
+        return {w: getattr(self, w) for w in WEIGHTS if getattr(self, w) is not None}
+
+    def problems(self) -> list[str]:
+        given = list(self.weights())
+        if len(given) > 1:
+            return [f"{given[1]}: give only one of proportion, repeat or choose per stream "
+                    f"(got {', '.join(given)})"]
+        return []
+
+
+def streams_problems(ds: Any) -> list[str]:
+    """Problems of ``dataset.streams`` together, and with the other dataset keys; ``ds`` is
+    the text loader's dataset options (paths relative to it)."""
     problems = []
-    if len(given) > 1:
-        problems.append(f"{path}{given[1]}: give only one of proportion, repeat or choose "
-                        f"per stream (got {', '.join(given)})")
-    for w in given:
-        value = stream[w]
-        ok = is_int(value) and value > 0 if w == "choose" else is_number(value) and value > 0
-        if not ok:
-            want = "a positive integer" if w == "choose" else "a positive number"
-            problems.append(f"{path}{w}: expected {want}, got {value!r}")
-    return problems
-
-
-def streams_problems(ds: dict[str, Any]) -> list[str]:
-    """Problems of ``dataset.streams`` (and of its relation to the other dataset keys)."""
-    streams = ds.get("streams")
-    if not isinstance(streams, dict) or not streams:
-        return [f"dataset.streams: expected {{name: {{local: <folder>, split: ..., proportion: "
-                f"...}}, ...}}, got {streams!r}"]
-    problems = []
-    if ds.get("local") is not None:
-        problems.append("dataset.local: give either local (one dataset) or streams, not both")
-    relative = set()
-    for name, stream in streams.items():
-        path = f"dataset.streams.{name}."
-        if not isinstance(stream, dict):
-            problems.append(f"{path[:-1]}: expected {{local: <folder>, split: ..., proportion | "
-                            f"repeat | choose: ...}}, got {stream!r}")
-            continue
-        problems += key_problems(stream, STREAM_KEYS, path, "text")
-        problems += _weight_problems(stream, path)
-        relative.add(stream.get("proportion") is not None)
-        problems += mds_folder_problems(stream.get("local"), stream.get("split", ds.get("split")),
-                                        path, ds.get("max_seq_len"))
-    if len(relative) > 1:
-        problems.append("dataset.streams: give proportion to every stream or to none "
+    if not ds.streams:
+        return ["streams: expected {name: {local: <folder>, split: ..., proportion: ...}, ...}"]
+    for name, stream in ds.streams.items():
+        problems += mds_folder_problems(stream.local, stream.split or ds.split,
+                                        f"streams.{name}.", ds.max_seq_len, "max_seq_len")
+    if len({s.proportion is not None for s in ds.streams.values()}) > 1:
+        problems.append("streams: give proportion to every stream or to none "
                         "(proportions are relative and do not mix with repeat or choose)")
-    absolute = any(isinstance(s, dict) and (s.get("repeat") or s.get("choose"))
-                   for s in streams.values())
-    if ds.get("epoch_size") is not None and absolute:
-        problems.append("dataset.epoch_size: only with proportion weights (repeat and choose "
+    absolute = any(s.repeat or s.choose for s in ds.streams.values())
+    if ds.epoch_size is not None and absolute:
+        problems.append("epoch_size: only with proportion weights (repeat and choose "
                         "already fix the epoch); remove it")
     return problems
 
 
-def folders(ds: dict[str, Any]) -> dict[str, Path]:
+def folders(ds: Any) -> dict[str, Path]:
     """``{stream name: MDS folder}``; a single dataset is the stream ``"dataset"``."""
-    if ds.get("streams"):
-        return {name: Path(s["local"]).expanduser() / (s.get("split", ds.get("split")) or "")
-                for name, s in ds["streams"].items()}
-    return {"dataset": Path(ds["local"]).expanduser() / (ds.get("split") or "")}
+    if ds.streams:
+        return {name: Path(s.local).expanduser() / (s.split or ds.split or "")
+                for name, s in ds.streams.items()}
+    return {"dataset": Path(ds.local).expanduser() / (ds.split or "")}
 
 
-def build_streams(ds: dict[str, Any]) -> list[Any]:
+def build_streams(ds: Any) -> list[Any]:
     """streaming ``Stream`` objects for ``dataset.streams``, in the config's order."""
     from streaming import Stream
 
-    return [
-        Stream(local=str(Path(s["local"]).expanduser()), split=s.get("split", ds.get("split")),
-               **{w: s[w] for w in WEIGHTS if s.get(w) is not None})
-        for s in ds["streams"].values()
-    ]
+    return [Stream(local=str(Path(s.local).expanduser()), split=s.split or ds.split, **s.weights())
+            for s in ds.streams.values()]
 
 
 def mix_table(dataset: Any, names: list[str]) -> str:

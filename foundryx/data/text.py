@@ -39,69 +39,65 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from foundryx.config.components import ModelFacts
+from foundryx.config.types import coerce, option
 from foundryx.data import shm, streams
 from foundryx.data.convert import read_manifest, vocab_hash
-from foundryx.data.options import (
-    LOADER_DEFAULTS,
-    check,
-    is_int,
-    mds_folder_problems,
-    raise_problems,
-    section_problems,
-    shard_problems,
-)
+from foundryx.data.options import LoaderOptions, mds_folder_problems, shard_problems
+from foundryx.data.streams import StreamOptions
 from foundryx.errors import DataError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CANONICAL_NODES = 1
-SHUFFLE_ALGOS = ("py1e", "py1br", "py1b", "py1s", "py2s", "naive")
-_DATASET_DEFAULTS: dict[str, Any] = {
-    "split": None, "shuffle": False, "shuffle_seed": 0, "shuffle_algo": "py1e",
-    "num_canonical_nodes": DEFAULT_CANONICAL_NODES, "epoch_size": None,
-    "emit_sequence_id": False,
-}
-_DATASET_KEYS = {"local", "streams", "max_seq_len", *_DATASET_DEFAULTS}
+ShuffleAlgo = Literal["py1e", "py1br", "py1b", "py1s", "py2s", "naive"]
 
 
-def _type_problems(ds: dict) -> list[str]:
-    """Type problems of the ``dataset`` section (with defaults filled in)."""
-    ncn, epoch = ds["num_canonical_nodes"], ds["epoch_size"]
-    problems = check([
-        ("dataset.shuffle", ds["shuffle"], isinstance(ds["shuffle"], bool), "true or false"),
-        ("dataset.shuffle_seed", ds["shuffle_seed"], is_int(ds["shuffle_seed"]), "an integer"),
-        ("dataset.split", ds["split"], ds["split"] is None or isinstance(ds["split"], str),
-         "a subfolder name or null"),
-        ("dataset.shuffle_algo", ds["shuffle_algo"], ds["shuffle_algo"] in SHUFFLE_ALGOS,
-         f"one of {', '.join(SHUFFLE_ALGOS)}"),
-        ("dataset.num_canonical_nodes", ncn, is_int(ncn) and ncn > 0, "a positive integer"),
-        ("dataset.epoch_size", epoch, epoch is None or is_int(epoch) and epoch > 0,
-         "a positive integer or null"),
-        ("dataset.emit_sequence_id", ds["emit_sequence_id"],
-         isinstance(ds["emit_sequence_id"], bool), "true or false"),
-    ])
-    max_seq_len = ds.get("max_seq_len")
-    if max_seq_len is None:
-        problems.append("dataset.max_seq_len: missing; the number of tokens per sample")
-    elif not is_int(max_seq_len) or max_seq_len < 1:
-        problems.append(f"dataset.max_seq_len: expected a positive integer, got {max_seq_len!r}")
-    return problems
+@dataclass
+class TextDatasetOptions:
+    """The ``dataset`` of a ``text`` loader: one MDS folder (``local``) or ``streams``."""
+
+    max_seq_len: int = option("tokens per sample (<= the stored sequence length)", gt=0)
+    local: str | None = option("folder written by `foundryx data convert`", default=None)
+    streams: dict[str, StreamOptions] | None = option(
+        "several datasets mixed, instead of local: {name: {local, split, proportion | repeat | "
+        "choose}}", default=None)
+    split: str | None = option("subfolder of local, or null", default=None)
+    shuffle: bool = option("shuffle the samples", default=False)
+    shuffle_seed: int = option("seed of the shuffle", default=0)
+    shuffle_algo: ShuffleAlgo = option("streaming's shuffle algorithm", default="py1e")
+    num_canonical_nodes: int = option(
+        "streaming's canonical nodes; 1: the same order on any number of nodes and ranks",
+        default=1, gt=0)
+    epoch_size: int | None = option("samples per epoch (with proportions; default: all)",
+                                    default=None, gt=0)
+    emit_sequence_id: bool = option("add sequence_id (per-document ids) to each batch",
+                                    default=False)
+
+    def problems(self) -> list[str]:
+        if self.streams is None:
+            return mds_folder_problems(self.local, self.split, "", self.max_seq_len)
+        both = ["local: give either local (one dataset) or streams, not both"] \
+            if self.local is not None else []
+        return both + streams.streams_problems(self)
 
 
-def validate_text_loader_cfg(cfg: dict[str, Any]) -> list[str]:
-    """Problems of a ``text`` loader section (paths relative to it); reads only small files."""
-    ds = cfg.get("dataset")
-    if not isinstance(ds, dict):
-        return [f"dataset: expected {{local: <folder>, split: ..., max_seq_len: ...}}, got {ds!r}"]
-    problems = section_problems(cfg, _DATASET_KEYS, "text")
-    problems += _type_problems({**_DATASET_DEFAULTS, **ds})
-    if ds.get("streams") is not None:
-        return problems + streams.streams_problems(ds)
-    return problems + mds_folder_problems(ds.get("local"), ds.get("split"), "dataset.",
-                                          ds.get("max_seq_len"))
+@dataclass(kw_only=True)
+class TextLoaderOptions(LoaderOptions):
+    """The ``text`` loader section (see the module docstring)."""
+
+    dataset: TextDatasetOptions = option("the MDS data: {local, split, max_seq_len, ...}")
+
+    def problems_with(self, model: ModelFacts) -> list[str]:
+        problems = super().problems_with(model)
+        if model.uses_sequence_id and not self.dataset.emit_sequence_id:
+            problems.append("dataset.emit_sequence_id: model.attn_config.attn_uses_sequence_id "
+                            "is true, so the batches need sequence_id; set emit_sequence_id: true")
+        return problems
 
 
 def document_ids(ids: Any, eos_id: int | None, bos_id: int | None) -> Any:
@@ -147,27 +143,27 @@ def _check_tokenizer(manifest: dict[str, Any] | None, tokenizer: Any, folder: Pa
         )
 
 
-def _stored_len(dataset: Any, ds: dict[str, Any], folders: dict[str, Path]) -> None:
+def _stored_len(dataset: Any, ds: TextDatasetOptions, folders: dict[str, Path]) -> None:
     """Refuse a max_seq_len longer than what a stream stores (datasets without a manifest)."""
     for name, folder, offset in zip(folders, folders.values(), dataset.sample_offset_per_stream):
         stored = len(dataset.get_item(int(offset))["tokens"])
-        if ds["max_seq_len"] > stored:
+        if ds.max_seq_len > stored:
             raise DataError(
-                f"dataset.max_seq_len: {ds['max_seq_len']} is longer than the sequences stored "
+                f"dataset.max_seq_len: {ds.max_seq_len} is longer than the sequences stored "
                 f"in {folder} ({stored} tokens); lower it, or re-convert with --max-seq-len "
-                f"{ds['max_seq_len']}" + (f" (stream {name!r})" if ds.get("streams") else "")
+                f"{ds.max_seq_len}" + (f" (stream {name!r})" if ds.streams else "")
             )
 
 
-def build_text_dataloader(cfg: dict[str, Any], tokenizer: Any, device_batch_size: int):
-    """A ``composer.core.DataSpec`` over the MDS shards named by ``cfg`` (see module doc)."""
+def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokenizer: Any,
+                          device_batch_size: int):
+    """A ``composer.core.DataSpec`` over the MDS shards the options name (see module doc)."""
     from composer.core import DataSpec
     from streaming import StreamingDataset
     from torch.utils.data import DataLoader
 
-    raise_problems("text", validate_text_loader_cfg(cfg))
-    cfg = {**LOADER_DEFAULTS, **cfg}
-    ds = {**_DATASET_DEFAULTS, **cfg["dataset"]}
+    options = coerce(TextLoaderOptions, options, owner="the 'text' dataloader")
+    ds = options.dataset
     folders = streams.folders(ds)
     for folder in folders.values():
         bad = shard_problems(folder)
@@ -176,34 +172,29 @@ def build_text_dataloader(cfg: dict[str, Any], tokenizer: Any, device_batch_size
         _check_tokenizer(read_manifest(folder), tokenizer, folder)
 
     shm.clean_once()
-    source = ({"streams": streams.build_streams(ds)} if ds.get("streams") else
-              {"local": str(Path(ds["local"]).expanduser()), "split": ds["split"]})
+    source = ({"streams": streams.build_streams(ds)} if ds.streams else
+              {"local": str(Path(ds.local).expanduser()), "split": ds.split})
     dataset = StreamingDataset(
         **source,
         remote=None,
-        shuffle=ds["shuffle"],
-        shuffle_seed=ds["shuffle_seed"],
-        shuffle_algo=ds["shuffle_algo"],
-        num_canonical_nodes=ds["num_canonical_nodes"],
-        epoch_size=ds["epoch_size"],
+        shuffle=ds.shuffle,
+        shuffle_seed=ds.shuffle_seed,
+        shuffle_algo=ds.shuffle_algo,
+        num_canonical_nodes=ds.num_canonical_nodes,
+        epoch_size=ds.epoch_size,
         batch_size=device_batch_size,
     )
     shm.hold(dataset)
     _stored_len(dataset, ds, folders)
-    if ds.get("streams"):
+    if ds.streams:
         log.info("data mix (%d samples per epoch, shuffle_seed %d):\n%s", dataset.epoch_size,
-                 ds["shuffle_seed"], streams.mix_table(dataset, list(folders)))
-    separators = (tokenizer.eos_token_id, tokenizer.bos_token_id) if ds["emit_sequence_id"] \
-        else None
+                 ds.shuffle_seed, streams.mix_table(dataset, list(folders)))
+    separators = (tokenizer.eos_token_id, tokenizer.bos_token_id) if ds.emit_sequence_id else None
     loader = DataLoader(
         dataset,
         batch_size=device_batch_size,
-        collate_fn=functools.partial(_collate, max_seq_len=ds["max_seq_len"],
-                                     separators=separators),
-        drop_last=cfg["drop_last"],
-        num_workers=cfg["num_workers"],
+        collate_fn=functools.partial(_collate, max_seq_len=ds.max_seq_len, separators=separators),
+        drop_last=options.drop_last,
+        num_workers=options.num_workers,
     )
     return DataSpec(loader, get_num_tokens_in_batch=_num_tokens)
-
-
-build_text_dataloader.config_problems = validate_text_loader_cfg

@@ -6,9 +6,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from foundryx.config.types import option
 from foundryx.errors import DataError
 from foundryx.models.hf_source import looks_like_path
 
@@ -95,14 +97,25 @@ def build_hf_tokenizer(path: str, **kwargs) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def tokenizer_config_problems(section: dict[str, Any]) -> list[str]:
-    """Cheap checks of an ``hf`` tokenizer section for the config validator (no loading)."""
-    path = section.get("path")
-    if not isinstance(path, str) or not path:
-        return ["path: missing; give a local tokenizer folder or a hub name"]
-    if looks_like_path(path) and not Path(path).expanduser().is_dir():
-        return [f"path: tokenizer folder {path} does not exist. {_FIX}"]
-    return []
+@dataclass
+class HFTokenizerOptions:
+    """The ``hf`` tokenizer section."""
+
+    path: str = option("a local tokenizer folder or a hub name")
+    model_max_length: int | None = option("longest input the tokenizer allows", default=None, gt=0)
+    kwargs: dict[str, Any] = option("other keyword arguments of AutoTokenizer.from_pretrained",
+                                    default_factory=dict)
+
+    def problems(self) -> list[str]:
+        if not self.path:
+            return ["path: missing; give a local tokenizer folder or a hub name"]
+        if looks_like_path(self.path) and not Path(self.path).expanduser().is_dir():
+            return [f"path: tokenizer folder {self.path} does not exist. {_FIX}"]
+        return []
 
 
-build_hf_tokenizer.config_problems = tokenizer_config_problems
+def hf_tokenizer(options: HFTokenizerOptions) -> PreTrainedTokenizerBase:
+    """The ``hf`` entry of the ``tokenizers`` registry: :func:`build_hf_tokenizer` from a
+    config section."""
+    extra = {} if options.model_max_length is None else {"model_max_length": options.model_max_length}
+    return build_hf_tokenizer(options.path, **extra, **options.kwargs)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
@@ -24,7 +25,7 @@ from composer.models import HuggingFaceModel
 from torch import nn
 
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
-from foundryx.config.components import signature_problems
+from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.models.hf_source import (
     apply_overrides,
@@ -36,59 +37,73 @@ from foundryx.models.hf_source import (
 
 log = logging.getLogger(__name__)
 
-INIT_DEVICES = ("cpu", "meta", "mixed")
 NAME = "hf_causal_lm"
 
 
+@dataclass
+class HFCausalLMOptions:
+    """The ``hf_causal_lm`` model section."""
+
+    pretrained_model_name_or_path: str | None = option(
+        "a local folder (save_pretrained or `foundryx export` output) or a hub name", default=None)
+    pretrained: bool = option("load the folder's weights (true) or only its config, with random "
+                              "init", default=True)
+    config: dict[str, Any] | None = option(
+        "instead of a folder: a config dict with model_type (random init)", default=None)
+    config_overrides: dict[str, Any] = option(
+        "config attributes to change, e.g. {num_hidden_layers: 2}", default_factory=dict)
+    trust_remote_code: bool = option("allow a folder's own modeling code (auto_map)", default=False)
+    attn_implementation: str | None = option(
+        "Hugging Face attention backend, e.g. sdpa or eager", default=None)
+    init_device: Literal["cpu", "meta", "mixed"] = option(
+        "cpu; meta (random init materialised after FSDP2 sharding); or mixed (rank 0 loads the "
+        "weights, the other ranks build on meta and receive their shards)", default="cpu")
+    allow_embedding_resizing: bool = option("grow the embeddings when the tokenizer is larger",
+                                            default=False)
+
+    def problems(self) -> list[str]:
+        """Combinations, and the config of a local folder or dict (no weights are read)."""
+        path, config = self.pretrained_model_name_or_path, self.config
+        p = []
+        if (path is None) == (config is None):
+            p.append("pretrained_model_name_or_path: give exactly one of "
+                     "pretrained_model_name_or_path (a folder or hub name) and config (a dict "
+                     "with model_type)")
+        if config is not None and self.pretrained:
+            p.append("pretrained: a config dict has no weights; set pretrained: false")
+        if self.init_device == "meta" and self.pretrained and path is not None:
+            p.append("init_device: meta would discard the pretrained weights; use mixed (rank 0 "
+                     "loads them, the other ranks receive their shards) or cpu")
+        if p or (path is not None and not looks_like_path(path)
+                 and not Path(path).expanduser().is_dir()):
+            return p  # a hub name: checked when the model is built
+        try:
+            hf_config, _ = build_config(path, config, {}, self.trust_remote_code)
+        except ConfigError as e:
+            return [q.removeprefix("model.") for q in e.problems]
+        return override_problems(hf_config, self.config_overrides, "config_overrides")
+
+
 class ComposerHFCausalLM(HuggingFaceModel):
-    """A Hugging Face ``AutoModelForCausalLM`` as a Composer model.
+    """A Hugging Face ``AutoModelForCausalLM`` as a Composer model:
+    ``ComposerHFCausalLM(tokenizer, options=HFCausalLMOptions(...))`` or with the options as
+    keywords, ``ComposerHFCausalLM(tokenizer, pretrained_model_name_or_path=...)`` (see
+    :class:`HFCausalLMOptions`)."""
 
-    Args:
-        pretrained_model_name_or_path: a local folder (``save_pretrained`` or ``foundryx
-            export`` output) or a hub name.
-        pretrained: load the folder's weights (true) or only its config, with random init.
-        config: instead of a folder, a config dict with ``model_type`` (random init).
-        config_overrides: config attributes to change, e.g. ``{num_hidden_layers: 2}``.
-        trust_remote_code: allow a folder's own modeling code (``auto_map``).
-        attn_implementation: Hugging Face attention backend, e.g. ``sdpa`` or ``eager``.
-        init_device: ``cpu``; ``meta`` (random init materialised after FSDP2 sharding); or
-            ``mixed`` (rank 0 loads the weights, the others build on meta and receive their
-            shards from rank 0, so CPU memory holds one copy).
-        allow_embedding_resizing: grow the embeddings when the tokenizer is larger.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Any = None,
-        pretrained_model_name_or_path: str | None = None,
-        pretrained: bool = True,
-        config: dict[str, Any] | None = None,
-        config_overrides: dict[str, Any] | None = None,
-        trust_remote_code: bool = False,
-        attn_implementation: str | None = None,
-        init_device: str = "cpu",
-        allow_embedding_resizing: bool = False,
-    ):
-        section = {
-            "pretrained_model_name_or_path": pretrained_model_name_or_path,
-            "pretrained": pretrained, "config": config, "config_overrides": config_overrides,
-            "trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation,
-            "init_device": init_device, "allow_embedding_resizing": allow_embedding_resizing,
-        }
-        problems = _section_problems(section)
-        if problems:
-            raise ConfigError([f"model.{p}" for p in problems])
-        hf_config, source = build_config(
-            pretrained_model_name_or_path, config, config_overrides or {}, trust_remote_code
-        )
-        if tokenizer is not None and len(tokenizer) > hf_config.vocab_size and not allow_embedding_resizing:
+    def __init__(self, tokenizer: Any = None, options: HFCausalLMOptions | None = None,
+                 **fields: Any):
+        o = options_or_fields(HFCausalLMOptions, options, fields, f"the {NAME!r} model")
+        hf_config, source = build_config(o.pretrained_model_name_or_path, o.config,
+                                         o.config_overrides, o.trust_remote_code)
+        if tokenizer is not None and len(tokenizer) > hf_config.vocab_size \
+                and not o.allow_embedding_resizing:
             raise ConfigError([
                 f"model: the model's vocab_size {hf_config.vocab_size} is smaller than the "
                 f"tokenizer's {len(tokenizer)} tokens; set model.allow_embedding_resizing: true, "
                 f"or model.config_overrides.vocab_size >= {len(tokenizer)} with pretrained: false"
             ])
-        model = _build_model(hf_config, source, pretrained, trust_remote_code,
-                             attn_implementation, init_device)
+        model = _build_model(hf_config, source, o.pretrained, o.trust_remote_code,
+                             o.attn_implementation, o.init_device)
         attach_parallel_hooks(model)
         super().__init__(
             model=model,
@@ -97,7 +112,7 @@ class ComposerHFCausalLM(HuggingFaceModel):
             metrics=[LanguageCrossEntropy()],
             eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
             shift_labels=True,
-            allow_embedding_resizing=allow_embedding_resizing,
+            allow_embedding_resizing=o.allow_embedding_resizing,
         )
         self.n_matmul_params = matmul_params(self.model)
         self._warned_packing = False
@@ -110,55 +125,12 @@ class ComposerHFCausalLM(HuggingFaceModel):
                         "set packing_ratio: null in the loader to keep them apart")
         return super().forward(batch)
 
-    @classmethod
-    def config_problems(cls, section: Mapping[str, Any]) -> list[str]:
-        """Problems of a model section, found without loading weights (for the validator)."""
-        return _section_problems(section)
-
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         """Training FLOPs of a batch: ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``,
         N = parameters used in matmuls (see :func:`matmul_params`), as for MPT."""
         b, s = batch["input_ids"].shape[:2]
         cfg = self.model.config
         return 3 * b * (2 * self.n_matmul_params * s + 4 * cfg.num_hidden_layers * cfg.hidden_size * s * s)
-
-
-def _section_problems(section: Mapping[str, Any]) -> list[str]:
-    """Option names, types and combinations; local folders and config dicts are read."""
-    p = signature_problems(ComposerHFCausalLM, dict(section), {"tokenizer"}, "", NAME)
-    if p:
-        return p
-    path, config = section.get("pretrained_model_name_or_path"), section.get("config")
-    overrides = section.get("config_overrides") or {}
-    pretrained = section.get("pretrained", True)
-    init_device = section.get("init_device", "cpu")
-    if (path is None) == (config is None):
-        p.append("pretrained_model_name_or_path: give exactly one of pretrained_model_name_or_path "
-                 "(a folder or hub name) and config (a dict with model_type)")
-    if config is not None and pretrained is True:
-        p.append("pretrained: a config dict has no weights; set pretrained: false")
-    if not isinstance(pretrained, bool):
-        p.append(f"pretrained: {pretrained!r} is not valid; use true or false")
-    if config is not None and not isinstance(config, Mapping):
-        p.append(f"config: expected a mapping with model_type, got {config!r}")
-    if path is not None and not isinstance(path, str):
-        p.append(f"pretrained_model_name_or_path: expected a folder or hub name, got {path!r}")
-    if not isinstance(overrides, Mapping):
-        p.append(f"config_overrides: expected a mapping of config attributes, got {overrides!r}")
-    if init_device not in INIT_DEVICES:
-        p.append(f"init_device: {init_device!r} is not valid; use one of {', '.join(INIT_DEVICES)}")
-    elif init_device == "meta" and pretrained is True and path is not None:
-        p.append("init_device: meta would discard the pretrained weights; use mixed (rank 0 "
-                 "loads them, the other ranks receive their shards) or cpu")
-    if p:
-        return p
-    if path is not None and not looks_like_path(path) and not Path(path).expanduser().is_dir():
-        return p  # a hub name: checked when the model is built
-    try:
-        hf_config, _ = build_config(path, config, {}, bool(section.get("trust_remote_code")))
-    except ConfigError as e:
-        return p + [q.removeprefix("model.") for q in e.problems]
-    return p + override_problems(hf_config, overrides, "config_overrides")
 
 
 def build_config(

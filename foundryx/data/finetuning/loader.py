@@ -27,91 +27,84 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from foundryx.config.components import ModelFacts
+from foundryx.config.types import coerce, option
 from foundryx.data import packing
-from foundryx.data.finetuning.examples import (
-    IGNORE,
-    TARGET_PROMPTS,
-    TARGET_RESPONSES,
-    chat_renderer,
-    encode,
-)
-from foundryx.data.options import (
-    LOADER_DEFAULTS,
-    check,
-    is_int,
-    is_number,
-    raise_problems,
-    section_problems,
-)
+from foundryx.data.finetuning.examples import IGNORE, chat_renderer, encode
+from foundryx.data.options import LoaderOptions
 from foundryx.data.sources import HUB_PREFIX, read_records
 from foundryx.errors import DataError
 
 log = logging.getLogger(__name__)
 
-_DATASET_DEFAULTS: dict[str, Any] = {
-    "split": None, "target_prompts": "none", "target_responses": "last", "packing_ratio": None,
-    "shuffle": True, "shuffle_seed": 0, "skip_bad_examples": False,
-}
-_DATASET_KEYS = {"path", "max_seq_len", *_DATASET_DEFAULTS}
+
+@dataclass
+class FinetuningDatasetOptions:
+    """The ``dataset`` of a ``finetuning`` loader."""
+
+    path: str = option(".jsonl or .parquet file, save_to_disk or MDS folder, or hf://owner/name")
+    max_seq_len: int = option("longest example in tokens; longer ones are bad examples", gt=0)
+    split: str | None = option("split of a Hugging Face dataset, or subfolder of an MDS folder",
+                               default=None)
+    target_prompts: Literal["none", "all"] = option("take the loss on prompts", default="none")
+    target_responses: Literal["last", "all"] = option("take the loss on the last response or "
+                                                      "all of them", default="last")
+    packing_ratio: float | Literal["auto"] | None = option(
+        "null: one example per row; auto; or a number >= 1 (examples considered per row)",
+        default=None, ge=1)
+    shuffle: bool = option("shuffle the examples", default=True)
+    shuffle_seed: int = option("seed of the shuffle", default=0)
+    skip_bad_examples: bool = option("skip malformed examples and log how many", default=False)
+
+    def problems(self) -> list[str]:
+        if not self.path.startswith(HUB_PREFIX) and not Path(self.path).expanduser().exists():
+            return [f"path: {self.path} does not exist; give a .jsonl or .parquet file, a "
+                    "save_to_disk or MDS folder, or hf://owner/name"]
+        return []
+
+    def location(self) -> tuple[str, str | None]:
+        """(input, split for read_records): an MDS split is a subfolder."""
+        path, split = self.path, self.split
+        if split and not path.startswith(HUB_PREFIX) and (Path(path) / split / "index.json").is_file():
+            return str(Path(path) / split), None
+        return path, split
 
 
-def _location(ds: dict[str, Any]) -> tuple[str, str | None]:
-    """(input, split for read_records): an MDS split is a subfolder."""
-    path, split = str(ds["path"]), ds.get("split")
-    if split and not path.startswith(HUB_PREFIX) and (Path(path) / split / "index.json").is_file():
-        return str(Path(path) / split), None
-    return path, split
+@dataclass(kw_only=True)
+class FinetuningLoaderOptions(LoaderOptions):
+    """The ``finetuning`` loader section (see the module docstring)."""
+
+    dataset: FinetuningDatasetOptions = option("the examples: {path, max_seq_len, ...}")
+
+    def problems_with(self, model: ModelFacts) -> list[str]:
+        problems = super().problems_with(model)
+        if model.uses_sequence_id and self.dataset.packing_ratio is None:
+            problems.append("dataset.packing_ratio: model.attn_config.attn_uses_sequence_id is "
+                            "true, but unpacked fine-tuning batches have no sequence_id; set "
+                            "packing_ratio (e.g. auto) or attn_uses_sequence_id: false")
+        return problems
 
 
-def validate_finetuning_cfg(cfg: dict[str, Any]) -> list[str]:
-    """Problems of a ``finetuning`` loader section (paths relative to it), without reading data."""
-    ds = cfg.get("dataset")
-    if not isinstance(ds, dict):
-        return [f"dataset: expected {{path: <examples>, max_seq_len: ...}}, got {ds!r}"]
-    problems = section_problems(cfg, _DATASET_KEYS, "finetuning")
-    d = {**_DATASET_DEFAULTS, **ds}
-    ratio, seq = d["packing_ratio"], d.get("max_seq_len")
-    problems += check([
-        ("dataset.max_seq_len", seq, is_int(seq) and seq > 0, "a positive integer"),
-        ("dataset.target_prompts", d["target_prompts"], d["target_prompts"] in TARGET_PROMPTS,
-         " or ".join(TARGET_PROMPTS)),
-        ("dataset.target_responses", d["target_responses"],
-         d["target_responses"] in TARGET_RESPONSES, " or ".join(TARGET_RESPONSES)),
-        ("dataset.packing_ratio", ratio, ratio is None or ratio == "auto"
-         or is_number(ratio) and ratio >= 1, "null, auto or a number >= 1"),
-        ("dataset.shuffle", d["shuffle"], isinstance(d["shuffle"], bool), "true or false"),
-        ("dataset.shuffle_seed", d["shuffle_seed"], is_int(d["shuffle_seed"]), "an integer"),
-        ("dataset.skip_bad_examples", d["skip_bad_examples"],
-         isinstance(d["skip_bad_examples"], bool), "true or false"),
-    ])
-    path = ds.get("path")
-    if not isinstance(path, str) or not path:
-        problems.append(f"dataset.path: expected a .jsonl or .parquet file, a dataset folder or "
-                        f"hf://owner/name, got {path!r}")
-    elif not path.startswith(HUB_PREFIX) and not Path(path).expanduser().exists():
-        problems.append(f"dataset.path: {path} does not exist; give a .jsonl or .parquet file, a "
-                        f"save_to_disk or MDS folder, or hf://owner/name")
-    return problems
-
-
-def load_examples(ds: dict[str, Any], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+def load_examples(ds: FinetuningDatasetOptions, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     """Every good example as ``(input_ids, labels)``; bad ones raise, or are skipped and
     counted when ``skip_bad_examples``."""
     render = chat_renderer(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         log.info("tokenizer %s has no chat template; chat examples use the ChatML-style default",
                  tokenizer.name_or_path)
-    path, split = _location(ds)
+    path, split = ds.location()
     examples, bad = [], []
     for where, record in read_records(path, split):
         try:
-            examples.append(encode(record, where, tokenizer, render, ds["max_seq_len"],
-                                   ds["target_prompts"], ds["target_responses"]))
+            examples.append(encode(record, where, tokenizer, render, ds.max_seq_len,
+                                   ds.target_prompts, ds.target_responses))
         except DataError as e:
-            if not ds["skip_bad_examples"]:
+            if not ds.skip_bad_examples:
                 raise DataError(f"{e} (or set skip_bad_examples: true to skip bad examples)") \
                     from None
             bad.append(str(e))
@@ -124,21 +117,21 @@ def load_examples(ds: dict[str, Any], tokenizer: Any) -> list[tuple[list[int], l
     return examples
 
 
-def build_rows(examples: list, ds: dict[str, Any], device_batch_size: int) -> list[dict]:
+def build_rows(examples: list, ds: FinetuningDatasetOptions, device_batch_size: int) -> list[dict]:
     """Rows of the dataset: one example each, or packed (with ``sequence_id``)."""
     order = list(range(len(examples)))
-    if ds["shuffle"]:
-        random.Random(ds["shuffle_seed"]).shuffle(order)
-    ratio = ds["packing_ratio"]
+    if ds.shuffle:
+        random.Random(ds.shuffle_seed).shuffle(order)
+    ratio = ds.packing_ratio
     if ratio is None:
         return [{"input_ids": examples[i][0], "labels": examples[i][1]} for i in order]
     lengths = [len(examples[i][0]) for i in order]
     if ratio == "auto":
-        ratio, why = packing.auto_packing_ratio(lengths, ds["max_seq_len"])
+        ratio, why = packing.auto_packing_ratio(lengths, ds.max_seq_len)
         log.info("packing_ratio auto -> %.1f: %s", ratio, why)
     window = max(1, math.ceil(ratio * device_batch_size))
     rows = []
-    for members in packing.pack(lengths, ds["max_seq_len"], window):
+    for members in packing.pack(lengths, ds.max_seq_len, window):
         row: dict[str, list[int]] = {"input_ids": [], "labels": [], "sequence_id": []}
         for k, m in enumerate(members):
             ids, labels = examples[order[m]]
@@ -148,7 +141,7 @@ def build_rows(examples: list, ds: dict[str, Any], device_batch_size: int) -> li
         rows.append(row)
     used = sum(lengths)
     log.info("packed %d examples into %d rows of %d tokens (%.1f%% padding)", len(examples),
-             len(rows), ds["max_seq_len"], 100 * (1 - used / (len(rows) * ds["max_seq_len"])))
+             len(rows), ds.max_seq_len, 100 * (1 - used / (len(rows) * ds.max_seq_len)))
     return rows
 
 
@@ -175,7 +168,8 @@ def _num_tokens(batch: dict[str, Any]) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def build_finetuning_dataloader(cfg: dict[str, Any], tokenizer: Any, device_batch_size: int):
+def build_finetuning_dataloader(options: FinetuningLoaderOptions | Mapping[str, Any],
+                                tokenizer: Any, device_batch_size: int):
     """A ``composer.core.DataSpec`` of fine-tuning batches (see the module docstring)."""
     import functools
 
@@ -183,17 +177,13 @@ def build_finetuning_dataloader(cfg: dict[str, Any], tokenizer: Any, device_batc
     from composer.utils import dist
     from torch.utils.data import DataLoader
 
-    raise_problems("finetuning", validate_finetuning_cfg(cfg))
-    cfg = {**LOADER_DEFAULTS, **cfg}
-    ds = {**_DATASET_DEFAULTS, **cfg["dataset"]}
+    options = coerce(FinetuningLoaderOptions, options, owner="the 'finetuning' dataloader")
+    ds = options.dataset
     rows = build_rows(load_examples(ds, tokenizer), ds, device_batch_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sampler = dist.get_sampler(rows, drop_last=cfg["drop_last"], shuffle=ds["shuffle"],
-                               seed=ds["shuffle_seed"])
+    sampler = dist.get_sampler(rows, drop_last=options.drop_last, shuffle=ds.shuffle,
+                               seed=ds.shuffle_seed)
     loader = DataLoader(rows, batch_size=device_batch_size, sampler=sampler,
                         collate_fn=functools.partial(collate, pad_id=pad_id),
-                        drop_last=cfg["drop_last"], num_workers=cfg["num_workers"])
+                        drop_last=options.drop_last, num_workers=options.num_workers)
     return DataSpec(loader, get_num_tokens_in_batch=_num_tokens)
-
-
-build_finetuning_dataloader.config_problems = validate_finetuning_cfg

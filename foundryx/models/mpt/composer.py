@@ -9,13 +9,16 @@ import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from composer.models import HuggingFaceModel
 
-from foundryx.errors import ConfigError, DataError, did_you_mean
+from foundryx.config.types import options_or_fields, to_data
+from foundryx.errors import ConfigError, DataError
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import IGNORE_INDEX, MPTForCausalLM, causal_lm_loss
+from foundryx.models.mpt.options import MPTOptions
 
 
 class ComposerMPTCausalLM(HuggingFaceModel):
-    """An MPT causal LM built from MPTConfig fields: ``ComposerMPTCausalLM(tokenizer, **cfg)``.
+    """An MPT causal LM: ``ComposerMPTCausalLM(tokenizer, options=MPTOptions(...))``, or with
+    the options as keywords: ``ComposerMPTCausalLM(tokenizer, d_model=..., attn_config={...})``.
 
     Batches are dicts with ``input_ids`` (batch, seq) and optionally ``attention_mask``
     (1 = token, 0 = padding), ``labels`` (aligned with input_ids; the model shifts them; by
@@ -24,19 +27,15 @@ class ComposerMPTCausalLM(HuggingFaceModel):
     ``self.model`` is the underlying :class:`MPTForCausalLM`.
     """
 
-    def __init__(self, tokenizer: Any = None, **model_config: Any):
-        problems = self.config_problems(model_config)
-        if tokenizer is not None and model_config.get("vocab_size", MPTConfig().vocab_size) < len(
-            tokenizer
-        ):
-            problems.append(
-                f"vocab_size: {model_config.get('vocab_size')} is smaller than the "
-                f"tokenizer's {len(tokenizer)} tokens; set vocab_size >= "
-                f"{len(tokenizer)} (a multiple of 64 is fastest)"
-            )
-        if problems:
-            raise ConfigError(problems)
-        model = MPTForCausalLM(MPTConfig(**model_config))
+    def __init__(self, tokenizer: Any = None, options: MPTOptions | None = None, **fields: Any):
+        options = options_or_fields(MPTOptions, options, fields, "the 'mpt_causal_lm' model")
+        if tokenizer is not None and options.vocab_size < len(tokenizer):
+            raise ConfigError([
+                f"model.vocab_size: {options.vocab_size} is smaller than the tokenizer's "
+                f"{len(tokenizer)} tokens; set vocab_size >= {len(tokenizer)} (a multiple of "
+                "64 is fastest)"
+            ])
+        model = MPTForCausalLM(MPTConfig(**{k: to_data(v) for k, v in vars(options).items()}))
         super().__init__(
             model=model,
             tokenizer=tokenizer,
@@ -46,27 +45,11 @@ class ComposerMPTCausalLM(HuggingFaceModel):
             shift_labels=True,
         )
         self.n_matmul_params = _matmul_params(model)
-
-    @classmethod
-    def config_keys(cls) -> set[str]:
-        """Top-level keys a model section may set."""
-        return MPTConfig.accepted_keys()
-
-    @classmethod
-    def config_problems(cls, cfg: Mapping[str, Any]) -> list[str]:
-        """Every problem of a model section, without building the model."""
-        known = cls.config_keys()
-        problems = [
-            f"{key}: unknown model option{did_you_mean(key, known) or ''}; remove or rename it"
-            for key in cfg
-            if key not in known
-        ]
-        config = MPTConfig(**{k: v for k, v in cfg.items() if k in known})
-        return problems + config.problems()
+        self.uses_sequence_id = options.uses_sequence_id
 
     def forward(self, batch: Mapping[str, Any]):
         kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
-        if self.model.config.attn_config["attn_uses_sequence_id"]:
+        if self.uses_sequence_id:
             if batch.get("sequence_id") is None:
                 raise DataError(
                     "model.attn_config.attn_uses_sequence_id is true but the batch "

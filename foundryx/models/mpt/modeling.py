@@ -35,22 +35,22 @@ class MPTAttention(nn.Module):
 
     def __init__(self, config: MPTConfig):
         super().__init__()
-        a = config.attn_config
+        a = config.attn
         # Resolved once here rather than per call: torch.compile cannot trace the registry lock.
-        self.attn_fn = registry.attention_implementations.get(a["attn_impl"])
+        self.attn_fn = registry.attention_implementations.get(a.attn_impl)
         self.n_heads = config.n_heads
         self.kv_n_heads = config.kv_n_heads
         self.head_dim = config.head_dim
-        self.softmax_scale = a["softmax_scale"]
-        self.attn_pdrop = a["attn_pdrop"]
-        self.sliding_window = a["sliding_window_size"] if a["sliding_window_size"] > 0 else None
+        self.softmax_scale = a.softmax_scale
+        self.attn_pdrop = a.attn_pdrop
+        self.sliding_window = a.sliding_window_size if a.sliding_window_size > 0 else None
         d, kv = config.d_model, self.kv_n_heads * self.head_dim
         bias = not config.no_bias
         self.qkv_sizes = (d, kv, kv)
         self.Wqkv = nn.Linear(d, d + 2 * kv, bias=bias)
         self.Wqkv._fused = self.qkv_sizes  # init treats the q, k, v rows as separate matrices
-        self.q_ln = _norm(config, d) if a["qk_ln"] else None
-        self.k_ln = _norm(config, kv) if a["qk_ln"] else None
+        self.q_ln = _norm(config, d) if a.qk_ln else None
+        self.k_ln = _norm(config, kv) if a.qk_ln else None
         self.out_proj = nn.Linear(d, d, bias=bias)
         self.out_proj._is_residual = True
 
@@ -89,7 +89,7 @@ class MPTBlock(nn.Module):
 
     def __init__(self, config: MPTConfig):
         super().__init__()
-        ffn_cls = registry.ffns.get(config.ffn_config["ffn_type"])
+        ffn_cls = registry.ffns.get(config.ffn.ffn_type)
         self.norm_1 = _norm(config, config.d_model)
         self.attn = MPTAttention(config)
         self.norm_2 = _norm(config, config.d_model)
@@ -136,7 +136,7 @@ class MPTPreTrainedModel(PreTrainedModel):
         are zero; embeddings use ``emb_init_std``/``emb_init_uniform_lim`` if set; any other
         module with ``reset_parameters`` (norms) resets itself.
         """
-        ic = self.config.init_config
+        ic = self.config.init
         if isinstance(module, nn.Linear):
             for rows in module.weight.split(getattr(module, "_fused", module.out_features)):
                 self._init_matrix(rows)
@@ -145,37 +145,37 @@ class MPTPreTrainedModel(PreTrainedModel):
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, nn.Embedding):
-            if ic["emb_init_std"] is not None:
-                module.weight.normal_(0.0, ic["emb_init_std"])
-            elif ic["emb_init_uniform_lim"] is not None:
-                module.weight.uniform_(-ic["emb_init_uniform_lim"], ic["emb_init_uniform_lim"])
+            if ic.emb_init_std is not None:
+                module.weight.normal_(0.0, ic.emb_init_std)
+            elif ic.emb_init_uniform_lim is not None:
+                module.weight.uniform_(-ic.emb_init_uniform_lim, ic.emb_init_uniform_lim)
             else:
                 self._init_matrix(module.weight)
         elif callable(getattr(module, "reset_parameters", None)):
             module.reset_parameters()
 
     def _init_matrix(self, w: torch.Tensor) -> None:
-        ic = self.config.init_config
-        name = ic["name"]
+        ic = self.config.init
+        name = ic.name
         if name == "baseline_":
-            w.normal_(0.0, ic["init_std"])
+            w.normal_(0.0, ic.init_std)
         elif name in ("small_init_", "neox_init_"):
             w.normal_(0.0, math.sqrt(2 / (5 * self.config.d_model)))
         elif name == "kaiming_normal_":
             nn.init.kaiming_normal_(
-                w, a=ic["init_gain"], mode=ic["fan_mode"], nonlinearity=ic["init_nonlinearity"]
+                w, a=ic.init_gain, mode=ic.fan_mode, nonlinearity=ic.init_nonlinearity
             )
         elif name == "kaiming_uniform_":
             nn.init.kaiming_uniform_(
-                w, a=ic["init_gain"], mode=ic["fan_mode"], nonlinearity=ic["init_nonlinearity"]
+                w, a=ic.init_gain, mode=ic.fan_mode, nonlinearity=ic.init_nonlinearity
             )
         else:
             raise ValueError(f"init_config.name: unknown init scheme {name!r}")
 
     def _residual_divisor(self) -> float:
         """sqrt(2 * n_layers) by default; neox_init_ uses n_layers / sqrt(10) (GPT-NeoX)."""
-        n_layers, div = self.config.n_layers, self.config.init_config["init_div_is_residual"]
-        if self.config.init_config["name"] == "neox_init_":
+        n_layers, div = self.config.n_layers, self.config.init.init_div_is_residual
+        if self.config.init.name == "neox_init_":
             return n_layers / math.sqrt(10)
         if div is True:
             return math.sqrt(2 * n_layers)
@@ -214,7 +214,7 @@ class MPTModel(MPTPreTrainedModel):
         not counted in positions. ``sequence_id`` (batch, seq): tokens attend only within
         their document and positions restart at 0 in each document.
         """
-        cfg, a = self.config, self.config.attn_config
+        cfg, a = self.config, self.config.attn
         seq = input_ids.shape[1]
         if seq > cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {cfg.max_seq_len}")
@@ -226,9 +226,9 @@ class MPTModel(MPTPreTrainedModel):
             x = x + self.wpe(positions)
         x = self.emb_drop(x)
         rope = (
-            rope_cos_sin(positions, cfg.head_dim, a["rope_theta"], x.dtype) if a["rope"] else None
+            rope_cos_sin(positions, cfg.head_dim, a.rope_theta, x.dtype) if a.rope else None
         )
-        slopes = alibi_slopes(cfg.n_heads, a["alibi_bias_max"], x.device) if a["alibi"] else None
+        slopes = alibi_slopes(cfg.n_heads, a.alibi_bias_max, x.device) if a.alibi else None
         for block in self.blocks:
             x = block(
                 x,
