@@ -7,7 +7,7 @@ import torch
 
 from foundryx import registry
 from foundryx.models.layers import attention as attn_mod
-from foundryx.models.layers.attention import attention, torch_attention
+from foundryx.models.layers.attention import torch_attention
 
 B, S, H, D = 2, 12, 4, 8
 
@@ -131,7 +131,12 @@ def test_low_precision_close_to_reference():
     torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
 
 
-def test_dispatch_goes_through_the_registry():
+def test_a_registered_implementation_is_what_the_model_calls():
+    """A plugin's attention implementation, named in attn_config.attn_impl, runs in the model
+    and gives the same logits as SDPA when it computes the same thing."""
+    from foundryx.models.mpt.configuration import MPTConfig
+    from foundryx.models.mpt.modeling import MPTForCausalLM
+
     calls = []
 
     def spy(q, k, v, **kw):
@@ -140,11 +145,14 @@ def test_dispatch_goes_through_the_registry():
 
     registry.attention_implementations.register("test_spy", spy)
     try:
-        q, k, v = _qkv()
-        torch.testing.assert_close(
-            attention("test_spy", q, k, v, causal=False), torch_attention(q, k, v, causal=False)
-        )
-        assert calls == [["causal"]]
+        shape = {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 16, "vocab_size": 64}
+        torch.manual_seed(0)
+        ref = MPTForCausalLM(MPTConfig(**shape)).eval()
+        torch.manual_seed(0)
+        spied = MPTForCausalLM(MPTConfig(**shape, attn_config={"attn_impl": "test_spy"})).eval()
+        ids = torch.randint(0, 64, (2, 16))
+        torch.testing.assert_close(spied(ids).logits, ref(ids).logits)
+        assert len(calls) == 2 and all("causal" in kw for kw in calls)
         assert registry.attention_implementations.get("torch") is torch_attention
     finally:
         registry.attention_implementations.unregister("test_spy")

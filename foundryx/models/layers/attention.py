@@ -1,8 +1,9 @@
-"""Attention: the PyTorch SDPA implementation and the dispatch every model calls.
+"""Attention: the PyTorch SDPA implementation (``torch`` in the attention_implementations
+registry).
 
-Models call :func:`attention` with an implementation name (``attn_config.attn_impl``); it
-looks the name up in ``foundryx.registry.attention_implementations``, so a plugin or a
-kernel can provide another implementation with the signature of :func:`torch_attention`.
+A model resolves its implementation once, by name (``attn_config.attn_impl``), from
+``foundryx.registry.attention_implementations``, so a plugin or a kernel can provide another
+with the signature of :func:`torch_attention`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,6 @@ import functools
 
 import torch
 import torch.nn.functional as F
-
-from foundryx import registry
-
-
-def attention(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs):
-    """Run the attention implementation registered as ``impl`` on q, k, v."""
-    return registry.attention_implementations.get(impl)(q, k, v, **kwargs)
 
 
 def torch_attention(
