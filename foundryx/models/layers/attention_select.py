@@ -83,7 +83,7 @@ def triton_problem(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
 ) -> str | None:
     """Why the Triton kernel cannot run this call, or None."""
-    try:
+    try:  # lazy: imports Triton, an optional heavy dependency (absent on macOS, say)
         from foundryx.kernels.flash_attention import unsupported
     except ImportError as e:
         return f"Triton does not import ({e}); it comes with torch's CUDA and ROCm wheels"

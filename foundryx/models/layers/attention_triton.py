@@ -24,7 +24,8 @@ def triton_attention(
     of ``torch_attention``; raises ``AttentionError`` where it cannot run (e.g. on CPU)."""
     q, k, v = autocast_inputs(q, k, v)
     require("triton", q, k, v, dropout_p)
-    from foundryx.kernels.flash_attention import flash_attention  # imports Triton
+    # lazy: imports Triton, an optional heavy dependency, only when this implementation runs
+    from foundryx.kernels.flash_attention import flash_attention
 
     return flash_attention(
         q,

@@ -1,0 +1,249 @@
+"""Compile every Triton kernel foundryx ships for real GPU targets, on any machine (no GPU).
+
+``python -m foundryx.kernels.targets [--targets sm80,sm90,gfx90a,gfx942] [--set small|full]
+[--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ and the
+preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
+family uses, for the feature combinations users hit, ahead of time (``triton.compile`` with a
+``GPUTarget``): NVIDIA to PTX and a cubin with the ``ptxas`` inside the triton wheel, AMD to
+AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
+shared memory (LDS on AMD) against the target's limit, registers, spills and the occupancy
+those allow, and exits 1 when anything fails to compile, exceeds the limit or spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from foundryx.kernels import tuning
+from foundryx.kernels.resources import TARGETS, Resources, find_lld, measure
+
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("bf16", "fp16")
+# Feature sets: which constexpr flags are on. GQA is the runtime argument GROUP (no recompile).
+FEATURES: dict[str, dict[str, bool]] = {
+    "causal": {"CAUSAL": True},
+    "full": {},
+    "packed": {"CAUSAL": True, "HAS_DOCS": True},
+    "alibi": {"CAUSAL": True, "HAS_ALIBI": True},
+    "window": {"CAUSAL": True, "HAS_WINDOW": True},
+    "padded": {"HAS_KPM": True},
+    "all": {"CAUSAL": True, "HAS_DOCS": True, "HAS_WINDOW": True, "HAS_KPM": True,
+            "HAS_ALIBI": True},
+}
+SETS = {  # (dtypes, feature sets); every head dim and kernel in both
+    "small": (("bf16",), ("all",)),
+    "full": (DTYPES, tuple(FEATURES)),
+}
+FLAGS = ("CAUSAL", "HAS_DOCS", "HAS_WINDOW", "HAS_KPM", "HAS_ALIBI")
+PREPROCESS_ROWS = 64  # the preprocess kernel's BLOCK_M (flash_attention._backward)
+
+
+@dataclass(frozen=True)
+class Job:
+    target: str
+    kernel: str  # fwd, bwd_dkdv, bwd_dq, preprocess
+    head_dim: int
+    dtype: str
+    features: str
+    config: tuning.KernelConfig | None  # None: the preprocess kernel (fixed rows)
+
+
+@dataclass
+class Result:
+    job: Job
+    ok: bool
+    error: str = ""
+    resources: Resources | None = None
+    seconds: float = 0.0
+
+    @property
+    def problems(self) -> list[str]:
+        if not self.ok:
+            return ["does not compile"]
+        r, limit = self.resources, TARGETS[self.job.target].smem_limit
+        out = []
+        if r.shared > limit:
+            out.append(f"shared memory {r.shared} B > {limit} B")
+        if r.spills:
+            out.append(f"spills {r.spills_text}")
+        return out
+
+
+def jobs(targets: list[str], which: str) -> list[Job]:
+    dtypes, features = SETS[which]
+    out = []
+    for t in targets:
+        family = TARGETS[t].family
+        for hd in HEAD_DIMS:
+            bucket = HEAD_DIMS.index(hd)
+            for dtype in dtypes:
+                out.append(Job(t, "preprocess", hd, dtype, "-", None))
+                for kernel in tuning.KERNELS:
+                    cfg = tuning.TABLE[family][kernel][bucket]
+                    out += [Job(t, kernel, hd, dtype, f, cfg) for f in features]
+    return out
+
+
+def _signature(fn, dtype: str) -> tuple[dict[str, str], dict]:
+    """Argument types of a kernel (data pointers in ``dtype``) and divisibility hints as a
+    real launch gives them (pointers and strides divisible by 16)."""
+    data = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"}
+    kinds = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "DOC_START": "*i32",
+             "DOC_END": "*i32", "KPM": "*i8", "qk_scale": "fp32", "sm_scale": "fp32"}
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+            continue
+        sig[p.name] = f"*{dtype}" if p.name in data else kinds.get(p.name, "i32")
+        if sig[p.name].startswith("*") or p.name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def compile_job(job: Job, lld: str | None) -> Result:
+    """Compile one job and measure it (runs in a worker process)."""
+    # Imported here, in the spawned worker, so that TRITON_INTERPRET is already cleared
+    # (_compiler_env) when Triton and the kernels' @triton.jit are first loaded.
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from foundryx.kernels.flash_bwd import (
+        flash_bwd_dkdv_kernel,
+        flash_bwd_dq_kernel,
+        flash_bwd_preprocess,
+    )
+    from foundryx.kernels.flash_fwd import flash_fwd_kernel
+
+    if lld:
+        os.environ["TRITON_HIP_LLD_PATH"] = lld
+    target = TARGETS[job.target]
+    block_d = max(16, triton.next_power_of_2(job.head_dim))
+    consts: dict = {"HEAD_DIM": job.head_dim, "BLOCK_D": block_d}
+    if job.kernel == "preprocess":
+        fn, options = flash_bwd_preprocess, {"num_warps": 4}
+        consts["BLOCK_M"] = PREPROCESS_ROWS
+    else:
+        fn = {"fwd": flash_fwd_kernel, "bwd_dkdv": flash_bwd_dkdv_kernel,
+              "bwd_dq": flash_bwd_dq_kernel}[job.kernel]
+        cfg = job.config
+        options = cfg.launch_options()
+        consts.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=None,
+                      **{f: FEATURES[job.features].get(f, False) for f in FLAGS})
+    sig, attrs = _signature(fn, job.dtype)
+    start = time.perf_counter()
+    try:
+        kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=target.gpu_target(GPUTarget),
+                                options=options)
+        resources = measure(kernel, target)
+    except Exception as e:  # noqa: BLE001  (the compiler's error is the result)
+        text = str(e).strip().splitlines()
+        return Result(job, False, error=(text[0] if text else type(e).__name__)[:300],
+                      seconds=time.perf_counter() - start)
+    return Result(job, True, resources=resources, seconds=time.perf_counter() - start)
+
+
+def run(targets: list[str], which: str = "small", workers: int | None = None,
+        progress: bool = True) -> tuple[list[Result], list[str]]:
+    """Compile the tuning table's configurations (``which`` set) for ``targets``."""
+    return compile_job_pool(jobs(targets, which), workers, progress)
+
+
+def compile_job_pool(todo: list[Job], workers: int | None = None,
+                     progress: bool = True) -> tuple[list[Result], list[str]]:
+    """Compile ``todo`` in worker processes; ``(results, notes on skipped targets)``. Jobs of
+    AMD targets are skipped, with the reason, when no ld.lld is found."""
+    lld, why = find_lld()
+    skipped = []
+    if lld is None:
+        amd = sorted({j.target for j in todo if TARGETS[j.target].backend == "hip"})
+        skipped = [f"{t}: skipped ({why})" for t in amd]
+        todo = [j for j in todo if j.target not in amd]
+    workers = workers or max(1, min(len(todo), os.cpu_count() or 1))
+    results: list[Result] = []
+    with ProcessPoolExecutor(workers, mp_context=_spawn(), initializer=_compiler_env) as pool:
+        for i, r in enumerate(pool.map(compile_job, todo, [lld] * len(todo)), 1):
+            results.append(r)
+            if progress:
+                print(f"\r  compiled {i}/{len(todo)}", end="", file=sys.stderr, flush=True)
+    if progress and todo:
+        print(file=sys.stderr)
+    return results, skipped
+
+
+def _compiler_env() -> None:
+    """Workers compile real kernels, even when the parent runs Triton's interpreter (tests)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _spawn():
+    import multiprocessing  # only the command line starts workers; importing the module should not
+
+
+    return multiprocessing.get_context("spawn")  # compilers hold threads: never fork them
+
+
+def table(results: list[Result]) -> str:
+    """A markdown table, one row per compilation."""
+    head = ("target", "kernel", "head dim", "dtype", "features", "configuration", "result",
+            "smem/LDS KB (limit)", "regs", "spills", "occupancy")
+    rows = [head, tuple("---" for _ in head)]
+    for r in results:
+        j, t = r.job, TARGETS[r.job.target]
+        if not r.ok:
+            rows.append((j.target, j.kernel, str(j.head_dim), j.dtype, j.features, _cfg(j),
+                         f"error: {r.error}", "", "", "", ""))
+            continue
+        res = r.resources
+        verdict = "; ".join(r.problems) or "ok"
+        rows.append((j.target, j.kernel, str(j.head_dim), j.dtype, j.features, _cfg(j), verdict,
+                     f"{res.shared / 1024:.0f} ({t.smem_limit // 1024})", res.registers_text,
+                     res.spills_text, res.occupancy_text))
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def _cfg(job: Job) -> str:
+    return str(job.config) if job.config else f"{PREPROCESS_ROWS} rows"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m foundryx.kernels.targets",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS),
+                        help=f"comma-separated, from {', '.join(TARGETS)}")
+    parser.add_argument("--set", default="small", choices=sorted(SETS),
+                        help="small: bf16 with every feature on; full: every dtype and feature set")
+    parser.add_argument("--workers", type=int, default=None, help="compiler processes")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    names = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown:
+        print(f"error: unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}",
+              file=sys.stderr)
+        return 2
+    results, skipped = run(names, args.set, args.workers, progress=not args.json)
+    bad = [r for r in results if r.problems]
+    if args.json:
+        print(json.dumps({"results": [dataclasses.asdict(r) for r in results], "skipped": skipped,
+                          "failed": len(bad)}, indent=1))
+    else:
+        print(table(results))
+        for line in skipped:
+            print(line)
+        print(f"\n{len(results)} compiled, {len(bad)} with problems"
+              + "".join(f"\n  {r.job.target} {r.job.kernel} hd{r.job.head_dim} {r.job.features}: "
+                        f"{'; '.join(r.problems)} {r.error}" for r in bad))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Every Triton kernel compiles ahead of time for sm80, sm90, gfx90a and gfx942 with the
+tuning table's configurations, within each target's shared memory, without spills."""
+
+from __future__ import annotations
+
+import pytest
+
+from foundryx.kernels import tuning
+from foundryx.kernels.resources import TARGETS, Resources, find_lld, measure
+from foundryx.kernels.targets import HEAD_DIMS, Job, compile_job_pool, jobs, main, table
+
+pytest.importorskip("triton")
+LLD, LLD_WHY = find_lld()
+NVIDIA = ["sm80", "sm90"]
+AMD = ["gfx90a", "gfx942"]
+
+
+def check(targets: list[str], which: str) -> None:
+    results, skipped = compile_job_pool(jobs(targets, which), progress=False)
+    assert not skipped
+    bad = [r for r in results if r.problems]
+    assert not bad, "\n" + table(bad)
+    assert len(results) == len(jobs(targets, which))
+
+
+def test_every_kernel_fits_nvidia():
+    check(NVIDIA, "small")
+
+
+@pytest.mark.skipif(LLD is None, reason=LLD_WHY or "")
+def test_every_kernel_fits_amd():
+    check(AMD, "small")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(LLD is None, reason=LLD_WHY or "")
+def test_every_feature_set_and_dtype_fits():
+    check(list(TARGETS), "full")
+
+
+def test_jobs_cover_the_table():
+    """Each target compiles its own family's rows, for every kernel and head-dim bucket."""
+    small = jobs(["sm90", "gfx942"], "small")
+    for target in ("sm90", "gfx942"):
+        family = TARGETS[target].family
+        for kernel in tuning.KERNELS:
+            got = {j.head_dim: j.config for j in small if (j.target, j.kernel) == (target, kernel)}
+            assert got == {hd: tuning.TABLE[family][kernel][i] for i, hd in enumerate(HEAD_DIMS)}
+    assert sum(j.kernel == "preprocess" for j in small) == 2 * len(HEAD_DIMS)
+    assert len(jobs(["sm80"], "full")) > len(jobs(["sm80"], "small")) * 10
+
+
+def test_a_spill_is_reported_and_fails_the_command(capsys):
+    """A configuration far too large for the registers (256-wide tiles at head dim 256)."""
+    job = Job("sm90", "fwd", 256, "bf16", "all", tuning.KernelConfig(256, 256, 4, 1))
+    [result], _ = compile_job_pool([job], progress=False)
+    assert result.ok and result.resources.spills > 0
+    assert any(p.startswith("spills ") for p in result.problems)
+    assert main(["--targets", "nosuch"]) == 2
+    assert "unknown target(s) nosuch" in capsys.readouterr().err
+
+
+class _Meta:
+    def __init__(self, warps, shared):
+        self.num_warps, self.shared = warps, shared
+
+
+class _Kernel:
+    def __init__(self, warps, shared, asm):
+        self.metadata, self.asm = _Meta(warps, shared), asm
+
+
+def test_amd_occupancy_from_vgprs_and_lds():
+    amdgcn = ".vgpr_count: 130\n.sgpr_count: 90\n.vgpr_spill_count: 0\n.sgpr_spill_count: 4\n"
+    r = measure(_Kernel(4, 20 * 1024, {"amdgcn": amdgcn}), TARGETS["gfx942"])
+    # 130 VGPRs -> 136 allocated -> 3 waves per SIMD -> 12 per CU; LDS allows 3 groups x 4 waves
+    assert (r.registers, r.sgprs, r.spills, r.occupancy) == (130, 90, 0, 12)
+    r = measure(_Kernel(8, 40 * 1024, {"amdgcn": amdgcn}), TARGETS["gfx942"])
+    assert r.occupancy == 8  # one 8-wave workgroup fits in 64 KB of LDS
+    assert isinstance(r, Resources) and r.occupancy_text == "8/32 waves/CU"
