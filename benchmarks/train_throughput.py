@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 GPU_SETTINGS = [  # (label, overrides)
-    ("no AC, eager", ["fsdp_config.activation_checkpointing=false", "fsdp_config.compile=false"]),
-    ("no AC, compile", ["fsdp_config.activation_checkpointing=false", "fsdp_config.compile=true"]),
-    ("AC every block, eager", ["fsdp_config.activation_checkpointing=true", "fsdp_config.compile=false"]),
-    ("AC every block, compile", ["fsdp_config.activation_checkpointing=true", "fsdp_config.compile=true"]),
+    ("no AC, eager", ["activation_checkpointing.enabled=false", "compile.enabled=false"]),
+    ("no AC, compile", ["activation_checkpointing.enabled=false", "compile.enabled=true"]),
+    ("AC every block, eager", ["activation_checkpointing.enabled=true", "compile.enabled=false"]),
+    ("AC every block, compile", ["activation_checkpointing.enabled=true", "compile.enabled=true"]),
 ]
 GPU_MICROBATCH = {"125m": 16, "350m": 16, "1b": 8}
 
@@ -93,7 +93,7 @@ def cpu_cases(batches: int) -> list[tuple[str, str, list[str], int]]:
     base = [f"variables.data_root={data}", f"max_duration={batches}ba", "device=cpu"]
     return [("quickstart, 1 process", "yamls/quickstart.yaml", base, 1),
             ("quickstart, 2 processes, DDP", "yamls/quickstart.yaml", base, 2),
-            ("quickstart, 2 processes, FSDP2", "yamls/quickstart.yaml", base + ["fsdp_config={}"], 2)]
+            ("quickstart, 2 processes, FSDP2", "yamls/quickstart.yaml", base + ["parallelism={}"], 2)]
 
 
 def gpu_cases(models: list[str], batches: int) -> list[tuple[str, str, list[str], int]]:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx import registry
+from foundryx.checkpoint.callback import Checkpointer
 from foundryx.config import TrainConfig
 from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     build_component,
@@ -15,6 +16,7 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     split_name,
 )
 from foundryx.errors import ConfigError
+from foundryx.parallel import parallelize
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,11 @@ def build_scheduler(cfg: TrainConfig) -> Any:
 
 
 def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
-    """Apply ``fsdp_config`` (FSDP2 and the per-block policies) to ``model`` and materialise
-    meta-device weights; call before building the optimizer. See docs/distributed.md."""
-    from foundryx.parallel import parallelize
-
-    return parallelize(model, cfg.fsdp_config, precision=cfg.precision)
+    """Apply ``parallelism`` (FSDP2), ``activation_checkpointing`` and ``compile`` to ``model``
+    and materialise meta-device weights; call before building the optimizer. See
+    docs/distributed.md."""
+    return parallelize(model, cfg.parallelism, activation_checkpointing=cfg.activation_checkpointing,
+                       compile=cfg.compile, precision=cfg.precision)
 
 
 def resolve_autoresume(cfg: TrainConfig) -> bool:
@@ -93,14 +95,14 @@ def stable_run_name(cfg: TrainConfig, source: str) -> str | None:
 
 
 def build_checkpointer(cfg: TrainConfig, run_name: str | None) -> Any:
-    """The Checkpointer callback (saves, keeps the last K, autoresume, load_path), or None."""
+    """The Checkpointer callback (saves, keeps the last K, autoresume, load_path), or None.
+    Each checkpoint records the run's model and tokenizer sections (``components.json``)."""
     if not cfg.save_folder and not cfg.load_path:
         return None
-    from foundryx.checkpoint.callback import Checkpointer
-
     return Checkpointer(
         save_folder=cfg.save_folder, save_interval=cfg.save_interval,
         keep=cfg.save_num_checkpoints_to_keep, overwrite=cfg.save_overwrite,
         autoresume=resolve_autoresume(cfg), load_path=cfg.load_path,
         load_weights_only=cfg.load_weights_only, run_name=run_name,
+        model_section=cfg.model, tokenizer_section=cfg.tokenizer,
     )

@@ -1,7 +1,8 @@
 """The ``foundryx`` command: a thin shell over library functions.
 
 User errors (:class:`foundryx.errors.FoundryxError`) print one message, no traceback, and
-exit with code 2.
+exit with code 2. Training, eval and export load torch and Composer (seconds); their modules
+are imported when the command runs, so ``foundryx --help`` and the data commands start fast.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import os
 import sys
 from pathlib import Path
 
+from foundryx import registry
+from foundryx.config.help import config_help
+from foundryx.data.convert import convert_to_mds
+from foundryx.data.quickstart import prepare_quickstart
+from foundryx.data.tokenizers import build_hf_tokenizer
 from foundryx.errors import FoundryxError
+from foundryx.runtime import setup_logging
 
 
 def _is_rank_zero() -> bool:
@@ -19,31 +26,25 @@ def _is_rank_zero() -> bool:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from foundryx.config import load_config
-
     if args.help_config:
-        from foundryx.config.help import config_help
-
         print(config_help())
         return 0
     if not args.config:
         raise FoundryxError("foundryx train: give a run config, e.g. yamls/quickstart.yaml")
-    loaded = load_config(args.config, args.overrides)
+    from foundryx import train as training  # torch + Composer: only when a run is loaded
+
+    loaded = training.load_run_config(args.config, args.overrides)
     if args.dry_run:
         print(f"# resolved config of {loaded.source}")
         print(loaded.to_yaml())
         print("# derived numbers")
         print(loaded.derived.table())
         return 0
-    from foundryx.train import train
-
-    train(loaded)
+    training.train(loaded)
     return 0
 
 
 def cmd_registry_list(args: argparse.Namespace) -> int:
-    from foundryx import registry
-
     regs = [registry.get_registry(args.registry)] if args.registry else registry.REGISTRIES.values()
     rows = [("registry", "name", "kind", "source")]
     for reg in regs:
@@ -61,17 +62,12 @@ def cmd_registry_list(args: argparse.Namespace) -> int:
 
 
 def cmd_data_quickstart(args: argparse.Namespace) -> int:
-    from foundryx.data.quickstart import prepare_quickstart
-
     out = prepare_quickstart(Path(args.out), seed=args.seed, force=args.force)
     print(f"quickstart data ready in {out}")
     return 0
 
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
-    from foundryx.data.convert import convert_to_mds
-    from foundryx.data.tokenizers import build_hf_tokenizer
-
     tok = build_hf_tokenizer(args.tokenizer)
     manifest = convert_to_mds(
         args.input, args.out, tok, args.max_seq_len, text_field=args.text_field,
@@ -87,8 +83,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from foundryx.export import export_checkpoint
-    from foundryx.train import setup_logging
+    from foundryx.export import export_checkpoint  # torch + transformers: only for an export
 
     setup_logging("info")
     config, *overrides = args.config or [None]
@@ -113,7 +108,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("out", help="the folder to write (appears complete or not at all)")
     e.add_argument("--config", nargs="+", metavar="RUN_YAML", help="run YAML the checkpoint was "
                    "trained with (model and tokenizer), then any key=value overrides; default: "
-                   "the checkpoint's hf/ folder")
+                   "the checkpoint's own record (components.json, or hf/ in older ones)")
     e.add_argument("--tokenizer", help="tokenizer folder or hub name to write instead of the config's")
     e.add_argument("--format", default="auto", help="auto (default), llama or mpt; see docs/hf.md")
     e.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: as trained)")
@@ -125,8 +120,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0, or 1 when --compare-to finds a result short of the reference."""
-    from foundryx.eval.config import load_eval_config
-    from foundryx.eval.run import run_eval
+    from foundryx.eval.run import load_eval_config, run_eval  # torch + Composer: only for an eval
 
     loaded = load_eval_config(args.config, args.overrides)
     outcome = run_eval(loaded, compare_to=args.compare_to, tolerance=args.tolerance,

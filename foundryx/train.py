@@ -6,56 +6,33 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+
+from composer import Trainer
+from composer.core import Evaluator
+from composer.utils import dist, get_device, reproducibility
 
 from foundryx import builders
-from foundryx.config import LoadedConfig
+from foundryx.config import LoadedConfig, load_config
+from foundryx.eval.config import run_config_icl_problems
+from foundryx.eval.evaluators import build_icl_evaluators
+from foundryx.runtime import pick_device, setup_logging
 
 log = logging.getLogger("foundryx")
 
-
-def setup_logging(level: str | None) -> None:
-    if not level:
-        return
-    fmt = "%(asctime)s: rank%(rank)s: %(levelname)s: %(name)s: %(message)s"
-
-    class RankFilter(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            import os
-
-            record.rank = os.environ.get("RANK", "0")
-            return True
-
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(fmt))
-    handler.addFilter(RankFilter())
-    for name in ("foundryx", "composer"):
-        lg = logging.getLogger(name)
-        lg.setLevel(level.upper())
-        if not lg.handlers:
-            lg.addHandler(handler)
-        lg.propagate = False
+# Checks of a run config by layers above foundryx.config, run with its own by load_run_config.
+RUN_CONFIG_CHECKS = (run_config_icl_problems,)
 
 
-def pick_device(requested: str | None) -> str:
-    """The device to train on; logs one line when foundryx chose it."""
-    import torch
-
-    if requested:
-        return requested
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    log.info("device: %s (none set in the config; %s)", device,
-             "a GPU is available" if device == "gpu" else "no GPU found")
-    return device
+def load_run_config(path: str | Path, overrides: list[str] | None = None,
+                    world_size: int | None = None) -> LoadedConfig:
+    """``load_config`` with every check of a run config, the ICL tasks' included (what
+    ``foundryx train`` and ``--dry-run`` report)."""
+    return load_config(path, overrides, world_size, checks=RUN_CONFIG_CHECKS)
 
 
 def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
-    from composer import Trainer
-    from composer.core import Evaluator
-    from composer.utils import dist, get_device, reproducibility
-
-    from foundryx.eval.evaluators import build_icl_evaluators
-
     cfg, derived = loaded.cfg, loaded.derived
     setup_logging(cfg.python_log_level)
     device = get_device(pick_device(cfg.device))

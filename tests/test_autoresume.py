@@ -26,7 +26,7 @@ LOSS = "loss/train/total"
 BIN = Path(sys.executable).parent
 TINY = [
     "variables.max_seq_len=32", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
-    "model.init_device=meta", "global_train_batch_size=4", "eval_loader=null", "fsdp_config={}",
+    "model.init_device=meta", "global_train_batch_size=4", "eval_loader=null", "parallelism={}",
     "scheduler.t_warmup=2ba", "optimizer.lr=0.01", "max_duration=12ba", "save_interval=4ba",
     "save_overwrite=false", "console_log_interval=100ba", "callbacks.speed_monitor.window_size=1",
 ]

@@ -246,3 +246,14 @@ def test_autoresume_with_no_intact_checkpoint_stops_and_touches_nothing(copy_of)
         make_trainer(copy_of, autoresume=True)
     assert all(str(s) in str(e.value) for s in shards)
     assert snapshot(copy_of) == before
+
+
+def test_recorded_sections_must_be_json(tmp_path):
+    """The model and tokenizer sections go into every checkpoint as components.json; one that
+    is not JSON fails when the Checkpointer is made, not at the first save."""
+    with pytest.raises(CheckpointError, match="model: the section cannot be recorded in checkpoints"):
+        Checkpointer(str(tmp_path), model_section={"name": "m", "x": object()})
+    ckpt = Checkpointer(str(tmp_path), model_section={"name": "m", "pair": (1, 2)},
+                        tokenizer_section={"name": "hf", "path": "tok"})
+    assert ckpt.components == {"version": 1, "model": {"name": "m", "pair": [1, 2]},
+                               "tokenizer": {"name": "hf", "path": "tok"}}

@@ -107,3 +107,12 @@ def test_each_bad_input_is_one_message_and_exit_2(quickstart_data, overrides, en
     r = in_process(capsys, "train", "yamls/quickstart.yaml",
                    f"variables.data_root={quickstart_data}", *overrides)
     assert_user_error(r, needle)
+
+
+def test_help_and_the_data_commands_do_not_load_torch():
+    """Training, eval and export modules are imported when their command runs, so
+    `foundryx --help` starts in a fraction of a second."""
+    code = ("import sys, foundryx.cli; heavy = {'torch', 'composer', 'transformers'} & "
+            "set(sys.modules); print(sorted(heavy))")
+    r = run("-c", code)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)

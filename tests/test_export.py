@@ -10,19 +10,14 @@ import torch
 from hf_tiny import HF_CONFIGS, LLAMA_STYLE, VOCAB, composer_state, random_mpt, token_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
+from foundryx.checkpoint.metadata import write_model_metadata
 from foundryx.cli import main
 from foundryx.errors import CheckpointError, ExportError
-from foundryx.export import (
-    ModelSpec,
-    export_checkpoint,
-    export_weights,
-    write_model_metadata,
-    writer,
-)
+from foundryx.export import ExportSpec, export_checkpoint, export_weights, writer
 
 
 def export(model, out, tokenizer=None, **kw):
-    spec = ModelSpec(model.config, tokenizer, "the test")
+    spec = ExportSpec(model.config, tokenizer, "the test")
     return export_weights(composer_state(model), spec, out, progress=False, **kw)
 
 
@@ -99,7 +94,7 @@ def test_hf_model_exports_as_its_own_architecture(tmp_path):
 
     wrapped = ComposerHFCausalLM(config={"model_type": "gpt2", **HF_CONFIGS["gpt2"]}, pretrained=False)
     state = wrapped.state_dict()  # ComposerModel keys, lm_head tied to wte
-    spec = ModelSpec(wrapped.model.config, None, "the test")
+    spec = ExportSpec(wrapped.model.config, None, "the test")
     out = export_weights(state, spec, tmp_path / "gpt2", progress=False)
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(reloaded).__name__ == "GPT2LMHeadModel"
@@ -118,7 +113,12 @@ def test_bf16_export(tmp_path):
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
 
 
-def test_checkpoint_with_metadata_exports_without_config(tmp_path, tiny_tokenizer):
+def test_checkpoint_with_metadata_exports_without_config(tmp_path, tiny_tokenizer, caplog,
+                                                          monkeypatch):
+    """Weights with only an hf/ folder beside them (as older checkpoints have): the model is
+    rebuilt from hf/config.json, and one log line says so."""
+    import logging
+
     from foundryx.models.mpt.composer import ComposerMPTCausalLM
     from foundryx.models.mpt.configuration import FIELDS
 
@@ -128,7 +128,11 @@ def test_checkpoint_with_metadata_exports_without_config(tmp_path, tiny_tokenize
     with pytest.raises(ExportError, match="holds no model config.*--config"):
         export_checkpoint(tmp_path / "weights.pt", tmp_path / "out", progress=False)
     write_model_metadata(tmp_path, model)
-    out = export_checkpoint(tmp_path / "weights.pt", tmp_path / "out", progress=False)
+    monkeypatch.setattr(logging.getLogger("foundryx"), "propagate", True)  # after setup_logging
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        out = export_checkpoint(tmp_path / "weights.pt", tmp_path / "out", progress=False)
+    assert "holds no components.json (saved by an older foundryx); rebuilding the model from" \
+        in caplog.text
     reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = token_batch(2, 16)["input_ids"]
     torch.testing.assert_close(logits(reloaded, ids), logits(model.model.eval(), ids), atol=0, rtol=0)

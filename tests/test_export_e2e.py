@@ -93,14 +93,18 @@ def test_checkpoint_exports_as_llama_loadable_by_plain_transformers(pretrained, 
 
 
 def test_checkpoint_of_a_training_run_exports_without_config(pretrained, capsys):
-    """Checkpoints of ``foundryx train`` carry the model config and tokenizer (``hf/``)."""
+    """Checkpoints of ``foundryx train`` carry their model and tokenizer sections
+    (``components.json``) and the model config and tokenizer (``hf/``), all hashed."""
     from safetensors.torch import load_file
 
     from foundryx.cli import main
 
     ckpt = pretrained / "ckpt"
     manifest = json.loads((ckpt / "latest" / "manifest.json").read_text())
-    assert {"hf/config.json", "hf/tokenizer.json"} <= set(manifest["files"])
+    assert {"components.json", "hf/config.json", "hf/tokenizer.json"} <= set(manifest["files"])
+    recorded = json.loads((ckpt / "latest" / "components.json").read_text())
+    assert recorded["model"]["name"] == "mpt_causal_lm" and recorded["model"]["d_model"] == 64
+    assert recorded["tokenizer"]["name"] == "hf"
     out = pretrained / "no-config"
     assert main(["export", str(ckpt), str(out), "--no-progress"]) == 0, capsys.readouterr().err
     assert (out / "tokenizer.json").is_file()
@@ -125,7 +129,7 @@ def test_eval_reads_a_checkpoint_without_its_run_config(pretrained):
     got = model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     _, problems = _model_problems([{"label": "x", "checkpoint": str(pretrained / "hf" / "ba8")}])
-    assert len(problems) == 1 and "holds no hf/ folder" in problems[0]
+    assert len(problems) == 1 and "holds no record of its model" in problems[0]
 
 
 def test_config_that_does_not_match_the_checkpoint(pretrained, quickstart_data, capsys):

@@ -1,13 +1,16 @@
 """Parallelism policies in one process: blocks, activation checkpointing, compile, mixed
-precision, mesh shapes, meta-device materialisation, and the fsdp_config section."""
+precision, mesh shapes, meta-device materialisation, the parallelism, activation_checkpointing
+and compile sections, and the deprecated fsdp_config."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
 from torch import nn
 
-from foundryx.config.schema import FSDPConfig
+from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig, ParallelismConfig
 from foundryx.errors import ConfigError
 from foundryx.parallel import parallelize
 from foundryx.parallel.fsdp import mesh_shape, mixed_precision_policy
@@ -71,7 +74,7 @@ def test_activation_checkpointing_recomputes_and_keeps_gradients():
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     ref_loss, ref_grads = loss_and_grads(tiny_mpt(), ids)
     model = tiny_mpt()
-    parallelize(model, FSDPConfig(activation_checkpointing=True, activation_checkpointing_every=2))
+    parallelize(model, activation_checkpointing=ActivationCheckpointingConfig(enabled=True, every=2))
     calls = {i: 0 for i in range(4)}
     for i, block in enumerate(model.model.transformer.blocks):
         block.ffn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -86,9 +89,8 @@ def test_compile_per_block_and_offload_keep_names_and_numbers():
     ref_loss, ref_grads = loss_and_grads(tiny_mpt(2), ids)
     model = tiny_mpt(2)
     keys = list(model.state_dict())
-    cfg = FSDPConfig(compile=True, compile_options={"backend": "eager"}, activation_cpu_offload=True,
-                     activation_checkpointing=True)
-    parallelize(model, cfg)
+    parallelize(model, activation_checkpointing=ActivationCheckpointingConfig(enabled=True, cpu_offload=True),
+                compile=CompileConfig(enabled=True, options={"backend": "eager"}))
     assert all(getattr(b, "_foundryx_compiled", False) for b in model.model.transformer.blocks)
     assert list(model.state_dict()) == keys
     loss, grads = loss_and_grads(model, ids)
@@ -121,11 +123,11 @@ def test_mixed_precision_policies():
 
 
 def test_mesh_shapes():
-    assert mesh_shape(FSDPConfig(), 8, 4) == (1, 8)
-    assert mesh_shape(FSDPConfig(sharding_strategy="HYBRID_SHARD"), 8, 4) == (2, 4)
-    assert mesh_shape(FSDPConfig(data_parallel_shard_degree=2), 8, 4) == (4, 2)
+    assert mesh_shape(ParallelismConfig(), 8, 4) == (1, 8)
+    assert mesh_shape(ParallelismConfig(sharding_strategy="HYBRID_SHARD"), 8, 4) == (2, 4)
+    assert mesh_shape(ParallelismConfig(data_parallel_shard_degree=2), 8, 4) == (4, 2)
     with pytest.raises(ConfigError, match="does not divide the world size 8"):
-        mesh_shape(FSDPConfig(data_parallel_shard_degree=3), 8, 4)
+        mesh_shape(ParallelismConfig(data_parallel_shard_degree=3), 8, 4)
 
 
 def test_hybrid_sharding_on_gloo_needs_sum_reductions():
@@ -141,21 +143,124 @@ def test_hybrid_sharding_on_gloo_needs_sum_reductions():
             sum_only_reductions(2, "cpu")
 
 
-def test_fsdp_config_section_is_typed_and_checked(quickstart_data):
+def test_parallelism_sections_are_typed_and_checked(quickstart_data):
     from foundryx.config import load_config
 
-    overrides = [f"variables.data_root={quickstart_data}", "fsdp_config.mixd_precision=PURE",
-                 "fsdp_config.sharding_strategy=HYBRID", "fsdp_config.activation_checkpointing=3"]
+    overrides = [f"variables.data_root={quickstart_data}", "parallelism.mixd_precision=PURE",
+                 "parallelism.sharding_strategy=HYBRID", "activation_checkpointing.enabled=3",
+                 "activation_checkpointing.every=0", "compile.enabeld=true"]
     with pytest.raises(ConfigError) as e:
         load_config("yamls/quickstart.yaml", overrides)
     msg = str(e.value)
+    assert "parallelism.mixd_precision: unknown key (did you mean 'mixed_precision'?)" in msg
+    assert "parallelism.sharding_strategy" in msg and "did you mean 'HYBRID_SHARD'" in msg
+    assert "activation_checkpointing.enabled: expected true/false" in msg
+    assert "activation_checkpointing.every: expected an integer >= 1, got 0" in msg
+    assert "compile.enabeld: unknown key (did you mean 'enabled'?)" in msg
+    ok = load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                               "parallelism={}", "activation_checkpointing.every=2"])
+    assert ok.cfg.parallelism == ParallelismConfig()
+    assert ok.cfg.activation_checkpointing == ActivationCheckpointingConfig(every=2)
+    assert ok.cfg.compile == CompileConfig()
+    plain = load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}"])
+    assert plain.cfg.parallelism is None and plain.cfg.activation_checkpointing == ActivationCheckpointingConfig()
+
+
+FSDP_CONFIG = ["fsdp_config.sharding_strategy=HYBRID_SHARD", "fsdp_config.mixed_precision=PURE",
+               "fsdp_config.activation_checkpointing=true", "fsdp_config.activation_checkpointing_every=2",
+               "fsdp_config.activation_cpu_offload=true", "fsdp_config.compile=true",
+               "fsdp_config.compile_options.backend=eager", "fsdp_config.verbose=true"]
+NEW_FORM = ["parallelism.sharding_strategy=HYBRID_SHARD", "parallelism.mixed_precision=PURE",
+            "activation_checkpointing.enabled=true", "activation_checkpointing.every=2",
+            "activation_checkpointing.cpu_offload=true", "compile.enabled=true",
+            "compile.options.backend=eager", "parallelism.verbose=true"]
+
+
+def test_deprecated_fsdp_config_means_the_new_sections(quickstart_data, caplog, monkeypatch):
+    from foundryx.config import load_config
+
+    monkeypatch.setattr(logging.getLogger("foundryx"), "propagate", True)  # train() turns it off
+
+    data = f"variables.data_root={quickstart_data}"
+    with caplog.at_level(logging.WARNING, logger="foundryx.config"):
+        old = load_config("yamls/quickstart.yaml", [data, *FSDP_CONFIG])
+    new = load_config("yamls/quickstart.yaml", [data, *NEW_FORM])
+    assert (old.cfg.parallelism, old.cfg.activation_checkpointing, old.cfg.compile) == (
+        new.cfg.parallelism, new.cfg.activation_checkpointing, new.cfg.compile)
+    assert old.resolved == new.resolved  # --dry-run prints the new form
+    warnings = [r.getMessage() for r in caplog.records if "fsdp_config" in r.getMessage()]
+    assert warnings == [
+        "fsdp_config is deprecated: write parallelism: {sharding_strategy: HYBRID_SHARD, "
+        "mixed_precision: PURE, verbose: true}, activation_checkpointing: {enabled: true, every: 2, "
+        "cpu_offload: true}, compile: {enabled: true, options: {backend: eager}} instead"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="foundryx.config"):
+        empty = load_config("yamls/quickstart.yaml", [data, "fsdp_config={}"])
+        off = load_config("yamls/quickstart.yaml", [data, "fsdp_config=null"])
+    assert empty.cfg.parallelism == ParallelismConfig() and off.cfg.parallelism is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "fsdp_config is deprecated: write parallelism: {} instead",
+        "fsdp_config is deprecated: write parallelism: null instead"]
+
+
+def test_deprecated_fsdp_config_problems_name_its_keys(quickstart_data):
+    from foundryx.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("yamls/quickstart.yaml", [
+            f"variables.data_root={quickstart_data}", "fsdp_config.mixd_precision=PURE",
+            "fsdp_config.sharding_strategy=HYBRID", "fsdp_config.activation_checkpointing=3",
+            "fsdp_config.activation_checkpointing_every=0"])
+    msg = str(e.value)
+    assert "4 problems" in msg, msg
     assert "fsdp_config.mixd_precision: unknown key (did you mean 'mixed_precision'?)" in msg
     assert "fsdp_config.sharding_strategy" in msg and "did you mean 'HYBRID_SHARD'" in msg
     assert "fsdp_config.activation_checkpointing: expected true/false" in msg
-    ok = load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
-                                               "fsdp_config.activation_checkpointing_every=2"])
-    assert isinstance(ok.cfg.fsdp_config, FSDPConfig)
-    assert ok.cfg.fsdp_config.activation_checkpointing_every == 2
+    assert "fsdp_config.activation_checkpointing_every: expected an integer >= 1, got 0" in msg
+
+
+def test_fsdp_config_and_its_replacements_together_are_an_error(quickstart_data):
+    from foundryx.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                              "fsdp_config.compile=true", "parallelism={}",
+                                              "compile.enabled=false"])
+    msg = str(e.value)
+    assert "fsdp_config: given together with parallelism and compile, which replace it" in msg, msg
+    assert "drop fsdp_config and write its settings in the new sections: parallelism: {}, " \
+           "compile: {enabled: true}" in msg
+
+
+def test_checkpointing_and_compile_apply_without_fsdp(quickstart_data):
+    """A single process, parallelism null: the sections still reach the model."""
+    from foundryx import builders
+    from foundryx.config import load_config
+
+    loaded = load_config("yamls/quickstart.yaml", [
+        f"variables.data_root={quickstart_data}", "activation_checkpointing.enabled=true",
+        "activation_checkpointing.every=2", "compile.enabled=true", "compile.options.backend=eager"])
+    assert loaded.cfg.parallelism is None
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_grads = loss_and_grads(tiny_mpt(), ids)
+    model = builders.build_parallelism(loaded.cfg, tiny_mpt())
+    assert all(getattr(b, "_foundryx_compiled", False) for b in model.model.transformer.blocks)
+    calls = {i: 0 for i in range(4)}
+    for i, block in enumerate(model.model.transformer.blocks):
+        block.ffn.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    loss, grads = loss_and_grads(model, ids)
+    assert calls == {0: 1, 1: 2, 2: 1, 3: 2}  # every 2nd block recomputed in backward
+    assert torch.allclose(loss, ref_loss, atol=1e-6)
+    assert all(torch.allclose(grads[n], ref_grads[n], atol=1e-6) for n in ref_grads)
+
+
+def test_composer_contract_check():
+    from foundryx.parallel.contract import check_composer_contract, composer_sees_fsdp
+
+    model = tiny_mpt(2)
+    assert not composer_sees_fsdp(model)
+    with pytest.raises(RuntimeError, match="Composer would wrap it in DDP as well.*State.fsdp_enabled"):
+        check_composer_contract(model)
 
 
 def test_llama_style_pretraining_config_is_valid(quickstart_data):
@@ -170,4 +275,5 @@ def test_llama_style_pretraining_config_is_valid(quickstart_data):
     assert model["attn_config"]["rope"] and model["attn_config"]["kv_n_heads"] == 4
     assert (model["norm_type"], model["ffn_config"]["ffn_type"], model["no_bias"]) == ("rmsnorm", "swiglu", True)
     assert 1.2e9 < param_count(model) < 1.35e9
-    assert loaded.cfg.fsdp_config.activation_checkpointing_every == 2 and loaded.cfg.fsdp_config.compile
+    assert loaded.cfg.activation_checkpointing.every == 2 and loaded.cfg.compile.enabled
+    assert loaded.cfg.parallelism.mixed_precision == "PURE"

@@ -27,7 +27,7 @@ def worker(mode: str, out: Path) -> None:
     import torch
     import torch.distributed as tdist
 
-    from foundryx.config.schema import FSDPConfig
+    from foundryx.config.schema import ParallelismConfig
     from foundryx.models.mpt.configuration import MPTConfig
     from foundryx.models.mpt.modeling import MPTForCausalLM
     from foundryx.parallel import parallelize
@@ -40,7 +40,7 @@ def worker(mode: str, out: Path) -> None:
     on_meta = mode == "meta" or rank != 0
     model = MPTForCausalLM(MPTConfig(**MODEL, init_device="meta" if on_meta else "cpu"))
     before = weights_hash(model) if not on_meta else None
-    parallelize(model, FSDPConfig())
+    parallelize(model, ParallelismConfig())
     grown_mb = peak_rss_mb() - base_mb
     after = weights_hash(model)  # gathers one parameter at a time, after the peak was read
     if rank == 0:

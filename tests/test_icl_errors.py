@@ -95,9 +95,10 @@ def test_eval_config_problems_are_reported_together(tmp_path):
     assert "eval_gauntlet.categories[0].benchmarks[0]: t/5-shot is not among the ICL tasks evaluated (t/0-shot)" in text
 
 
-def test_run_config_checks_its_icl_tasks_up_front(tmp_path, quickstart_data):
-    """`foundryx train --dry-run` reports a bad task entry and a missing dataset with the rest."""
-    from foundryx.config import load_config
+def test_run_config_checks_its_icl_tasks_up_front(tmp_path, quickstart_data, capsys):
+    """`foundryx train --dry-run` reports a bad task entry and a missing dataset with the rest
+    (load_run_config: load_config with the ICL check that foundryx.eval plugs into it)."""
+    from foundryx.train import load_run_config
 
     write_jsonl(tmp_path / "here.jsonl", [{"context": "a", "continuation": "b"}])
     tasks = tmp_path / "tasks.yaml"
@@ -108,8 +109,8 @@ def test_run_config_checks_its_icl_tasks_up_front(tmp_path, quickstart_data):
         "  - {label: typo, dataset_uri: here.jsonl, icl_task_type: multiple_choise}\n"
     )
     with pytest.raises(ConfigError) as e:
-        load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
-                                              f"icl_tasks={tasks}", "max_durration=3ba"])
+        load_run_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                                  f"icl_tasks={tasks}", "max_durration=3ba"])
     text = str(e.value)
     assert "2 problems" in text, text
     assert "max_durration: unknown key (did you mean 'max_duration'?)" in text
@@ -117,8 +118,15 @@ def test_run_config_checks_its_icl_tasks_up_front(tmp_path, quickstart_data):
     assert "did you mean 'multiple_choice'?" in text
     tasks.write_text(tasks.read_text().replace("multiple_choise", "multiple_choice"))
     with pytest.raises(ConfigError) as e:
-        load_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
-                                              f"icl_tasks={tasks}"])
-    assert e.value.problems == [
-        f"icl_tasks: gone: dataset_uri {tmp_path}/gone.jsonl: no such file; set icl_data_root, "
-        "or data_root in the task file, to the folder that holds it"]
+        load_run_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                                  f"icl_tasks={tasks}"])
+    missing = (f"icl_tasks: gone: dataset_uri {tmp_path}/gone.jsonl: no such file; set "
+               "icl_data_root, or data_root in the task file, to the folder that holds it")
+    assert e.value.problems == [missing]
+    # the CLI passes the same checks: --dry-run reports it
+    from foundryx.cli import main
+
+    args = ["train", "--dry-run", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
+            f"icl_tasks={tasks}"]
+    assert main(args) == 2
+    assert missing in capsys.readouterr().err

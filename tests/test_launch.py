@@ -51,7 +51,7 @@ def test_two_nodes_of_two_processes(quickstart_data, tmp_path):
         "train_loader.name=synthetic",
         "variables.max_seq_len=32", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
         "model.init_device=meta", "global_train_batch_size=8", "max_duration=4ba",
-        "eval_loader=null", f"fsdp_config.sharding_strategy={'HYBRID_SHARD' if hybrid else 'FULL_SHARD'}", "save_interval=4ba",
+        "eval_loader=null", f"parallelism.sharding_strategy={'HYBRID_SHARD' if hybrid else 'FULL_SHARD'}", "save_interval=4ba",
         f"save_folder={tmp_path}/ckpt", f"loggers.jsonl.path={tmp_path}/metrics.jsonl",
         "console_log_interval=100ba",
     ]

@@ -22,8 +22,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
 from foundryx.errors import ConfigError, ExportError
-from foundryx.export.core import DTYPES, FORMATS, choose_format, export_weights
-from foundryx.export.source import ModelSpec
+from foundryx.export.core import DTYPES, FORMATS, ExportSpec, choose_format, export_weights
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +84,8 @@ class HFExport(Callback):
         out, error = self.save_folder / f"ba{batch}", None
         if dist.get_global_rank() == 0:
             model = _hf_model(state)
-            spec = ModelSpec(model.config, getattr(_composer_model(state), "tokenizer", None),
-                             "the training model")
+            spec = ExportSpec(model.config, getattr(_composer_model(state), "tokenizer", None),
+                              "the training model")
             try:
                 export_weights(weights, spec, out, fmt=self.format, dtype=self.dtype,
                                overwrite=self.overwrite, progress=False,

@@ -13,9 +13,10 @@ from composer.utils import create_interval_scheduler, dist
 
 from foundryx.checkpoint import load as loader
 from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
+from foundryx.checkpoint.metadata import record_of
 from foundryx.checkpoint.save import save
 from foundryx.checkpoint.trainer_state import set_rng_state
-from foundryx.checkpoint.weights import load_model_weights
+from foundryx.checkpoint.weights import load_model_weights, match_prefix
 from foundryx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,10 @@ class Checkpointer(Callback):
     ``load_path`` if given (a foundryx checkpoint, or a weights file, which rank 0 reads and
     broadcasts). A ``save_folder`` that already holds checkpoints needs ``autoresume`` or
     ``overwrite``; with ``overwrite`` they are deleted when this run commits its first one.
+
+    ``model_section`` and ``tokenizer_section`` (the run's resolved sections) are recorded in
+    each checkpoint as ``components.json``, from which ``rebuild_model`` (``foundryx export``,
+    ``foundryx eval``) rebuilds the model through the registries.
     """
 
     def __init__(
@@ -41,11 +46,15 @@ class Checkpointer(Callback):
         load_path: str | None = None,
         load_weights_only: bool = False,
         run_name: str | None = None,
+        model_section: dict[str, Any] | None = None,
+        tokenizer_section: dict[str, Any] | None = None,
     ):
         self.save_folder = Path(save_folder) if save_folder else None
         self.should_save = create_interval_scheduler(save_interval)
         self.keep, self.overwrite, self.autoresume = keep, overwrite, autoresume
         self.load_path, self.load_weights_only, self.run_name = load_path, load_weights_only, run_name
+        self.components = (record_of(model_section, tokenizer_section)
+                           if model_section is not None else None)
         self.replace: set[str] = set()
         self.loaded: Path | None = None
         self._rng: dict[str, Any] | None = None
@@ -139,16 +148,16 @@ class Checkpointer(Callback):
             return
         if int(state.timestamp.batch) == self._last_saved:
             return
-        save(state, self.save_folder, run_name=self.run_name, keep=self.keep, replace=self.replace)
+        save(state, self.save_folder, run_name=self.run_name, keep=self.keep, replace=self.replace,
+             components=self.components)
         self.replace = set()
         self._last_saved = int(state.timestamp.batch)
 
 
 def _match_keys(weights: dict[str, Any], expected: set[str], path: Path) -> dict[str, Any]:
-    """``weights`` keyed like the model; a bare Hugging Face state dict gets the wrapper's
-    ``model.`` prefix. CheckpointError naming the file when the keys still differ."""
-    if not set(weights) <= expected and {f"model.{k}" for k in weights} <= expected:
-        weights = {f"model.{k}": v for k, v in weights.items()}
+    """``weights`` keyed like the model (see :func:`~foundryx.checkpoint.weights.match_prefix`);
+    CheckpointError naming the file when the keys still differ."""
+    weights = match_prefix(weights, expected)
     missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
     if missing or extra:
         raise CheckpointError(

@@ -8,6 +8,8 @@
                                 size and sha256 of every other file
         trainer_state.json      timestamp, schedulers, dataset position, grad scaler
         rng/rank0.json ...      each rank's RNG states
+        components.json         the run's model and tokenizer sections (see metadata.py)
+        hf/                     the model's Hugging Face config.json and tokenizer files
         dcp/.metadata           torch.distributed.checkpoint: model + optimizer, sharded
         dcp/__0_0.distcp ...
       latest -> ep0-ba8         convenience link; discovery never relies on it

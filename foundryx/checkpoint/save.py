@@ -25,6 +25,7 @@ from foundryx.checkpoint.layout import (
     point_latest,
     write_json_atomic,
 )
+from foundryx.checkpoint.metadata import write_components, write_model_metadata
 from foundryx.checkpoint.verify import file_digest, signature
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ def save(
     run_name: str | None,
     keep: int = -1,
     replace: set[str] | None = None,
+    components: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``state`` under ``save_folder`` and commit it; return its folder.
 
@@ -56,11 +58,11 @@ def save(
     hashed, rank 0 writes ``manifest.json`` and renames the folder into place, repoints
     ``latest`` and keeps the newest ``keep`` checkpoints (-1: all). Names in ``replace`` are
     checkpoints that may be deleted regardless of ``keep`` (an overwritten earlier run).
+    ``components`` (see :func:`~foundryx.checkpoint.metadata.record_of`) is written as
+    ``components.json``; the model's Hugging Face config and tokenizer go to ``hf/``.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
-
-    from foundryx.export.source import write_model_metadata  # imports the export formats
 
     root = Path(save_folder)
     ts = state.timestamp
@@ -80,6 +82,8 @@ def save(
     if rank == 0:
         write_json_atomic(tmp / TRAINER_STATE, trainer_state.capture(state))
         write_model_metadata(tmp, state.model)  # hf/: config + tokenizer, for export and eval
+        if components is not None:
+            write_components(tmp, components)  # model + tokenizer sections, for rebuild_model
     dist.barrier()
 
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())

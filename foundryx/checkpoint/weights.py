@@ -1,7 +1,10 @@
-"""``load_model_weights``: the full model state dict from a checkpoint, in one process."""
+"""``load_model_weights``: the full model state dict from a checkpoint, in one process; and
+``fit_weights``: such a state dict keyed as a given model (the one place that adds or drops
+the ``model.`` prefix of Hugging Face ComposerModels)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +13,11 @@ from torch.distributed.checkpoint import Metadata
 
 from foundryx.checkpoint.layout import DCP_DIR, Manifest, resolve_checkpoint
 from foundryx.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
-from foundryx.checkpoint.verify import raise_problems, verify_files
+from foundryx.checkpoint.verify import raise_problems, shape_mismatches, verify_files
 from foundryx.errors import CheckpointError
 
 MODEL_KEY = "model"  # top-level key of the model in the DCP state dict (next to "optim")
+WRAPPER_PREFIX = "model."  # a Hugging Face ComposerModel holds its PreTrainedModel as ``.model``
 
 
 def model_tensor_shapes(meta: Metadata) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -84,3 +88,47 @@ def _load_torch_file(path: Path) -> dict[str, torch.Tensor]:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def match_prefix(weights: Mapping[str, Any], expected: Iterable[str]) -> dict[str, Any]:
+    """``weights`` with the ComposerModel's ``model.`` prefix added (a bare Hugging Face state
+    dict loaded into a ComposerModel) or dropped (a ComposerModel's state dict loaded into its
+    Hugging Face model) when that makes more keys match ``expected``."""
+    expected = set(expected)
+    best, hits = dict(weights), len(expected & weights.keys())
+    dropped = {k[len(WRAPPER_PREFIX):]: v for k, v in weights.items() if k.startswith(WRAPPER_PREFIX)}
+    added = {WRAPPER_PREFIX + k: v for k, v in weights.items()}
+    for candidate in (dropped if len(dropped) == len(weights) else None, added):
+        if candidate is not None and len(expected & candidate.keys()) > hits:
+            best, hits = candidate, len(expected & candidate.keys())
+    return best
+
+
+def fit_weights(weights: Mapping[str, torch.Tensor], model: torch.nn.Module, source: str,
+                origin: str) -> dict[str, torch.Tensor]:
+    """``weights`` keyed as ``model.state_dict()``: prefix matched (:func:`match_prefix`), tied
+    weights filled from their twin. CheckpointError naming ``source`` (the weights) and
+    ``origin`` (where the model's description came from) and listing the differences."""
+    want = model.state_dict()
+    state = match_prefix(weights, want)
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    for names in groups.values():
+        have = [n for n in names if n in state]
+        for n in names:
+            if have and n not in state:
+                state[n] = state[have[0]]
+    problems = shape_mismatches(_shapes(want), _shapes(state))
+    if problems:
+        raise CheckpointError(
+            f"{source} does not match the model config from {origin}:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nGive the run config it was trained with (`foundryx export --config RUN.yaml`, "
+            "run_config in an eval config)."
+        )
+    return state
+
+
+def _shapes(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in state.items() if isinstance(v, torch.Tensor)}

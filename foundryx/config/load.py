@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from foundryx.config.components import component_problems
+from foundryx.config.deprecations import upgrade as upgrade_deprecated
 from foundryx.config.derived import Derived, derive, world_size_from_env
 from foundryx.config.schema import TrainConfig
 from foundryx.config.types import dataclass_problems, join
@@ -93,19 +95,23 @@ def read_merged(path: str | Path, overrides: list[str] | None) -> tuple[DictConf
 
 
 def load_config(
-    path: str | Path, overrides: list[str] | None = None, world_size: int | None = None
+    path: str | Path, overrides: list[str] | None = None, world_size: int | None = None,
+    checks: Sequence[Callable[[dict[str, Any]], list[str]]] = (),
 ) -> LoadedConfig:
-    """Read, merge, resolve and validate a run config; raise ConfigError with every problem."""
+    """Read, merge, resolve and validate a run config; raise ConfigError with every problem.
+
+    ``checks``: more checks of the resolved data (each returns its problems), reported with
+    the others; the entry points pass those of higher layers, e.g. the ICL tasks
+    (``foundryx.train.RUN_CONFIG_CHECKS``)."""
     path = Path(path)
     merged, problems = read_merged(path, overrides)
     data = resolve(merged, "", problems)
+    data, old_forms = upgrade_deprecated(data)  # e.g. fsdp_config -> parallelism, ...
+    problems += old_forms
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data)
-    if isinstance(data.get("icl_tasks"), (str, list)):  # other types: a schema problem above
-        from foundryx.eval.config import icl_problems
-
-        problems += icl_problems(data["icl_tasks"], data.get("icl_data_root"),
-                                 data.get("eval_gauntlet"))[2]
+    for check in checks:  # e.g. the ICL tasks and gauntlet, which foundryx.eval checks
+        problems += check(data)
     if problems:
         raise ConfigError(problems, source=str(path))
     data.pop("variables", None)

@@ -23,8 +23,9 @@ MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]
 
 
 @dataclass
-class FSDPConfig:
-    """``fsdp_config``: FSDP2 sharding and the per-block policies (see docs/distributed.md)."""
+class ParallelismConfig:
+    """``parallelism``: FSDP2 sharding over several processes (see docs/distributed.md);
+    null: none (several processes then train with Composer's DDP)."""
 
     sharding_strategy: Literal["FULL_SHARD", "HYBRID_SHARD"] = doc(
         "FULL_SHARD: shard over all ranks; HYBRID_SHARD: shard within a node, replicate across",
@@ -44,19 +45,34 @@ class FSDPConfig:
         default="DEFAULT",
     )
     cpu_offload: bool = doc("keep sharded weights, grads and optimizer state in CPU memory", default=False)
-    activation_checkpointing: bool = doc("recompute block activations in backward", default=False)
-    activation_checkpointing_every: int = doc(
-        "checkpoint every N-th of the chosen modules (the N-th, 2N-th, ...)", default=1
-    )
-    activation_checkpointing_modules: list[str] | None = doc(
+    verbose: bool = doc("log the sharded model", default=False)
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: recompute activations in backward instead of storing them;
+    applies with or without ``parallelism``."""
+
+    enabled: bool = doc("recompute the chosen modules' activations in backward", default=False)
+    every: int = doc("checkpoint every N-th of the chosen modules (the N-th, 2N-th, ...)",
+                     ge=1, default=1)
+    modules: list[str] | None = doc(
         "module class names to checkpoint; none: the model's transformer blocks", default=None
     )
-    activation_cpu_offload: bool = doc("keep saved activations in CPU memory", default=False)
-    compile: bool = doc("torch.compile each transformer block", default=False)
-    compile_options: dict[str, Any] = doc(
+    cpu_offload: bool = doc(
+        "keep every block's saved activations in CPU memory (also without enabled)", default=False
+    )
+
+
+@dataclass
+class CompileConfig:
+    """``compile``: ``torch.compile`` each transformer block; applies with or without
+    ``parallelism``."""
+
+    enabled: bool = doc("torch.compile each transformer block", default=False)
+    options: dict[str, Any] = doc(
         "keyword arguments of torch.compile, e.g. {mode: max-autotune}", default_factory=dict
     )
-    verbose: bool = doc("log the wrapped model", default=False)
 
 
 @dataclass
@@ -110,8 +126,16 @@ class TrainConfig:
     # -- hardware -----------------------------------------------------------------------
     precision: Precision = doc("numeric precision of training", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("cpu or gpu; default: gpu when available", default=None)
-    fsdp_config: FSDPConfig | None = doc(
-        "FSDP2 sharding and per-block policies; none: DDP (several processes) or plain", default=None
+    parallelism: ParallelismConfig | None = doc(
+        "FSDP2 sharding over several processes; none: DDP (several processes) or plain", default=None
+    )
+    activation_checkpointing: ActivationCheckpointingConfig = doc(
+        "recompute activations in backward, per block (with or without parallelism)",
+        default_factory=ActivationCheckpointingConfig,
+    )
+    compile: CompileConfig = doc(
+        "torch.compile each transformer block (with or without parallelism)",
+        default_factory=CompileConfig,
     )
     dist_timeout: float = doc("seconds to wait for all ranks to start", default=600.0)
     seed: int = doc("random seed of weights, data order and dropout", default=17)
@@ -132,8 +156,13 @@ class TrainConfig:
     variables: dict[str, Any] = doc("values for ${variables.x} interpolation", default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.fsdp_config, dict):  # validated by the loader; typed here
-            self.fsdp_config = FSDPConfig(**self.fsdp_config)
+        # parallelism sections: validated by the loader; typed here
+        if isinstance(self.parallelism, dict):
+            self.parallelism = ParallelismConfig(**self.parallelism)
+        if isinstance(self.activation_checkpointing, dict):
+            self.activation_checkpointing = ActivationCheckpointingConfig(**self.activation_checkpointing)
+        if isinstance(self.compile, dict):
+            self.compile = CompileConfig(**self.compile)
 
 
 # Sections whose value names a registry entry, and the registry.

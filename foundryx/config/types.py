@@ -91,7 +91,7 @@ def type_problems(value: Any, tp: Any, path: str) -> list[str]:
         return [f"{path}: expected {describe(tp)}, got {value!r}{did_you_mean(value, map(str, choices))}"]
     if tp is type(None):
         return [] if value is None else [f"{path}: expected null, got {value!r}"]
-    if dataclasses.is_dataclass(tp):  # a typed section, e.g. fsdp_config
+    if dataclasses.is_dataclass(tp):  # a typed section, e.g. parallelism
         if not isinstance(value, dict):
             return [f"{path}: expected a mapping (key: value lines), got {value!r}"]
         return dataclass_problems(tp, value, path)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from foundryx.config.types import option
 from foundryx.errors import DataError
-from foundryx.models.hf_source import looks_like_path
+from foundryx.hub import looks_like_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from foundryx.checkpoint.metadata import has_model_record
+from foundryx.config.load import read_merged, resolve
 from foundryx.config.schema import Precision, doc
 from foundryx.config.types import dataclass_problems, join
 from foundryx.errors import ConfigError, did_you_mean
@@ -19,14 +21,15 @@ from foundryx.eval.task_config import ICLTaskConfig, load_icl_tasks
 
 
 @dataclass
-class ModelSpec:
-    """One model to evaluate: a foundryx checkpoint with its run config, or a HF model."""
+class EvalModelSpec:
+    """One model to evaluate (an entry of ``models``): a foundryx checkpoint (with its run
+    config, or rebuilt from its own record), or a Hugging Face model."""
 
     label: str = doc("the model's name in tables, e.g. my-run")
     checkpoint: str | None = doc(
         "a foundryx checkpoint: folder, save_folder (newest) or weights file", default=None)
     run_config: str | None = doc("the run YAML that trained `checkpoint` (model + tokenizer); "
-                                 "default: the checkpoint's hf/ folder", default=None)
+                                 "default: the checkpoint's own record of them", default=None)
     overrides: list[str] = doc("key=value overrides of run_config", default_factory=list)
     hf: str | None = doc("a Hugging Face causal LM: local folder (also `foundryx export` "
                          "output) or hub name", default=None)
@@ -69,32 +72,30 @@ class EvalConfig:
 @dataclass
 class LoadedEvalConfig:
     cfg: EvalConfig
-    models: list[ModelSpec]
+    models: list[EvalModelSpec]
     tasks: list[ICLTaskConfig]
     gauntlet: Gauntlet | None
     source: str
     resolved: dict[str, Any] = field(default_factory=dict)
 
 
-def _model_problems(models: list[Any]) -> tuple[list[ModelSpec], list[str]]:
+def _model_problems(models: list[Any]) -> tuple[list[EvalModelSpec], list[str]]:
     specs, problems, labels = [], [], set()
     for i, m in enumerate(models):
         path = join("models", i)
         if not isinstance(m, dict):
             problems.append(f"{path}: expected a mapping with label and checkpoint or hf")
             continue
-        found = dataclass_problems(ModelSpec, m, path)
+        found = dataclass_problems(EvalModelSpec, m, path)
         if not found:
-            spec = ModelSpec(**m)
+            spec = EvalModelSpec(**m)
             if (spec.checkpoint is None) == (spec.hf is None):
                 found.append(f"{path}: give exactly one of checkpoint (with run_config) and hf")
             elif spec.checkpoint is not None and spec.run_config is None:
-                from foundryx.export.source import metadata_folder
-
-                if metadata_folder(spec.checkpoint) is None:
+                if not has_model_record(spec.checkpoint):
                     found.append(f"{path}.run_config: missing, and {spec.checkpoint} holds no "
-                                 "hf/ folder (model config + tokenizer); give the run YAML that "
-                                 "trained the checkpoint")
+                                 "record of its model (components.json or hf/ folder); give the "
+                                 "run YAML that trained the checkpoint")
             if spec.label in labels:
                 found.append(f"{path}.label: {spec.label!r} is used twice")
             labels.add(spec.label)
@@ -133,10 +134,16 @@ def icl_problems(icl_tasks: Any, icl_data_root: str | None, eval_gauntlet: Any,
     return tasks, gauntlet, problems
 
 
+def run_config_icl_problems(data: dict[str, Any]) -> list[str]:
+    """The problems of the ICL sections of a resolved run config: a ``checks`` entry of
+    :func:`foundryx.config.load_config`, passed by the entry points (``foundryx train``)."""
+    if not isinstance(data.get("icl_tasks"), (str, list)):  # other types: a schema problem
+        return []
+    return icl_problems(data["icl_tasks"], data.get("icl_data_root"), data.get("eval_gauntlet"))[2]
+
+
 def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEvalConfig:
     """Read, merge, resolve and validate an eval config; raise ConfigError with every problem."""
-    from foundryx.config.load import read_merged, resolve
-
     merged, problems = read_merged(path, overrides)
     data = resolve(merged, "", problems)
     problems += dataclass_problems(EvalConfig, data)

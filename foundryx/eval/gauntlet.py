@@ -21,6 +21,7 @@ from typing import Any, Literal
 from composer.core import Callback, State
 from composer.loggers import Logger
 
+from foundryx.config.load import read_yaml, resolve
 from foundryx.config.schema import doc
 from foundryx.config.types import dataclass_problems, join
 from foundryx.errors import ConfigError
@@ -69,8 +70,6 @@ class Gauntlet:
 def _read(source: str | dict[str, Any]) -> tuple[Any, str | None]:
     if isinstance(source, dict):
         return source, None
-    from foundryx.config.load import read_yaml, resolve
-
     problems: list[str] = []
     data = resolve(read_yaml(Path(source)), "", problems)
     if problems or set(data) != {"eval_gauntlet"}:

@@ -8,14 +8,20 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from composer.utils import dist, get_device, reproducibility
+
 from foundryx.errors import ConfigError
 from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
-from foundryx.eval.config import LoadedEvalConfig
+from foundryx.eval.config import LoadedEvalConfig, load_eval_config
+from foundryx.eval.models import load_eval_model
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model
+from foundryx.runtime import pick_device, setup_logging
 
 log = logging.getLogger("foundryx")
+
+__all__ = ["Comparison", "EvalOutcome", "load_eval_config", "run_eval"]
 
 
 @dataclass
@@ -83,11 +89,6 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
              write: bool = True) -> EvalOutcome:
     """Evaluate every model of ``loaded`` on every task; write the results (rank 0) and compare
     with the reference (``compare_to``/``tolerance``/``dump_examples`` override the config's)."""
-    from composer.utils import dist, get_device, reproducibility
-
-    from foundryx.eval.models import load_eval_model
-    from foundryx.train import pick_device, setup_logging
-
     cfg = loaded.cfg
     compare_to = compare_to if compare_to is not None else cfg.compare_to
     tolerance = tolerance if tolerance is not None else cfg.tolerance

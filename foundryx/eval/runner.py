@@ -21,6 +21,7 @@ from foundryx.eval.config import LoadedEvalConfig
 from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task
 from foundryx.eval.gauntlet import gauntlet_scores
 from foundryx.eval.metrics import macro_average
+from foundryx.eval.models import model_max_len
 from foundryx.eval.report import EvalResults
 
 log = logging.getLogger(__name__)
@@ -121,8 +122,6 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
 def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device: Any, *,
                    dump: int = 0) -> list[TaskResult]:
     """Every task of ``loaded`` at every few-shot count, for one model."""
-    from foundryx.eval.models import model_max_len
-
     cfg = loaded.cfg
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:

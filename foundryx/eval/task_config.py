@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx import registry
+from foundryx.config.load import read_yaml, resolve
 from foundryx.config.schema import doc
 from foundryx.config.types import dataclass_problems, join
 from foundryx.errors import ConfigError, RegistryError
@@ -94,8 +95,6 @@ def _entry_problems(entry: Any, path: str) -> list[str]:
 
 def _read_task_file(path: Path) -> tuple[list[Any], str | None]:
     """``(entries, data_root)`` of a task file."""
-    from foundryx.config.load import read_yaml, resolve
-
     problems: list[str] = []
     data = resolve(read_yaml(path), "", problems)
     if problems:

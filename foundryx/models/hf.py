@@ -27,13 +27,8 @@ from torch import nn
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
-from foundryx.models.hf_source import (
-    apply_overrides,
-    config_from_dict,
-    looks_like_path,
-    override_problems,
-    resolve_source,
-)
+from foundryx.hub import looks_like_path, resolve_source
+from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 
 log = logging.getLogger(__name__)
 

@@ -7,24 +7,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from foundryx.config.schema import FSDPConfig
+from foundryx.config.schema import ParallelismConfig
 from foundryx.errors import ConfigError, did_you_mean
-
-try:  # torch >= 2.6
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        FSDPModule,
-        MixedPrecisionPolicy,
-        fully_shard,
-    )
-except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import (
-        CPUOffloadPolicy,
-        FSDPModule,
-        MixedPrecisionPolicy,
-        fully_shard,
-    )
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +26,16 @@ MP_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 
 
 def mixed_precision_policy(mixed_precision: str | dict[str, str], precision: str) -> MixedPrecisionPolicy:
-    """FSDP2 MixedPrecisionPolicy for ``fsdp_config.mixed_precision`` under ``precision``.
+    """FSDP2 MixedPrecisionPolicy for ``parallelism.mixed_precision`` under ``precision``.
 
     DEFAULT: gathered weights in the precision's dtype, gradients reduced in fp32. PURE: both
     in the precision's dtype. FULL: no casting (fp32). A mapping names the dtypes itself.
     """
     compute = PRECISION_DTYPE[precision]
     if isinstance(mixed_precision, dict):
-        problems = [f"fsdp_config.mixed_precision.{k}: unknown key{did_you_mean(k, MP_KEYS)}"
+        problems = [f"parallelism.mixed_precision.{k}: unknown key{did_you_mean(k, MP_KEYS)}"
                     for k in mixed_precision if k not in MP_KEYS]
-        problems += [f"fsdp_config.mixed_precision.{k}: unknown dtype {v!r}; use one of "
+        problems += [f"parallelism.mixed_precision.{k}: unknown dtype {v!r}; use one of "
                      f"{', '.join(DTYPES)}{did_you_mean(v, DTYPES)}"
                      for k, v in mixed_precision.items() if k in MP_KEYS and v not in DTYPES]
         if problems:
@@ -61,24 +48,21 @@ def mixed_precision_policy(mixed_precision: str | dict[str, str], precision: str
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
-def mesh_shape(fsdp: FSDPConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
+def mesh_shape(parallelism: ParallelismConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
     """(replicate, shard) sizes of the device mesh."""
-    hybrid = fsdp.sharding_strategy == "HYBRID_SHARD"
-    degree = fsdp.data_parallel_shard_degree
+    hybrid = parallelism.sharding_strategy == "HYBRID_SHARD"
+    degree = parallelism.data_parallel_shard_degree
     shard = (local_world_size if hybrid else world_size) if degree == -1 else degree
     if shard < 1 or world_size % shard:
         raise ConfigError([
-            f"fsdp_config.data_parallel_shard_degree: {shard} ranks per copy does not divide the "
+            f"parallelism.data_parallel_shard_degree: {shard} ranks per copy does not divide the "
             f"world size {world_size}; use a divisor of {world_size} (or -1)"
         ])
     return world_size // shard, shard
 
 
-def build_mesh(fsdp: FSDPConfig, world_size: int, local_world_size: int, device_type: str):
-    """A 1-D mesh (shard) or, for hybrid sharding, a 2-D mesh (replicate, shard)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    replicate, shard = mesh_shape(fsdp, world_size, local_world_size)
+def build_mesh(replicate: int, shard: int, device_type: str) -> DeviceMesh:
+    """A 1-D mesh (shard) or, with replicas (hybrid sharding), a 2-D mesh (replicate, shard)."""
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
     log.info("FSDP2 hybrid sharding: %d replicas x %d shards", replicate, shard)
@@ -92,23 +76,23 @@ def sum_only_reductions(replicate: int, device_type: str) -> bool:
         return False
     if not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
         raise ConfigError([
-            "fsdp_config.sharding_strategy: HYBRID_SHARD on CPU (gloo) needs torch >= 2.8 "
+            "parallelism.sharding_strategy: HYBRID_SHARD on CPU (gloo) needs torch >= 2.8 "
             f"(this is {torch.__version__}: gloo cannot all-reduce with AVG); use FULL_SHARD "
             "on CPU, or GPUs (NCCL)"
         ])
     return True
 
 
-def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: Any, fsdp: FSDPConfig,
-                precision: str, sum_only: bool = False) -> None:
+def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
+                parallelism: ParallelismConfig, precision: str, sum_only: bool = False) -> None:
     """``fully_shard`` each block, then each direct child of ``model`` that has parameters
     (the ComposerModel itself is not a unit, as in Composer)."""
     kwargs: dict[str, Any] = {
         "mesh": mesh,
-        "reshard_after_forward": fsdp.reshard_after_forward,
-        "mp_policy": mixed_precision_policy(fsdp.mixed_precision, precision),
+        "reshard_after_forward": parallelism.reshard_after_forward,
+        "mp_policy": mixed_precision_policy(parallelism.mixed_precision, precision),
     }
-    if fsdp.cpu_offload:
+    if parallelism.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for block in blocks:
         fully_shard(block, **kwargs)

@@ -1,4 +1,4 @@
-"""``parallelize(model, fsdp_config)``: the per-block policies and FSDP2, applied from outside.
+"""``parallelize(model, parallelism, ...)``: the per-block policies and FSDP2, applied from outside.
 
 As in torchtitan's ``parallelize.py``, in this order: activation checkpointing, activation
 CPU offload, ``torch.compile`` per block, ``fully_shard`` per block and then per top-level
@@ -13,10 +13,11 @@ import logging
 import torch
 from torch import nn
 
-from foundryx.config.schema import FSDPConfig
+from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig, ParallelismConfig
 from foundryx.errors import ConfigError
 from foundryx.parallel import dist
 from foundryx.parallel import materialize as mat
+from foundryx.parallel.contract import check_composer_contract
 from foundryx.parallel.fsdp import build_mesh, mesh_shape, shard_model, sum_only_reductions
 from foundryx.parallel.policy import blocks, checkpoint_targets
 from foundryx.parallel.wrappers import checkpoint_activations, compile_forward, offload_activations
@@ -30,68 +31,73 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def apply_block_policies(model: nn.Module, fsdp: FSDPConfig) -> list[str]:
+def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
+                         compile: CompileConfig) -> list[str]:
     """Activation checkpointing, activation offload and compile; returns summary phrases."""
     block_list = blocks(model)
     summary = []
-    if fsdp.activation_checkpointing:
-        targets = checkpoint_targets(model, fsdp.activation_checkpointing_modules,
-                                     fsdp.activation_checkpointing_every)
+    if ac.enabled:
+        targets = checkpoint_targets(model, ac.modules, ac.every)
         if not targets:
-            raise ConfigError(["fsdp_config.activation_checkpointing: the model names no modules "
-                               "to checkpoint; set activation_checkpointing_modules"])
+            raise ConfigError(["activation_checkpointing.enabled: the model names no modules "
+                               "to checkpoint; set activation_checkpointing.modules"])
         for _, m in targets:
             checkpoint_activations(m)
         summary.append(f"activation checkpointing on {len(targets)} modules")
-    for flag, what in ((fsdp.activation_cpu_offload, "activation_cpu_offload"), (fsdp.compile, "compile")):
+    for flag, what in ((ac.cpu_offload, "activation_checkpointing.cpu_offload"),
+                       (compile.enabled, "compile.enabled")):
         if flag and not block_list:
-            raise ConfigError([f"fsdp_config.{what}: the model names no transformer blocks; give "
-                               "it an fsdp_wrap_fn (or _no_split_modules)"])
-    if fsdp.activation_cpu_offload:
+            raise ConfigError([f"{what}: the model names no transformer blocks; give it an "
+                               "fsdp_wrap_fn (or _no_split_modules)"])
+    if ac.cpu_offload:
         for _, m in block_list:
             offload_activations(m)
         summary.append(f"activation CPU offload on {len(block_list)} blocks")
-    if fsdp.compile:
+    if compile.enabled:
         for _, m in block_list:
-            compile_forward(m, fsdp.compile_options)
+            compile_forward(m, compile.options)
         summary.append(f"torch.compile on {len(block_list)} blocks")
     return summary
 
 
 def parallelize(
     model: nn.Module,
-    fsdp: FSDPConfig | None,
+    parallelism: ParallelismConfig | None = None,
     *,
+    activation_checkpointing: ActivationCheckpointingConfig | None = None,
+    compile: CompileConfig | None = None,
     precision: str = "fp32",
     device: torch.device | None = None,
 ) -> nn.Module:
-    """Apply ``fsdp`` (None: only materialise) to ``model`` in place and return it.
+    """Apply the sections to ``model`` in place and return it.
 
-    Sharding needs more than one process (an initialised process group); with one process
-    the per-block policies still apply. Meta-device parameters are materialised afterwards,
-    on ``device`` (default: the current CUDA device, else CPU).
+    ``activation_checkpointing`` and ``compile`` (None: off) apply in any number of
+    processes. ``parallelism`` (None: no FSDP) shards when there is more than one process (an
+    initialised process group). Meta-device parameters are materialised afterwards, on
+    ``device`` (default: the current CUDA device, else CPU).
     """
     device = device or default_device()
     world = dist.world_size()
-    mode = mat.init_mode(model) if world > 1 else ("meta" if mat.has_meta(model) else "real")
+    mode = mat.init_mode(model)
     full = mat.full_state_on_rank0(model) if mode == "rank0" else {}
-    summary = apply_block_policies(model, fsdp) if fsdp is not None else []
-    sharded = fsdp is not None and world > 1
-    if sharded:
+    summary = apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
+                                   compile or CompileConfig())
+    if parallelism is not None and world > 1:
         local_world = dist.local_world_size()
-        replicate, shard = mesh_shape(fsdp, world, local_world)
+        replicate, shard = mesh_shape(parallelism, world, local_world)
         block_list = [m for _, m in blocks(model)]
         if not block_list:
             log.info("FSDP2: the model names no transformer blocks; its top-level modules are the "
                      "only FSDP units")
         sum_only = sum_only_reductions(replicate, device.type)  # before any work: fail fast
-        mesh = build_mesh(fsdp, world, local_world, device.type)
-        shard_model(model, block_list, mesh, fsdp, precision, sum_only)
-        summary.insert(0, f"FSDP2 {fsdp.sharding_strategy} over {world} ranks (mesh "
+        mesh = build_mesh(replicate, shard, device.type)
+        shard_model(model, block_list, mesh, parallelism, precision, sum_only)
+        check_composer_contract(model)
+        summary.insert(0, f"FSDP2 {parallelism.sharding_strategy} over {world} ranks (mesh "
                           f"{replicate}x{shard}, {len(block_list)} blocks as units)")
-    elif fsdp is not None:
-        log.info("fsdp_config is set but this is one process: no sharding (the per-block "
-                 "policies still apply)")
+    elif parallelism is not None:
+        log.info("parallelism is set but this is one process: no sharding (activation "
+                 "checkpointing and compile still apply)")
     if mode == "meta":
         mat.init_meta(model, device)
     elif mode == "rank0":
@@ -100,6 +106,6 @@ def parallelize(
         log.info("parallelism: %s; weights: %s", ", ".join(summary) or "none",
                  {"meta": "initialised per shard", "rank0": "broadcast from rank 0",
                   "real": "as built"}[mode])
-    if fsdp is not None and fsdp.verbose:
+    if parallelism is not None and parallelism.verbose:
         log.info("parallelized model:\n%s", model)
     return model

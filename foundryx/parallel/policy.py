@@ -55,13 +55,13 @@ def checkpoint_targets(model: nn.Module, class_names: list[str] | None, every: i
     """Modules whose activations are recomputed: the chosen classes (or the model's
     ``activation_checkpointing_fn``, or its blocks), then every ``every``-th of them."""
     if every < 1:
-        raise ConfigError([f"fsdp_config.activation_checkpointing_every: must be >= 1, got {every}"])
+        raise ConfigError([f"activation_checkpointing.every: must be >= 1, got {every}"])
     if class_names:
         present = {type(m).__name__ for m in model.modules()}
         missing = [c for c in class_names if c not in present]
         if missing:
             raise ConfigError([
-                f"fsdp_config.activation_checkpointing_modules: no module of class {c!r} in the "
+                f"activation_checkpointing.modules: no module of class {c!r} in the "
                 f"model{did_you_mean(c, present)}" for c in missing
             ])
         chosen = [(n, m) for n, m in model.named_modules() if type(m).__name__ in class_names]

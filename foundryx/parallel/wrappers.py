@@ -25,7 +25,6 @@ def checkpoint_activations(module: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-    module._foundryx_checkpointed = True
 
 
 def offload_activations(module: nn.Module) -> None:
@@ -41,7 +40,6 @@ def offload_activations(module: nn.Module) -> None:
             return inner(*args, **kwargs)
 
     module.forward = forward
-    module._foundryx_offloaded = True
 
 
 def compile_forward(module: nn.Module, options: dict[str, Any]) -> None:
