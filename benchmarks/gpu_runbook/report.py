@@ -1,0 +1,161 @@
+"""Helpers of benchmarks/gpu_runbook.sh: dependency probe, environment and result tables.
+
+    python benchmarks/gpu_runbook/report.py probe               # exit 1, naming what is missing
+    python benchmarks/gpu_runbook/report.py env                 # the environment, markdown
+    python benchmarks/gpu_runbook/report.py junit FILE          # pytest pass/fail counts, markdown
+    python benchmarks/gpu_runbook/report.py throughput FILE...  # train_throughput.py JSON, table
+
+Standard library only (torch for the GPU's description): it runs before the dependencies are
+installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import importlib.util
+import math
+import platform
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the run book's steps import: the tests, the two benchmarks and `foundryx train`.
+MODULES = ["torch", "triton", "torchvision", "composer", "streaming", "transformers",
+           "tokenizers", "omegaconf", "yaml", "tqdm", "pytest", "pytest_timeout"]  # fmt: skip
+
+
+def missing() -> list[str]:
+    """Modules that do not import, and foundryx when this checkout is not pip-installed (its
+    built-in models are entry points, and the benchmarks' subprocesses import it by name)."""
+    out = []
+    for name in MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - any import failure means "install it"
+            out.append(name)
+    spec = importlib.util.find_spec("foundryx")  # sys.path has no checkout: the installed one
+    names = {ep.name for ep in md.entry_points(group="foundryx_models")}
+    if spec is None or "mpt_causal_lm" not in names:
+        out.append("foundryx (not pip-installed)")
+    elif not Path(spec.origin).resolve().is_relative_to(ROOT):
+        out.append(f"foundryx (installed from {Path(spec.origin).parent}, not this checkout)")
+    return out
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, timeout=60
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _version(module: str) -> str:
+    try:
+        return importlib.import_module(module).__version__
+    except Exception as e:  # noqa: BLE001
+        return "not installed" if isinstance(e, ModuleNotFoundError) else f"does not import ({e})"
+
+
+def env() -> str:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    gpu = f"{torch.cuda.get_device_name(0)}, {props.total_memory / 2**30:.0f} GiB"
+    if torch.version.hip:
+        arch = getattr(props, "gcnArchName", "?")
+        driver = _run(["rocm-smi", "--showdriverversion"]).splitlines()
+        driver = next(
+            (ln.split(":", 1)[1].strip() for ln in driver if "version" in ln.lower()), "?"
+        )
+        stack = f"ROCm (HIP {torch.version.hip}), arch {arch}; driver {driver}"
+    else:
+        driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        driver = driver.splitlines()[0] if driver else "? (no nvidia-smi)"
+        stack = f"CUDA {torch.version.cuda} (torch's build), sm{props.major}{props.minor}; driver {driver}"
+    commit = _run(["git", "rev-parse", "HEAD"]) or "unknown (not a git checkout)"
+    if _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+        commit += " with uncommitted changes"
+    lines = [
+        f"GPU: {gpu} ({torch.cuda.device_count()} visible, device 0 used)",
+        f"Stack: {stack}",
+        f"torch {torch.__version__}, triton {_version('triton')}, "
+        f"flash-attn {_version('flash_attn')}, composer {_version('composer')}, "
+        f"Python {platform.python_version()}",
+        f"foundryx commit: {commit}",
+    ]
+    return "\n".join(f"- {ln}" for ln in lines)
+
+
+def junit(path: Path) -> tuple[str, bool]:
+    """Pass/fail counts of a pytest --junitxml report, the failing tests, and whether all passed."""
+    if not path.is_file():
+        return "No test report: pytest stopped before running the tests.", False
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    n = {
+        k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")
+    }
+    seconds = sum(float(s.get("time", 0)) for s in suites)
+    passed = n["tests"] - n["failures"] - n["errors"] - n["skipped"]
+    text = (f"**{passed} passed, {n['failures']} failed, {n['errors']} errors, "
+            f"{n['skipped']} skipped** ({seconds:.0f} s)")  # fmt: skip
+    bad = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
+           if c.find("failure") is not None or c.find("error") is not None]  # fmt: skip
+    if bad:
+        text += "\n\nFailing:\n\n" + "\n".join(f"- `{b}`" for b in bad[:30])
+        text += f"\n- ... and {len(bad) - 30} more" if len(bad) > 30 else ""
+    return text, n["tests"] > 0 and not bad
+
+
+def throughput(paths: list[Path]) -> str:
+    """One table of train_throughput.py's JSON files (one file per model)."""
+    import json
+
+    if not paths:
+        return "No model finished."
+    lines = ["| model | setting | tokens/s | vs first setting | MFU |", "|---|---|---:|---:|---:|"]
+    for path in paths:
+        rows = json.loads(path.read_text())
+        base = rows[0]["tokens_per_sec"] if rows else float("nan")
+        for r in rows:
+            model, _, setting = r["case"].partition(", ")
+            tps, mfu = r["tokens_per_sec"], r["mfu"]
+            lines.append(
+                f"| {model} | {setting} | {'n/a' if math.isnan(tps) else f'{tps:,.0f}'} | "
+                f"{'n/a' if math.isnan(tps / base) else f'{tps / base:.2f}x'} | "
+                f"{'n/a' if math.isnan(mfu) else f'{100 * mfu:.1f}%'} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("probe")
+    sub.add_parser("env")
+    sub.add_parser("junit").add_argument("file", type=Path)
+    sub.add_parser("throughput").add_argument("files", type=Path, nargs="*")
+    args = p.parse_args(argv)
+    if args.cmd == "probe":
+        gone = missing()
+        print(", ".join(gone) if gone else "all import")
+        return 1 if gone else 0
+    if args.cmd == "env":
+        print(env())
+    elif args.cmd == "junit":
+        text, ok = junit(args.file)
+        print(text)
+        return 0 if ok else 1
+    else:
+        print(throughput(args.files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
