@@ -257,3 +257,45 @@ def test_recorded_sections_must_be_json(tmp_path):
                         tokenizer_section={"name": "hf", "path": "tok"})
     assert ckpt.components == {"version": 1, "model": {"name": "m", "pair": [1, 2]},
                                "tokenizer": {"name": "hf", "path": "tok"}}
+
+
+def _rehash(ck: Path, rel: str) -> None:
+    """Make the manifest agree with a file changed after the save (damage the hash cannot see)."""
+    from foundryx.checkpoint.verify import file_digest
+
+    manifest = json.loads((ck / MANIFEST).read_text())
+    manifest["files"][rel] = file_digest(ck / rel)
+    (ck / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_damaged_shard_that_passes_the_hash_check_is_one_clear_error(copy_of):
+    ck = copy_of / "ep0-ba3"
+    shard = next((ck / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:64])  # the model's tensors lie past the first bytes
+    _rehash(ck, str(shard.relative_to(ck)))
+    for load in (lambda: load_model_weights(ck),
+                 lambda: make_trainer(None, max_duration="5ba", load_path=str(ck))):
+        with pytest.raises(CheckpointError) as e:  # torch raises a BaseException here (2.7)
+            load()
+        assert str(ck / "dcp") in str(e.value) and "damaged" in str(e.value)
+
+
+def test_unreadable_trainer_state_names_the_file(copy_of):
+    ck = copy_of / "ep0-ba3"
+    state = next(p for p in ck.glob("*.json") if p.name != MANIFEST and "trainer" in p.name)
+    state.write_text("{not json")
+    _rehash(ck, state.name)
+    with pytest.raises(CheckpointError) as e:
+        make_trainer(None, max_duration="5ba", load_path=str(ck))
+    assert f"{state}: not valid JSON" in str(e.value)
+
+
+@pytest.mark.parametrize("rel", ["../../outside.bin", "/etc/hostname", "dcp/../../ep0-ba2/manifest.json"])
+def test_manifest_entries_outside_the_checkpoint_are_refused(copy_of, rel):
+    ck = copy_of / "ep0-ba3"
+    manifest = json.loads((ck / MANIFEST).read_text())
+    manifest["files"][rel] = {"size": 1, "sha256": "0" * 64}
+    (ck / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError) as e:
+        load_model_weights(ck)
+    assert f"lists {rel!r}, outside the checkpoint folder" in str(e.value)

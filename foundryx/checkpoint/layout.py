@@ -79,13 +79,37 @@ class Manifest:
             )
         known = {f for f in cls.__dataclass_fields__}
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            manifest = cls(**{k: v for k, v in data.items() if k in known})
         except TypeError as e:
             raise CheckpointError(f"{path}: incomplete manifest ({e})") from None
+        escaping = [rel for rel in manifest.files if outside(folder, rel)]
+        if escaping:
+            raise CheckpointError(f"{path}: lists {escaping[0]!r}, outside the checkpoint folder; "
+                                  "the manifest is damaged or crafted: use another checkpoint")
+        return manifest
 
 
 def checkpoint_name(epoch: int, batch: int) -> str:
     return f"ep{epoch}-ba{batch}"
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in ``path``, or CheckpointError naming the file (missing, unreadable, invalid)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete: use an earlier "
+                              "one") from None
+    except (OSError, ValueError) as e:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        raise CheckpointError(f"{path}: not valid JSON ({e}); the checkpoint is damaged: use an "
+                              "earlier one") from None
+
+
+def outside(folder: Path, rel: str) -> bool:
+    """Whether the manifest entry ``rel`` names a file outside ``folder`` (absolute, ``..``,
+    or through a symlink)."""
+    root = Path(folder).resolve()
+    return Path(rel).is_absolute() or not (root / rel).resolve().is_relative_to(root)
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -18,8 +17,15 @@ from foundryx.checkpoint.layout import (
     TRAINER_STATE,
     Manifest,
     complete_checkpoints,
+    read_json,
 )
-from foundryx.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from foundryx.checkpoint.safe_dcp import (
+    DCP_ERRORS,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    dcp_error_text,
+    read_metadata,
+)
 from foundryx.checkpoint.save import model_and_optim_state, tensor_shapes
 from foundryx.checkpoint.verify import raise_problems, shape_mismatches, verify_files
 from foundryx.checkpoint.weights import model_tensor_shapes
@@ -111,15 +117,16 @@ def load(state: Any, folder: Path, weights_only: bool = False) -> dict[str, Any]
                  planner=SafeLoadPlanner())
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"{folder / DCP_DIR}: cannot load ({str(e).strip().splitlines()[0]})") from None
+    except DCP_ERRORS as e:
+        raise CheckpointError(f"{folder / DCP_DIR}: cannot load ({dcp_error_text(e)}); the "
+                              "checkpoint is damaged: use an earlier one") from None
     if weights_only:
         set_model_state_dict(state.model, target["model"])
         log.info("loaded model weights from %s", folder)
         return None
     set_state_dict(state.model, list(state.optimizers or []), model_state_dict=target["model"],
                    optim_state_dict=target["optim"])
-    trainer_state.restore(state, json.loads((folder / TRAINER_STATE).read_text()), str(folder))
+    trainer_state.restore(state, read_json(folder / TRAINER_STATE), str(folder))
     world = dist.get_world_size()
     log.info("resumed from %s at batch %d (saved with world size %d, now %d)", folder,
              manifest.batch, manifest.world_size, world)
@@ -127,7 +134,7 @@ def load(state: Any, folder: Path, weights_only: bool = False) -> dict[str, Any]
         log.info("world size changed (%d -> %d): RNG states start from the seed, not the "
                  "checkpoint", manifest.world_size, world)
         return None
-    return json.loads((folder / RNG_DIR / f"rank{dist.get_global_rank()}.json").read_text())
+    return read_json(folder / RNG_DIR / f"rank{dist.get_global_rank()}.json")
 
 
 def verified(folder: Path) -> Path:

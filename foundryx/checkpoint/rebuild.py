@@ -97,7 +97,12 @@ def wrap_hf_model(model: Any, tokenizer: Any) -> Any:
 
 
 def _from_hf_folder(meta: Path, tokenizer: Any) -> Any:
-    config = AutoConfig.from_pretrained(meta, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(meta, local_files_only=True)
+    except (OSError, ValueError) as e:  # invalid JSON; an auto_map that needs remote code
+        raise CheckpointError(f"{meta / 'config.json'}: cannot rebuild the model from it "
+                              f"({_first_line(e)}); give the run config it was trained with "
+                              "(export: --config RUN.yaml)") from None
     if getattr(config, "init_device", "cpu") != "cpu":
         config.init_device = "cpu"  # an MPT trained from meta: the weights are loaded next
     return wrap_hf_model(AutoModelForCausalLM.from_config(config), tokenizer)

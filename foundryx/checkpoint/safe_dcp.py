@@ -11,11 +11,13 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, Metadata
+from torch.distributed.checkpoint.api import CheckpointException
 
 from foundryx.errors import CheckpointError
 
@@ -52,6 +54,22 @@ def _layout_by_name(name: str) -> torch.layout:
     if not isinstance(layout, torch.layout):
         raise pickle.UnpicklingError(f"unknown tensor layout {name!r}")
     return layout
+
+
+# What a DCP load raises for a damaged file: torch's CheckpointException derives from
+# BaseException in torch 2.7 (so `except Exception` misses it), from Exception in later releases.
+DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)
+
+
+def dcp_error_text(e: BaseException) -> str:
+    """The first informative line of a DCP error: CheckpointException wraps each rank's
+    traceback; the exception line at its end says what went wrong."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if isinstance(e, CheckpointException):
+        for ln in reversed(lines):
+            if re.match(r"^[\w.]+(Error|Exception)\b", ln):
+                return ln
+    return lines[0] if lines else type(e).__name__
 
 
 def read_metadata(dcp_dir: str | Path) -> Metadata:

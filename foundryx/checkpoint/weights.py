@@ -12,7 +12,13 @@ import torch
 from torch.distributed.checkpoint import Metadata
 
 from foundryx.checkpoint.layout import DCP_DIR, Manifest, resolve_checkpoint
-from foundryx.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
+from foundryx.checkpoint.safe_dcp import (
+    DCP_ERRORS,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    dcp_error_text,
+    read_metadata,
+)
 from foundryx.checkpoint.verify import raise_problems, shape_mismatches, verify_files
 from foundryx.errors import CheckpointError
 
@@ -65,8 +71,9 @@ def load_model_weights(path: str | Path, verify: bool = True) -> dict[str, torch
              no_dist=True)
     except CheckpointError:
         raise
-    except Exception as e:
-        raise CheckpointError(f"{dcp_dir}: cannot read the model tensors ({_first_line(e)})") from None
+    except DCP_ERRORS as e:
+        raise CheckpointError(f"{dcp_dir}: cannot read the model tensors ({dcp_error_text(e)}); "
+                              "the checkpoint is damaged: use an earlier one") from None
     return {k[len(MODEL_KEY) + 1:]: v for k, v in state.items()}
 
 
