@@ -10,6 +10,10 @@ import pytest
 # No test may reach a hub: fail fast instead of retrying for a minute.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
+# compile.enabled defaults to auto (on where supported): each training run would spend its first
+# seconds compiling. Tests turn the default off (runs say so in their log) and test compile
+# where they mean to: tests/test_compile_default.py, test_fsdp.py.
+os.environ.setdefault("FOUNDRYX_COMPILE", "0")
 
 
 def _no_gpu() -> bool:

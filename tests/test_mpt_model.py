@@ -474,11 +474,11 @@ def test_composer_sequence_id_is_read_only_when_configured():
     x = ids()
     sequence_id = torch.tensor([[0] * 6 + [1] * 10] * 2)
     batch = {"input_ids": x, "sequence_id": sequence_id}
-    uses = composer_model(attn_config={"attn_uses_sequence_id": True})
+    uses = composer_model(attn_config={"attn_uses_sequence_id": True}).eval()  # eval: logits
     torch.testing.assert_close(uses(batch).logits, uses.model(x, sequence_id=sequence_id).logits)
     with pytest.raises(DataError, match="sequence_id"):
         uses({"input_ids": x})
-    ignores = composer_model()
+    ignores = composer_model().eval()
     torch.testing.assert_close(ignores(batch).logits, ignores.model(x).logits)
 
 

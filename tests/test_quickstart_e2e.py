@@ -21,7 +21,8 @@ LOSS = "loss/train/total"
 pytestmark = pytest.mark.slow
 
 
-def train(data: Path, out: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+def train(data: Path, out: Path, *overrides: str, nproc: int = 1,
+          compile_default: bool = False) -> subprocess.CompletedProcess:
     args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
             f"loggers.jsonl.path={out}/metrics.jsonl", *overrides]
     if nproc == 1:
@@ -31,6 +32,8 @@ def train(data: Path, out: Path, *overrides: str, nproc: int = 1) -> subprocess.
         cmd = [composer, "-n", str(nproc), "--stdout", str(out / "rank{rank}.out"),
                "--stderr", str(out / "rank{rank}.err"), "train.py", "yamls/quickstart.yaml", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if compile_default:  # as `make train` runs it: compile.enabled auto, on where supported
+        env.pop("FOUNDRYX_COMPILE", None)
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
 
 
@@ -39,8 +42,9 @@ def losses(out: Path) -> list[float]:
 
 
 def test_quickstart_loss_falls_and_checkpoint_written(quickstart_data, tmp_path):
-    r = train(quickstart_data, tmp_path)
+    r = train(quickstart_data, tmp_path, compile_default=True)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "compile: torch.compile per transformer block on cpu" in r.stderr + r.stdout
     curve = losses(tmp_path)
     assert len(curve) == 200
     first, last = sum(curve[:5]) / 5, sum(curve[-20:]) / 20

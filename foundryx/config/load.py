@@ -94,6 +94,16 @@ def read_merged(path: str | Path, overrides: list[str] | None) -> tuple[DictConf
             "e.g. 'num_fewshot=[0,5]', not by index"], source=str(path)) from None
 
 
+SWITCH_SECTIONS = ("compile", "activation_checkpointing")  # `compile: false` = {enabled: false}
+
+
+def expand_switches(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each section of ``SWITCH_SECTIONS`` given as a bare true/false written as
+    ``{enabled: ...}``."""
+    return {k: {"enabled": v} if k in SWITCH_SECTIONS and isinstance(v, bool) else v
+            for k, v in data.items()}
+
+
 def load_config(
     path: str | Path, overrides: list[str] | None = None, world_size: int | None = None,
     checks: Sequence[Callable[[dict[str, Any]], list[str]]] = (),
@@ -107,6 +117,7 @@ def load_config(
     merged, problems = read_merged(path, overrides)
     data = resolve(merged, "", problems)
     data, old_forms = upgrade_deprecated(data)  # e.g. fsdp_config -> parallelism, ...
+    data = expand_switches(data)
     problems += old_forms
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data)

@@ -66,10 +66,14 @@ class ActivationCheckpointingConfig:
 
 @dataclass
 class CompileConfig:
-    """``compile``: ``torch.compile`` each transformer block; applies with or without
-    ``parallelism``."""
+    """``compile``: ``torch.compile`` each transformer block (regional compilation: the block
+    is compiled once and reused, so compile time does not grow with depth); applies with or
+    without ``parallelism``. ``compile: false`` is short for ``compile: {enabled: false}``."""
 
-    enabled: bool = doc("torch.compile each transformer block", default=False)
+    enabled: bool | Literal["auto"] = doc(
+        "torch.compile each transformer block; auto: on where this torch and device support "
+        "it (a C++ compiler on CPU, Triton on GPU), logged in one line", default="auto"
+    )
     options: dict[str, Any] = doc(
         "keyword arguments of torch.compile, e.g. {mode: max-autotune}", default_factory=dict
     )

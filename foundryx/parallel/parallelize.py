@@ -9,6 +9,7 @@ stays single-device; it only names its blocks (see :mod:`foundryx.parallel.polic
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from torch import nn
@@ -20,7 +21,12 @@ from foundryx.parallel import materialize as mat
 from foundryx.parallel.contract import check_composer_contract
 from foundryx.parallel.fsdp import build_mesh, mesh_shape, shard_model, sum_only_reductions
 from foundryx.parallel.policy import blocks, checkpoint_targets
-from foundryx.parallel.wrappers import checkpoint_activations, compile_forward, offload_activations
+from foundryx.parallel.wrappers import (
+    checkpoint_activations,
+    compile_forward,
+    compile_problem,
+    offload_activations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +37,25 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_compile(compile: CompileConfig, device: torch.device, has_blocks: bool) -> bool:
+    """``compile.enabled``, with ``auto`` decided for this device, and said in one line."""
+    if compile.enabled != "auto":
+        return bool(compile.enabled)
+    why_not = ("FOUNDRYX_COMPILE=0 in the environment" if os.environ.get("FOUNDRYX_COMPILE") == "0"
+               else compile_problem(device) or (None if has_blocks else "the model names no blocks"))
+    if why_not:
+        log.info("compile: off (%s); compile.enabled: true asks for it anyway", why_not)
+        return False
+    log.info("compile: torch.compile per transformer block on %s (the default where supported; "
+             "compile: false turns it off)", device.type)
+    return True
+
+
 def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
-                         compile: CompileConfig) -> list[str]:
+                         compile: CompileConfig, device: torch.device | None = None) -> list[str]:
     """Activation checkpointing, activation offload and compile; returns summary phrases."""
     block_list = blocks(model)
+    compile_on = resolve_compile(compile, device or default_device(), bool(block_list))
     summary = []
     if ac.enabled:
         targets = checkpoint_targets(model, ac.modules, ac.every)
@@ -45,7 +66,7 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
             checkpoint_activations(m)
         summary.append(f"activation checkpointing on {len(targets)} modules")
     for flag, what in ((ac.cpu_offload, "activation_checkpointing.cpu_offload"),
-                       (compile.enabled, "compile.enabled")):
+                       (compile_on, "compile.enabled")):
         if flag and not block_list:
             raise ConfigError([f"{what}: the model names no transformer blocks; give it an "
                                "fsdp_wrap_fn (or _no_split_modules)"])
@@ -53,7 +74,7 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
         for _, m in block_list:
             offload_activations(m)
         summary.append(f"activation CPU offload on {len(block_list)} blocks")
-    if compile.enabled:
+    if compile_on:
         for _, m in block_list:
             compile_forward(m, compile.options)
         summary.append(f"torch.compile on {len(block_list)} blocks")
@@ -81,7 +102,7 @@ def parallelize(
     mode = mat.init_mode(model)
     full = mat.full_state_on_rank0(model) if mode == "rank0" else {}
     summary = apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
-                                   compile or CompileConfig())
+                                   compile or CompileConfig(enabled=False), device)
     if parallelism is not None and world > 1:
         local_world = dist.local_world_size()
         replicate, shard = mesh_shape(parallelism, world, local_world)

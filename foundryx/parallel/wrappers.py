@@ -8,6 +8,9 @@ parameter names (and so checkpoints) do not change, and FSDP's hooks, which run 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
+import sys
 from typing import Any
 
 import torch
@@ -40,6 +43,24 @@ def offload_activations(module: nn.Module) -> None:
             return inner(*args, **kwargs)
 
     module.forward = forward
+
+
+def compile_problem(device: torch.device) -> str | None:
+    """Why ``torch.compile`` (inductor) cannot run on ``device`` here, or None."""
+    if sys.platform == "win32":
+        return "torch.compile is not set up by default on Windows"
+    if device.type == "cpu":
+        compilers = [os.environ.get("CXX"), "g++", "clang++", "c++"]
+        if not any(c and shutil.which(c) for c in compilers):
+            return "no C++ compiler (g++, clang++ or $CXX) for inductor's CPU code"
+        return None
+    if device.type == "cuda":
+        try:
+            from torch.utils._triton import has_triton  # lazy: imports Triton when present
+        except ImportError:
+            return "this torch has no Triton check"
+        return None if has_triton() else "Triton does not import or this GPU is too old for it"
+    return f"torch.compile is not on by default for device type {device.type!r}"
 
 
 def compile_forward(module: nn.Module, options: dict[str, Any]) -> None:

@@ -48,6 +48,11 @@ class ComposerMPTCausalLM(HuggingFaceModel):
         self.uses_sequence_id = options.uses_sequence_id
 
     def forward(self, batch: Mapping[str, Any]):
+        """A training step (training mode, gradients on) returns the loss fused with the output
+        projection and no logits (see ``loss``); any other call returns the logits."""
+        return self._forward(batch, fused=self.training and torch.is_grad_enabled())
+
+    def _forward(self, batch: Mapping[str, Any], fused: bool):
         kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask")}
         if self.uses_sequence_id:
             if batch.get("sequence_id") is None:
@@ -57,17 +62,41 @@ class ComposerMPTCausalLM(HuggingFaceModel):
                     "set attn_uses_sequence_id: false"
                 )
             kwargs["sequence_id"] = batch["sequence_id"]
+        if fused:
+            return self.model(**kwargs, labels=_labels(batch), return_logits=False)
         return self.model(**kwargs)
 
     def loss(self, outputs, batch: Mapping[str, Any]) -> torch.Tensor:
-        """Token-mean next-token cross entropy; -100 labels are ignored."""
+        """Token-mean next-token cross entropy; -100 labels are ignored. In a training step
+        the forward has already computed it, fused with the output projection, so the
+        vocabulary logits are never held whole (``outputs.logits`` is then None)."""
+        if outputs.logits is None:
+            return outputs.loss
         return causal_lm_loss(outputs.logits, _labels(batch))
 
     def eval_forward(self, batch: dict[str, Any], outputs: Any = None):
-        """Logits (batch, seq, vocab); the shifted labels are kept for ``update_metric``."""
+        """Logits (batch, seq, vocab); the shifted labels are kept for ``update_metric``.
+        Given a fused training step's outputs (no logits), returns them: the training metric
+        is updated from their loss (``update_metric``), without building the logits."""
+        if outputs is not None and outputs.logits is None:
+            return outputs
         if "labels" not in batch:
             batch = {**batch, "labels": _labels(batch)}
-        return super().eval_forward(batch, outputs)
+        return super().eval_forward(batch, outputs or self._forward(batch, fused=False))
+
+    def update_metric(self, batch: Any, outputs: Any, metric: Any) -> dict:
+        """As Composer's, and for a fused training step the training cross entropy from its
+        token-mean loss (the same number, weighted by the step's counted tokens)."""
+        if getattr(outputs, "logits", True) is not None:
+            return super().update_metric(batch, outputs, metric)
+        if not isinstance(metric, LanguageCrossEntropy):
+            raise ConfigError([f"training metric {type(metric).__name__}: mpt_causal_lm computes "
+                               "the training loss without logits, so only LanguageCrossEntropy "
+                               "can be tracked during training; evaluate the others"])
+        n = (_labels(batch)[:, 1:] != IGNORE_INDEX).sum()
+        metric.sum_loss += outputs.loss.detach().float() * n
+        metric.total_items += n
+        return {}
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         """Training FLOPs (forward + backward = 3 x forward) of one batch of b sequences of s:

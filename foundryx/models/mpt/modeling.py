@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from foundryx import registry
+from foundryx.models.layers.loss import linear_cross_entropy
 from foundryx.models.layers.positions import alibi_slopes, apply_rope, rope_cos_sin, token_positions
 from foundryx.models.mpt.configuration import MPTConfig
 
@@ -279,15 +280,19 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
         sequence_id: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
         return_dict: bool | None = None,
+        return_logits: bool = True,
     ) -> CausalLMOutputWithPast:
         """Logits (batch, seq, vocab) and, given ``labels`` aligned with ``input_ids``, the
-        next-token loss (see :func:`causal_lm_loss`). ``return_dict`` is accepted for
-        Hugging Face callers; the result is always a ``CausalLMOutputWithPast``."""
+        next-token loss (see :func:`causal_lm_loss`). With labels and ``return_logits=False``
+        the loss is fused with the output projection (:func:`linear_cross_entropy`: the
+        vocabulary logits are never held whole) and ``logits`` is None. ``return_dict`` is
+        accepted for Hugging Face callers; the result is always a ``CausalLMOutputWithPast``."""
         h = self.transformer(input_ids, attention_mask, sequence_id).last_hidden_state
-        if self.lm_head is None:
-            logits = F.linear(h, self.transformer.wte.weight)
-        else:
-            logits = self.lm_head(h)
+        weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
+        if labels is not None and not return_logits:
+            loss = linear_cross_entropy(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
+            return CausalLMOutputWithPast(loss=loss, logits=None)
+        logits = F.linear(h, weight)
         if self.logit_scale is not None:
             logits = logits * self.logit_scale
         loss = causal_lm_loss(logits, labels) if labels is not None else None

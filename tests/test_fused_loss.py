@@ -1,0 +1,117 @@
+"""The training loss fused with the output projection: the same numbers as logits + cross
+entropy (float64 reference), and the vocabulary logits are never held whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from foundryx.models.layers import loss as loss_module
+from foundryx.models.layers.loss import linear_cross_entropy
+from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+
+def reference(h, w, y, scale):
+    logits = F.linear(h, w) * (scale if scale is not None else 1.0)
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("scale", [None, 0.37])
+@pytest.mark.parametrize("chunk", [7, 64, 1000])  # a last chunk shorter than the others; one
+def test_matches_float64_reference_loss_and_gradients(scale, chunk):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 41, 24, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(257, 24, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 257, (3, 41), generator=g)
+    y[0, :9] = -100  # ignored positions count in neither the sum nor the mean
+    want = reference(h, w, y, scale)
+    want_grads = torch.autograd.grad(want * 2.5, (h, w))  # the upstream gradient is honoured
+    got = linear_cross_entropy(h, w, y, scale, chunk=chunk)
+    got_grads = torch.autograd.grad(got * 2.5, (h, w))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_bf16_autocast_matches_unfused_autocast():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(2, 64, 32, generator=g, requires_grad=True)
+    w = torch.randn(300, 32, generator=g, requires_grad=True)
+    y = torch.randint(0, 300, (2, 64), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(h, w, y, None)
+        got = linear_cross_entropy(h, w, y, chunk=50)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=2e-2, atol=2e-2)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    rh, rw = torch.autograd.grad(want, (h, w))
+    assert gh.dtype == h.dtype and gw.dtype == w.dtype
+    torch.testing.assert_close(gh, rh, rtol=5e-2, atol=5e-3)
+    torch.testing.assert_close(gw, rw, rtol=5e-2, atol=5e-3)
+
+
+def tiny_mpt(tie: bool) -> ComposerMPTCausalLM:
+    torch.manual_seed(0)
+    return ComposerMPTCausalLM(d_model=32, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=4096,
+                               tie_word_embeddings=tie, logit_scale=None if tie else 0.5)
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 4096, (4, 64), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 50:] = 0  # padding: its labels are ignored
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_training_step_loss_and_gradients_equal_the_logits_path(tie):
+    model, b = tiny_mpt(tie), batch()
+    model.train()
+    fused_out = model(b)
+    assert fused_out.logits is None  # a training step never builds the logits
+    fused = model.loss(fused_out, b)
+    fused.backward()
+    fused_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    with torch.no_grad():
+        model.eval()
+        logits_out = model(b)
+    assert logits_out.logits.shape == (4, 64, 4096)
+    model.train()
+    plain = model.loss(model.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]), b)
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.loss(logits_out, b), plain.detach(), rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_training_step_never_holds_the_whole_vocabulary_logits(monkeypatch):
+    monkeypatch.setattr(loss_module, "CHUNK_LOGIT_BYTES", 64 * 4096 * 4)  # 64-token chunks
+    model, b = tiny_mpt(True), batch()
+    model.train()
+    whole = b["input_ids"].numel() * 4096  # tokens x vocab
+    with LargestTensor() as seen:
+        model.loss(model(b), b).backward()
+    # the largest tensor is a chunk of logits (or the vocab x d_model weight), far below whole
+    assert seen.largest <= whole // 2, (seen.largest, whole)
+    with LargestTensor() as unfused:
+        model.loss(model.model(input_ids=b["input_ids"]), b).backward()
+    assert unfused.largest >= whole  # the check would see the logits if they were built
