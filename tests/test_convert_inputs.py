@@ -129,3 +129,35 @@ def test_cli_converts_with_workers(tmp_path, tiny_tokenizer, docs, capsys):
     assert main(args) == 0
     assert "sequences of 32 tokens" in capsys.readouterr().out
     np.testing.assert_array_equal(stored(tmp_path / "out"), expected(tiny_tokenizer, docs))
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "folder"])
+def test_input_that_is_not_utf8_names_the_file_and_byte_and_leaves_nothing(tmp_path, tiny_tokenizer,
+                                                                           docs, kind, capsys):
+    good = "\n\n".join(docs[:20]).encode()
+    bad_bytes = "caf\u00e9".encode("latin-1")  # é as one latin-1 byte: invalid UTF-8
+    if kind == "jsonl":
+        lines = [json.dumps({"text": d}).encode() for d in docs[:20]]
+        data = b"\n".join(lines) + b'\n{"text": "' + bad_bytes + b'"}\n'
+        src = tmp_path / "in.jsonl"
+        at = len(data) - 4
+    else:
+        data = good + b"\n\n" + bad_bytes + b"\n"
+        at = len(good) + 5
+        src = tmp_path / ("in.txt" if kind == "txt" else "docs")
+    if kind == "folder":
+        src.mkdir()
+        (src / "a.txt").write_bytes(good)
+        src = src / "b.txt"
+        src.write_bytes(bad_bytes)
+        at, data = 3, None
+    if data is not None:
+        src.write_bytes(data)
+    out = tmp_path / "out"
+    arg = src.parent if kind == "folder" else src
+    code = main(["data", "convert", "--input", str(arg), "--out", str(out), "--tokenizer",
+                 tiny_tokenizer.name_or_path, "--max-seq-len", str(SEQ), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"{src}: not UTF-8 at byte {at}" in err and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []

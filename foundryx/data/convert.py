@@ -267,7 +267,12 @@ def convert_to_mds(
             chunks = partial.chunks()
             manifest = _manifest(source, tokenizer, max_seq_len, compression, chunks)
         except DataError:
-            partial.discard()  # bad input: nothing worth resuming
+            partial.discard()  # bad input: it must change, so nothing is worth resuming
+            raise
+        except BaseException as e:  # interrupted, out of disk, a worker died: resumable
+            log.warning("conversion stopped (%s); its finished chunks stay in %s and the same "
+                        "command resumes from them (--no-resume starts over)",
+                        type(e).__name__, partial.folder)
             raise
         partial.finish(len(chunks), {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
         _check_out_dir(out, overwrite)  # another process may have written it meanwhile

@@ -50,36 +50,61 @@ def _files_fingerprint(files: list[Path]) -> dict[str, Any]:
     return {"files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
 
 
+NOT_UTF8_FIX = "convert it to UTF-8 first (e.g. iconv -f latin1 -t utf-8 IN > OUT)"
+
+
+def utf8_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a UTF-8 text file, newlines (``\n`` or ``\r\n``) removed;
+    a DataError naming the file, line and byte offset where it is not UTF-8."""
+    offset = 0
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 at byte {offset + e.start} (line {lineno}: "
+                                f"{e.reason}); {NOT_UTF8_FIX}") from None
+            offset += len(raw)
+            yield lineno, line
+
+
+def read_utf8(path: Path) -> str:
+    """The whole text of ``path``; a DataError naming the byte offset where it is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 at byte {e.start} ({e.reason}); {NOT_UTF8_FIX}") from None
+
+
 def _txt_documents(path: Path) -> Iterator[str]:
     block: list[str] = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                block.append(line.rstrip("\n"))
-            elif block:
-                yield "\n".join(block)
-                block = []
+    for _, line in utf8_lines(path):
+        if line.strip():
+            block.append(line)
+        elif block:
+            yield "\n".join(block)
+            block = []
     if block:
         yield "\n".join(block)
 
 
 def _folder_documents(files: list[Path]) -> Iterator[str]:
     for file in files:
-        text = file.read_text(encoding="utf-8").strip()
+        text = read_utf8(file).strip()
         if text:
             yield text
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """``(location, parsed row)`` of each non-blank line."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    for lineno, line in utf8_lines(path):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{lineno}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
 
 
 def text_of(row: Any, text_field: str, where: str) -> str:
