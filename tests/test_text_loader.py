@@ -191,7 +191,7 @@ def test_two_ranks_see_the_one_rank_order(mds_root, tiny_tokenizer, tmp_path):
     assert seen == set(stored_rows(mds_root))
 
 
-@pytest.mark.parametrize("damage", ["truncate", "delete", "index"])
+@pytest.mark.parametrize("damage", ["truncate", "delete", "index", "flipped"])
 def test_corrupt_shard_is_refused(mds_root, tiny_tokenizer, damage):
     folder = mds_root / "train"
     shard = folder / json.loads((folder / "index.json").read_text())["shards"][0]["raw_data"][
@@ -202,6 +202,12 @@ def test_corrupt_shard_is_refused(mds_root, tiny_tokenizer, damage):
     elif damage == "delete":
         shard.unlink()
         match = f"shard {shard} is missing"
+    elif damage == "flipped":  # the right size, other bytes: only the recorded hash sees it
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        match = (rf"shard {shard}: its xxh3_64 differs from index.json \(damaged.*re-convert "
+                 r"the data \(`foundryx data convert ... --overwrite`\)")
     else:
         (folder / "index.json").write_text('{"shards": [')
         match = "index.json: unreadable"

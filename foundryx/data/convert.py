@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 MANIFEST = "foundryx_manifest.json"
 INDEX = "index.json"
 COLUMN = "tokens"
+# Each shard's hash, recorded in index.json by mosaicml-streaming's writer; loaders check it
+# (foundryx.data.options.shard_problems), and streaming's validate_hash can use it on download.
+SHARD_HASH = "xxh3_64"
 FORMAT = "foundryx-mds-tokens/1"
 BATCH_CHARS = 1 << 20  # characters per batch sent to a worker
 CHUNK_CHARS = 64 << 20  # characters per chunk (the unit of resuming)
@@ -144,7 +147,8 @@ class _ChunkWriter:
             self.chunk = chunk
         if self.writer is None:
             self.writer = MDSWriter(out=str(self.partial.chunk_dir(chunk)),
-                                    columns={COLUMN: "ndarray:int32"}, compression=self.compression)
+                                    columns={COLUMN: "ndarray:int32"}, compression=self.compression,
+                                    hashes=[SHARD_HASH])
         stream = np.concatenate([self.carry, tokens])
         n_full = len(stream) // self.seq * self.seq
         for row in stream[:n_full].reshape(-1, self.seq):

@@ -9,7 +9,7 @@ from typing import Any
 
 from foundryx.config.components import ModelFacts
 from foundryx.config.types import is_int, option
-from foundryx.data.convert import INDEX, read_manifest
+from foundryx.data.convert import INDEX, SHARD_HASH, read_manifest
 
 CONVERT_FIX = (
     "run `foundryx data convert --input ... --out <folder> ...`, or `make data` for the quickstart"
@@ -58,8 +58,15 @@ def mds_folder_problems(local: Any, split: Any, prefix: str, max_seq_len: Any = 
     return []
 
 
+REBUILD = "re-convert the data (`foundryx data convert ... --overwrite`)"
+
+
 def shard_problems(folder: Path) -> list[str]:
-    """Missing or cut-short shards of the MDS dataset in ``folder`` (sizes from index.json)."""
+    """Missing, cut-short or damaged shards of the MDS dataset in ``folder``: sizes, and the
+    hashes the converter recorded (mosaicml-streaming's own hashing; every shard is read once,
+    at several GB/s)."""
+    from streaming.base.hashing import get_hash
+
     try:
         shards = json.loads((folder / INDEX).read_text())["shards"]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -71,6 +78,11 @@ def shard_problems(folder: Path) -> list[str]:
         size = path.stat().st_size if path.is_file() else None
         if size != info["bytes"]:
             state = "is missing" if size is None else f"has {size} of {info['bytes']} bytes"
-            problems.append(f"shard {path} {state} (corrupt or cut short); re-convert the data "
-                            f"(`foundryx data convert ... --overwrite`)")
+            problems.append(f"shard {path} {state} (corrupt or cut short); {REBUILD}")
+            continue
+        hashes = info.get("hashes") or {}
+        algo = SHARD_HASH if SHARD_HASH in hashes else next(iter(hashes), None)
+        if algo is not None and get_hash(algo, path.read_bytes()) != hashes[algo]:
+            problems.append(f"shard {path}: its {algo} differs from {INDEX} (damaged: the right "
+                            f"size, other bytes); {REBUILD}")
     return problems
