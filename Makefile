@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.foundryx-installed
 QUICKSTART_DATA ?= data/quickstart
 
-.PHONY: install data train train-2proc test test-fast lint clean
+.PHONY: install install-modern lock-modern data train train-2proc test test-fast test-modern lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,64 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 install: $(STAMP)
+
+# ---------------------------------------------------------------------------------------
+# The modern leg: foundryx on a current torch, in its own venv. Composer 0.32.1 pins
+# torch < 2.7.1, so it is installed with --no-deps and its other requirements are listed here
+# (from its METADATA). foundryx itself goes in with --no-deps too, then its requirements less
+# Composer: pip would otherwise resolve Composer's pins again and bring torch 2.7 back.
+# constraints-modern.txt pins every package (written by `make lock-modern`).
+# ---------------------------------------------------------------------------------------
+MODERN_VENV ?= .venv-modern
+MODERN_PY := $(MODERN_VENV)/bin/python
+MODERN_STAMP := $(MODERN_VENV)/.foundryx-installed
+MODERN_TORCH := torch==2.14.1 torchvision==0.29.1
+COMPOSER := mosaicml==0.32.1
+COMPOSER_REQUIREMENTS := "pyyaml>=6.0,<7" "tqdm>=4.62.3,<5" "torchmetrics>=1.0,<1.7.5" \
+	"torch_optimizer>=0.3.0,<0.4" "requests>=2.26.0,<3" "numpy>=1.21.5,<2.3.0" "psutil>=5.8.0,<8" \
+	"coolname>=1.1.0,<3" "tabulate==0.9.0" "py-cpuinfo>=8.0.0,<10" "packaging>=21.3.0,<25.1" \
+	"importlib-metadata>=5.0.0,<9" "mosaicml-cli>=0.5.25,<0.8" "pillow>=10.3.0,<12"
+# foundryx's requirements (with the dev extra) but Composer, one a line, from its installed metadata
+FOUNDRYX_REQUIREMENTS := import importlib.metadata as m; from packaging.requirements import Requirement; \
+	reqs = [Requirement(r) for r in m.requires("foundryx")]; \
+	print(*[str(r).split(";")[0] for r in reqs if r.name != "mosaicml" and (not r.marker or r.marker.evaluate({"extra": "dev"}))], sep="\n")
+
+# $(call modern_install,VENV,CONSTRAINTS)
+define modern_install
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -c $(2) $(MODERN_TORCH) $(COMPOSER_REQUIREMENTS)
+	$(1)/bin/python -m pip install -q -c $(2) --no-deps $(COMPOSER)
+	$(1)/bin/python -m pip install -q -c $(2) --no-deps -e ".[dev]"
+	rm -rf foundryx.egg-info
+	$(1)/bin/python -c '$(FOUNDRYX_REQUIREMENTS)' > $(1)/foundryx-requirements.txt
+	$(1)/bin/python -m pip install -q -c $(2) $(MODERN_TORCH) -r $(1)/foundryx-requirements.txt
+	rm -rf foundryx.egg-info
+	@# the only broken requirements must be Composer's torch and torchvision pins
+	! $(1)/bin/python -m pip check | grep -v -E '^mosaicml [^ ]+ has requirement (torch|torchvision)[<>=]'
+	$(1)/bin/python -c 'import composer, torch, torchvision; print("installed: torch", torch.__version__, "torchvision", torchvision.__version__, "composer", composer.__version__)'
+endef
+
+$(MODERN_STAMP): pyproject.toml constraints-modern.txt
+	$(call modern_install,$(MODERN_VENV),constraints-modern.txt)
+	touch $@
+
+install-modern: $(MODERN_STAMP)
+
+# Rewrites constraints-modern.txt: the modern install in a scratch venv, constrained by
+# constraints.txt less the torch stack (so the two legs differ in torch, torchvision, triton and
+# the CUDA libraries, and in what those force), then pip freeze without foundryx.
+LOCK_VENV := .venv-modern-lock
+lock-modern:
+	rm -rf $(LOCK_VENV)
+	mkdir -p $(LOCK_VENV)
+	grep -v -E '^(torch|torchvision|triton|nvidia-[a-z0-9-]+)==' constraints.txt > $(LOCK_VENV)/seed.txt
+	$(call modern_install,$(LOCK_VENV),$(LOCK_VENV)/seed.txt)
+	( echo "# The modern leg (make install-modern): torch 2.14.1 with Composer 0.32.1 installed"; \
+	  echo "# --no-deps. Written by make lock-modern: do not edit by hand."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v -E '^(pip|foundryx)==' \
+	) > constraints-modern.txt
+	rm -rf $(LOCK_VENV)
 
 data: install
 	$(VENV)/bin/foundryx data quickstart --out $(QUICKSTART_DATA)
@@ -32,6 +90,9 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+test-modern: install-modern
+	$(MODERN_PY) -m pytest -q -m "not slow"
 
 lint: install
 	$(VENV)/bin/ruff check .

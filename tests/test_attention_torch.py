@@ -104,6 +104,24 @@ def test_gqa_without_enable_gqa(monkeypatch):
     torch.testing.assert_close(torch_attention(q, k, v), want)
 
 
+def test_gqa_hands_sdpa_the_kv_heads_unrepeated(monkeypatch):
+    """torch >= 2.5 (so both tested torch versions): without a mask, grouped-query attention
+    passes ``enable_gqa`` and K/V with their own heads; with a mask they are repeated."""
+    assert attn_mod._sdpa_has_enable_gqa()  # the probe runs (and is cached) before the spy
+    calls = []
+    sdpa = attn_mod.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((k.shape[1], kw.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attn_mod.F, "scaled_dot_product_attention", spy)
+    q, k, v = _qkv(kv_heads=2)
+    torch.testing.assert_close(torch_attention(q, k, v), reference_attention(q, k, v))
+    torch_attention(q, k, v, sliding_window=3)
+    assert calls == [(2, True), (H, False)]
+
+
 def test_fully_padded_row_is_finite():
     q, k, v = _qkv()
     left_padded = torch.tensor([[False] * 4 + [True] * 8] * B)

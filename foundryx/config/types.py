@@ -1,7 +1,8 @@
 """The one validator: plain data against a dataclass schema, every problem with its path.
 
 A schema is a dataclass whose fields are declared with :func:`option` (a doc string and,
-optionally, bounds, a registry the value must name, or a check of its own). Nested
+optionally, bounds, a registry the value must name, a check of its own, or values that other
+tools accept and foundryx refuses, each with its reason). Nested
 dataclasses are nested sections. A dataclass may define ``problems(self) -> list[str]``
 for rules between its fields (paths relative to it); it is called only when every field
 is valid. :func:`build` turns checked data into the dataclass, nested sections included.
@@ -28,14 +29,18 @@ Check = tuple[Callable[[Any], bool], str]  # (test, what a valid value is)
 
 def option(text: str, *, gt: float | None = None, ge: float | None = None,
            lt: float | None = None, le: float | None = None, registry: str | None = None,
-           check: Check | None = None, **kw: Any) -> Any:
+           check: Check | None = None, unsupported: Mapping[Any, str] | None = None,
+           **kw: Any) -> Any:
     """A dataclass field with a doc string (shown by ``--help-config``) and constraints on
     its value beyond the type: bounds (``gt``/``ge``/``lt``/``le``), the name of a registry
     whose key it must be, or ``check=(test, "what a valid value is")``. ``None`` (where the
-    type allows it) passes every constraint. ``kw`` are ``dataclasses.field`` arguments."""
+    type allows it) passes every constraint. ``unsupported`` maps values that other tools
+    accept here (e.g. LLM Foundry's ``auto``) to why foundryx does not and what to write
+    instead: such a value is reported with that reason alone, not as a wrong type.
+    ``kw`` are ``dataclasses.field`` arguments."""
     meta = {"doc": text, "bounds": {k: v for k, v in
                                     (("gt", gt), ("ge", ge), ("lt", lt), ("le", le)) if v is not None},
-            "registry": registry, "check": check}
+            "registry": registry, "check": check, "unsupported": dict(unsupported or {})}
     return dataclasses.field(metadata=meta, **kw)
 
 
@@ -146,6 +151,15 @@ def constraint_problems(value: Any, meta: Mapping[str, Any], tp: Any, path: str)
     return []
 
 
+def unsupported_problem(value: Any, meta: Mapping[str, Any], path: str) -> str | None:
+    """The one problem of a value the field's ``option(unsupported=...)`` names, else None."""
+    reasons = meta.get("unsupported") or {}
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None  # only plain scalars (and True is not 1 here)
+    reason = reasons.get(value)
+    return None if reason is None else f"{path}: {value!r} is not supported: {reason}"
+
+
 def dataclass_problems(cls: type, data: Mapping[str, Any], path: str = "",
                        owner: str | None = None) -> list[str]:
     """Every problem of ``data`` against the dataclass ``cls``: unknown, missing, mistyped
@@ -165,6 +179,10 @@ def dataclass_problems(cls: type, data: Mapping[str, Any], path: str = "",
                 problems.append(f"{where}: unknown key{hint}")
             continue
         tp = hints[key]
+        refused = unsupported_problem(value, fields[key].metadata, where)
+        if refused:
+            problems.append(refused)
+            continue
         found = _section_problems(value, tp, where, owner)
         if found is None:
             found = type_problems(value, tp, where)

@@ -106,7 +106,8 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """(registers per thread, spill bytes) from ``ptxas -v`` (the ptxas in the triton wheel)."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
-    ptxas, _ = get_ptxas(arch)
+    tool = get_ptxas(arch)  # Triton >= 3.4: an NvidiaTool (.path, .version); before: a pair
+    ptxas = tool.path if hasattr(tool, "path") else tool[0]
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
