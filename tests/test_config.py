@@ -111,7 +111,49 @@ def test_microbatch_must_divide_device_batch(base, tmp_path):
     assert p.startswith("device_train_microbatch_size: 3 must be positive and divide")
 
 
+def test_batch_sizes_must_be_positive_all_reported_at_once(base, tmp_path):
+    """Values the docs rule out are refused, never silently replaced (0 once meant 'whole batch')."""
+    problems = problems_of(write(tmp_path, base), ["device_train_microbatch_size=0",
+                                                   "device_eval_batch_size=-1",
+                                                   "global_train_batch_size=0"])
+    assert sorted(problems) == [
+        "device_eval_batch_size: expected an integer > 0, got -1",
+        "device_train_microbatch_size: expected an integer > 0, got 0",
+        "global_train_batch_size: expected an integer > 0, got 0",
+    ]
+
+
 def test_missing_data_folder(base, tmp_path):
     base["train_loader"]["dataset"]["local"] = str(tmp_path / "no-data")
     problems = problems_of(write(tmp_path, base))
     assert any(p.startswith("train_loader.dataset.local:") and "no-data" in p for p in problems)
+
+
+AUTO_MICROBATCH_MESSAGE = (
+    "device_train_microbatch_size: 'auto' is not supported: Composer's auto-microbatching finds "
+    "a size by running out of memory, which hangs distributed jobs, and fails on torch >= 2.7.1; "
+    "set an integer that divides the per-device batch, or leave the key out for the whole "
+    "per-device batch"
+)
+
+
+def test_auto_microbatch_is_one_clear_problem(base, tmp_path):
+    """LLM Foundry's ``auto`` is refused on every torch with the reason and the fix, in one
+    line, not as a wrong type."""
+    assert problems_of(write(tmp_path, base), ["device_train_microbatch_size=auto"]) == [
+        AUTO_MICROBATCH_MESSAGE]
+    base["device_train_microbatch_size"] = "auto"
+    assert problems_of(write(tmp_path, base)) == [AUTO_MICROBATCH_MESSAGE]
+    # other wrong values keep the type message
+    (p,) = problems_of(write(tmp_path, base), ["device_train_microbatch_size=automatic"])
+    assert p == "device_train_microbatch_size: expected an integer or null, got 'automatic'"
+
+
+def test_auto_microbatch_on_the_command_line_exits_2(quickstart_data, capsys):
+    from foundryx.cli import main
+
+    code = main(["train", "--dry-run", str(QUICKSTART), f"variables.data_root={quickstart_data}",
+                 "device_train_microbatch_size=auto"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines()[1:] == [f"  - {AUTO_MICROBATCH_MESSAGE}"], err

@@ -41,7 +41,7 @@ def derive(cfg: TrainConfig, world_size: int) -> tuple[Derived | None, list[str]
             f"use a multiple of {world_size} (e.g. {up}) or change the number of processes"
         ]
     device_bs = gbs // world_size
-    micro = cfg.device_train_microbatch_size or device_bs
+    micro = device_bs if cfg.device_train_microbatch_size is None else cfg.device_train_microbatch_size
     if micro <= 0 or device_bs % micro:
         return None, [
             f"device_train_microbatch_size: {micro} must be positive and divide the per-device "

@@ -18,6 +18,16 @@ Precision = Literal["fp32", "amp_fp16", "amp_bf16", "amp_fp8"]
 
 doc = option  # a field with a doc string and constraints (shown by ``--help-config``)
 
+# LLM Foundry users write device_train_microbatch_size: auto. Composer's auto-microbatching
+# finds a size by catching out-of-memory errors, which leaves the other ranks of a distributed
+# job waiting in a collective; on torch >= 2.7.1 it also fails in Composer 0.32.1 itself
+# (a NameError in patch_unshard_for_automicrobatching).
+AUTO_MICROBATCH = (
+    "Composer's auto-microbatching finds a size by running out of memory, which hangs "
+    "distributed jobs, and fails on torch >= 2.7.1; set an integer that divides the per-device "
+    "batch, or leave the key out for the whole per-device batch"
+)
+
 
 MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]
 
@@ -86,7 +96,7 @@ class TrainConfig:
     tokenizer: dict[str, Any] = doc("tokenizer: {name: <tokenizers key>, ...kwargs}")
     train_loader: dict[str, Any] = doc("training data: {name: <dataloaders key>, ...}")
     max_duration: str = doc("training length, e.g. 4800ba, 1ep, 2000000tok")
-    global_train_batch_size: int = doc("samples per optimizer step, summed over all ranks")
+    global_train_batch_size: int = doc("samples per optimizer step, summed over all ranks", gt=0)
     optimizer: dict[str, Any] = doc("optimizer: {name: <optimizers key>, lr: ..., ...}")
     scheduler: dict[str, Any] = doc(
         "LR schedule: {name: <schedulers key>, ...}",
@@ -97,9 +107,11 @@ class TrainConfig:
 
     # -- batch --------------------------------------------------------------------------
     device_train_microbatch_size: int | None = doc(
-        "samples per forward/backward on one device; default: the whole device batch", default=None
+        "samples per forward/backward on one device; default: the whole device batch "
+        "(not auto: set a number)", default=None, gt=0, unsupported={"auto": AUTO_MICROBATCH},
     )
-    device_eval_batch_size: int | None = doc("eval samples per device; default: microbatch", default=None)
+    device_eval_batch_size: int | None = doc("eval samples per device; default: microbatch",
+                                             default=None, gt=0)
 
     # -- schedule of evaluation and logging ---------------------------------------------
     eval_interval: str = doc("how often to evaluate, e.g. 500ba or 1ep", default="1ep")
