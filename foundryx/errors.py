@@ -45,6 +45,10 @@ class ExportError(FoundryxError):
     """An export cannot be done as asked (format, output folder, missing model config)."""
 
 
+class EvalError(FoundryxError):
+    """An eval's results cannot be written (full disk, no permission on ``output_dir``)."""
+
+
 def did_you_mean(name: str, choices: Iterable[str], n: int = 3) -> str:
     """Return `` (did you mean 'x'?)`` for the closest choices, or an empty string."""
     close = difflib.get_close_matches(str(name), sorted(set(choices)), n=n, cutoff=0.6)

@@ -176,7 +176,8 @@ def test_failed_write_leaves_nothing_behind(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr("foundryx.export.core.save_model_folder", broken)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(ExportError, match=r"could not write the export to .*out \(disk full\); "
+                                          "nothing was written"):
         export(random_mpt(**LLAMA_STYLE), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
     assert writer.replaceable(tmp_path)  # an empty folder may be written into

@@ -29,9 +29,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ from foundryx.data.parallel import tokenize_in_order
 from foundryx.data.partial import Partial
 from foundryx.data.sources import Source, open_source, read_documents  # noqa: F401 (re-export)
 from foundryx.errors import DataError
+from foundryx.runtime import replace_all
 
 log = logging.getLogger(__name__)
 
@@ -97,15 +96,9 @@ def _check_out_dir(out: Path, overwrite: bool) -> None:
         )
 
 
-def _commit(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` folder to ``out``, replacing what is there."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out)
+def _reason(e: OSError) -> str:
+    """``No space left on device: /path/file`` (what failed, and where when known)."""
+    return f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
 
 
 def _batches(source: Source, batch_chars: int, chunk_chars: int
@@ -273,14 +266,24 @@ def convert_to_mds(
         except DataError:
             partial.discard()  # bad input: it must change, so nothing is worth resuming
             raise
-        except BaseException as e:  # interrupted, out of disk, a worker died: resumable
+        except OSError as e:  # out of disk, no permission: resumable once that is fixed
+            raise DataError(
+                f"the conversion to {out} stopped: {_reason(e)}; {out} is unchanged, the "
+                f"finished chunks stay in {partial.folder} and the same command resumes from "
+                f"them once that is fixed (--no-resume starts over)"
+            ) from e
+        except BaseException as e:  # interrupted, a worker died: resumable
             log.warning("conversion stopped (%s); its finished chunks stay in %s and the same "
                         "command resumes from them (--no-resume starts over)",
                         type(e).__name__, partial.folder)
             raise
-        partial.finish(len(chunks), {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
-        _check_out_dir(out, overwrite)  # another process may have written it meanwhile
-        _commit(partial.folder, out)
+        try:
+            partial.finish(len(chunks), {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
+            _check_out_dir(out, overwrite)  # another process may have written it meanwhile
+            replace_all([(partial.folder, out)])  # out: the previous dataset or the new one
+        except OSError as e:  # finish drops the ledger last, so a failed finish resumes
+            raise DataError(f"could not finish the dataset at {out}: {_reason(e)}; {out} is "
+                            f"unchanged; run the same command again once that is fixed") from e
     return manifest
 
 

@@ -125,7 +125,8 @@ class Partial:
 
     # -- the end -----------------------------------------------------------------------------
     def finish(self, n_chunks: int, files: dict[str, str]) -> None:
-        """Merge the chunk indexes into one ``index.json``, add ``files``, drop the ledger."""
+        """Merge the chunk indexes into one ``index.json``, add ``files``, drop the ledger
+        (last: until then a failure, e.g. a full disk, leaves the work resumable)."""
         shards = []
         for chunk in range(n_chunks):
             rel = self.chunk_dir(chunk).relative_to(self.folder).as_posix()
@@ -136,9 +137,9 @@ class Partial:
                         shard[key]["basename"] = f"{rel}/{shard[key]['basename']}"
                 shards.append(shard)
         (self.folder / "index.json").write_text(json.dumps({"version": 2, "shards": shards}))
-        (self.folder / LEDGER).unlink()
-        for name, text in files.items():  # the manifest last: it marks the dataset complete
+        for name, text in files.items():  # after index.json: the manifest marks it complete
             (self.folder / name).write_text(text)
+        (self.folder / LEDGER).unlink()
 
     def discard(self) -> None:
         if self.folder.exists():

@@ -13,6 +13,7 @@ import random
 from pathlib import Path
 
 from foundryx.data.synthetic import world_facts
+from foundryx.runtime import write_text_atomically
 
 LM_FILE = "facts_lm.jsonl"
 MC_FILE = "facts_mc.jsonl"
@@ -24,9 +25,7 @@ def _relation(context: str) -> tuple[str, ...]:
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomically(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def write_quickstart_tasks(out_dir: str | Path, seed: int = 0, n_choices: int = 4) -> dict[str, Path]:

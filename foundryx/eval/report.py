@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from foundryx.errors import EvalError
+from foundryx.runtime import write_together
 
 KINDS = ("task", "category", "gauntlet")
 
@@ -94,25 +99,50 @@ def bar_chart(results: EvalResults, path: Path) -> None:
     plt.close(fig)
 
 
-def write_results(results: EvalResults, out_dir: str | Path, source: str = "") -> dict[str, Path]:
-    """results.md/.csv/.json/.png and scores/<model>.yaml (usable with --compare-to)."""
+Stage = Callable[[Path], Path]
+
+
+@contextlib.contextmanager
+def results_set(out_dir: str | Path, results: EvalResults) -> Iterator[Stage]:
+    """Stage the files of one results set in ``out_dir`` (see
+    :func:`foundryx.runtime.write_together`): they replace the previous ones together, or, when
+    one cannot be written, none does and an EvalError names ``out_dir`` (with the scores, so a
+    long eval is not lost)."""
+    try:
+        with write_together() as stage:
+            yield stage
+    except OSError as e:
+        raise EvalError(
+            f"could not write the eval results to {out_dir} ({e.strerror or e}); the files there "
+            f"are unchanged. Free space or fix its permissions (or set output_dir) and run the "
+            f"eval again. The scores were:\n{markdown_table(results)}"
+        ) from e
+
+
+def write_results(results: EvalResults, out_dir: str | Path, source: str = "",
+                  stage: Stage | None = None) -> dict[str, Path]:
+    """results.md/.csv/.json/.png and scores/<model>.yaml (usable with --compare-to), all
+    replaced together or not at all; ``stage``: add them to a set the caller writes."""
+    if stage is None:
+        with results_set(out_dir, results) as stage:
+            return write_results(results, out_dir, source, stage)
     out = Path(out_dir)
-    (out / "scores").mkdir(parents=True, exist_ok=True)
     paths = {ext: out / f"results.{ext}" for ext in ("md", "csv", "json", "png")}
-    paths["md"].write_text(markdown_table(results) + "\n")
-    with paths["csv"].open("w", newline="") as f:
+    stage(paths["md"]).write_text(markdown_table(results) + "\n", encoding="utf-8")
+    with stage(paths["csv"]).open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["result", "kind", "examples", *results.models])
         for key in results.keys():
             w.writerow([key, results.kinds[key], results.examples.get(key, ""),
                         *[results.scores[m].get(key, "") for m in results.models]])
-    paths["json"].write_text(json.dumps({
+    stage(paths["json"]).write_text(json.dumps({
         "config": source, "models": results.models, "scores": results.scores,
         "kinds": results.kinds, "examples": results.examples, "random_baselines": results.baselines,
-    }, indent=2) + "\n")
+    }, indent=2) + "\n", encoding="utf-8")
     for model in results.models:
         p = out / "scores" / f"{model.replace('/', '_')}.yaml"
-        p.write_text(yaml.safe_dump({k: results.scores[model][k] for k in results.keys()
-                                     if k in results.scores[model]}, sort_keys=False))
-    bar_chart(results, paths["png"])
+        stage(p).write_text(yaml.safe_dump({k: results.scores[model][k] for k in results.keys()
+                                            if k in results.scores[model]}, sort_keys=False),
+                            encoding="utf-8")
+    bar_chart(results, stage(paths["png"]))
     return paths

@@ -15,7 +15,7 @@ from foundryx.eval.compare import Check, compare_scores, comparison_table, load_
 from foundryx.eval.config import LoadedEvalConfig, load_eval_config
 from foundryx.eval.models import load_eval_model
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
-from foundryx.eval.report import EvalResults, markdown_table, write_results
+from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model
 from foundryx.runtime import pick_device, setup_logging
 
@@ -118,13 +118,25 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     if compare_to is not None:
         outcome.comparisons = _compare(results, loaded, compare_to, ref_label, ref_file, tolerance)
     if write and dist.get_global_rank() == 0:
-        outcome.paths = write_results(results, cfg.output_dir, loaded.source)
-        for c in outcome.comparisons:
-            path = Path(cfg.output_dir) / f"comparison_{c.model}.md".replace("/", "_")
-            path.write_text(c.table() + "\n")
-            outcome.paths[f"comparison {c.model}"] = path
-        if dump:
-            path = Path(cfg.output_dir) / "examples.jsonl"
-            path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in dumped))
-            outcome.paths["examples"] = path
+        outcome.paths = _write_outputs(outcome, dumped if dump else None, cfg.output_dir,
+                                       loaded.source)
     return outcome
+
+
+def _write_outputs(outcome: EvalOutcome, dumped: list[dict] | None, output_dir: str,
+                   source: str) -> dict[str, Path]:
+    """The results files, each comparison and the dumped examples, as one set: all replace the
+    previous ones or, when one cannot be written, none does (EvalError naming ``output_dir``)."""
+    out = Path(output_dir)
+    with results_set(out, outcome.results) as stage:
+        paths = write_results(outcome.results, out, source, stage)
+        for c in outcome.comparisons:
+            path = out / f"comparison_{c.model}.md".replace("/", "_")
+            stage(path).write_text(c.table() + "\n", encoding="utf-8")
+            paths[f"comparison {c.model}"] = path
+        if dumped is not None:
+            path = out / "examples.jsonl"
+            stage(path).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in dumped),
+                                   encoding="utf-8")
+            paths["examples"] = path
+    return paths

@@ -3,7 +3,6 @@ generation_config.json and tokenizer files appear together or not at all."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.errors import ExportError
+from foundryx.runtime import replace_all
 
 
 def replaceable(out: Path) -> bool:
@@ -33,25 +33,24 @@ def check_target(out: str | Path, overwrite: bool) -> Path:
 
 def write_atomically(out: str | Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Run ``fill(tmp)`` on a temporary sibling folder of ``out``, then rename it to ``out``
-    (replacing an older export when ``overwrite``). On any error nothing is left behind."""
+    (replacing an older export when ``overwrite``). On any error nothing is left behind and
+    ``out`` is as it was; a failed write (full disk, no permission) is an ExportError naming
+    ``out``."""
     out = check_target(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    old = None
+    tmp = None
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         fill(tmp)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out.exists():
-            os.replace(old / out.name, out)  # put the previous export back
+        replace_all([(tmp, out)])
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            kept = "the previous export there is unchanged" if out.exists() else "nothing was written"
+            raise ExportError(f"could not write the export to {out} ({e.strerror or e}); {kept}. "
+                              "Free space or fix the folder's permissions and export again") from e
         raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     return out
 
 
