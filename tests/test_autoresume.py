@@ -30,7 +30,6 @@ TINY = [
     "scheduler.t_warmup=2ba", "optimizer.lr=0.01", "max_duration=12ba", "save_interval=4ba",
     "save_overwrite=false", "console_log_interval=100ba", "callbacks.speed_monitor.window_size=1",
 ]
-pytestmark = pytest.mark.slow
 
 
 def train(data: Path, out: Path, *extra: str, nproc: int = 2, kill: str = "", launcher: str = "composer"):
@@ -47,6 +46,8 @@ def train(data: Path, out: Path, *extra: str, nproc: int = 2, kill: str = "", la
                "--stdout", str(out / "rank{rank}.out"), *script]
     env = {**os.environ, "FOUNDRYX_TEST_KILL": kill, "PYTHONUNBUFFERED": "1"}
     out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.*"):  # the per-rank logs of this run only
+        old.unlink()
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -77,38 +78,118 @@ def reference(quickstart_data, tmp_path_factory) -> Path:
     return out
 
 
-def test_kill_at_three_points_then_resume_bit_exact(reference, quickstart_data, tmp_path):
+# -- kill at any moment --------------------------------------------------------------------
+# A moment is (stage, batch, rank). Stages, in the order they happen at the end of a batch:
+# the batch is trained; the rank has written its DCP shards (no manifest yet); rank 0 has
+# written the manifest (the folder still has its temp name); the folder is renamed into place
+# (`latest` not moved); the new `latest` link exists under its temp name; an old checkpoint
+# is renamed aside for deletion. A run dies (SIGKILL) at its first probe at or after its moment.
+STAGES = ("batch", "shards", "manifest", "renamed", "latest", "pruned")
+SAVES, LAST = (4, 8, 12), 12
+
+
+def all_moments() -> list[tuple[str, int, int]]:
+    out = [("batch", b, r) for b in range(1, LAST + 1) for r in (0, 1)]
+    out += [("shards", b, r) for b in SAVES for r in (0, 1)]
+    out += [(st, b, 0) for b in SAVES for st in ("manifest", "renamed", "latest")]
+    out += [("pruned", b, 0) for b in SAVES[1:]]  # keep=1: the previous one goes
+    return sorted(out, key=position)
+
+
+def position(m: tuple[str, int, int]) -> tuple[int, int, int]:
+    return m[1], STAGES.index(m[0]), m[2]
+
+
+def draw_moments(seed: int, n: int) -> list[tuple[str, int, int]]:
+    """``n`` moments drawn with ``random.Random(seed)``: one inside a save between the shard
+    files and the manifest, one during the `latest` update, the rest from all moments; at most
+    one after the final checkpoint is committed, and it comes last (a run resumed from the
+    final checkpoint trains nothing, so it cannot be killed again)."""
+    import random
+
+    rng = random.Random(seed)
+    pool = all_moments()
+    final = position(("renamed", LAST, 0))
+    late = [m for m in pool if position(m) >= final]
+    early = [m for m in pool if position(m) < final]
+    chosen = [rng.choice([m for m in early if m[0] == "shards"]),
+              rng.choice([m for m in early if m[0] == "latest"])]
+    rest = [m for m in early if m not in chosen]
+    chosen += rng.sample(rest, n - len(chosen) - 1)
+    chosen.append(rng.choice(late + [m for m in rest if m not in chosen]))
+    return sorted(chosen, key=position)
+
+
+def check_save_folder(ckpt: Path) -> list[str]:
+    """Problems with what a killed run left: every checkpoint under its final name complete and
+    intact, `latest` (if any) pointing at one, nothing else but temp folders and the lock."""
+    from foundryx.checkpoint.layout import Manifest, complete_checkpoints
+    from foundryx.checkpoint.verify import verify_files
+
+    done = {p.name for p, _ in complete_checkpoints(ckpt)}
+    problems = []
+    for p in ckpt.iterdir():
+        if p.name in done:
+            problems += verify_files(p, Manifest.read(p))
+        elif p.name == "latest":
+            if os.readlink(p) not in done:
+                problems.append(f"latest -> {os.readlink(p)}, not a complete checkpoint")
+        elif not p.name.startswith("."):
+            problems.append(f"{p.name}: a final name without a complete checkpoint")
+    return problems
+
+
+def kill_and_resume(reference: Path, data: Path, out: Path, seed: int, n: int) -> None:
+    """Kill a 2-process run at ``n`` seeded moments, autoresuming after each; the run that
+    finishes must have every loss and every weight of the uninterrupted reference, bit for bit."""
     from foundryx.checkpoint import load_model_weights
 
+    moments = draw_moments(seed, n)
+    print(f"kill moments (seed {seed}): " + ", ".join(f"{s}@ba{b}/rank{r}" for s, b, r in moments))
+    ckpt, keep, seen = out / "ckpt", "save_num_checkpoints_to_keep=1", []
+    for stage, batch, rank in moments:
+        r = train(data, out, keep, kill=f"moment:{stage}:{batch}:{rank}")
+        said = logs(out, r)
+        if seen and seen[-1].endswith("/rank0"):  # rank 0 was SIGKILLed holding the lock
+            assert "save_folder lock: taking over" in said, said[-3000:]
+        died = [ln for ln in said.splitlines() if ln.startswith("[kill]")]
+        assert r.returncode != 0 and died, f"moment {stage}@ba{batch}/rank{rank} not reached\n{ok(r)}"
+        seen.append(died[-1])
+        problems = check_save_folder(ckpt)
+        assert not problems, f"after {died[-1]}: {problems}\nkills so far: {seen}"
+    r = train(data, out, keep)
+    assert r.returncode == 0, ok(r)
+    assert "resumed from" in logs(out, r)
+    print("killed at:\n  " + "\n  ".join(seen))
+    assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["ep0-ba12", "latest"]
+    got, ref = losses(out), losses(reference)
+    assert got == ref, (seen, got, ref)
+    a, b = load_model_weights(reference / "ckpt"), load_model_weights(ckpt)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), seen
+
+
+def test_draw_moments_cover_the_save_and_are_reachable():
+    for seed in range(50):
+        ms = draw_moments(seed, 10)
+        assert len(ms) == 10 and ms == sorted(ms, key=position)
+        assert any(m[0] == "shards" for m in ms) and any(m[0] == "latest" for m in ms)
+        assert all(position(m) < position(("renamed", LAST, 0)) for m in ms[:-1])
+    assert draw_moments(7, 10) == draw_moments(7, 10)
+
+
+def test_kill_three_times_then_resume_bit_exact(reference, quickstart_data, tmp_path):
     ref = losses(reference)
     assert sorted(ref) == list(range(1, 13))
     assert sum(ref[b] for b in (10, 11, 12)) < sum(ref[b] for b in (1, 2, 3)) - 0.3
-    ckpt, keep = tmp_path / "ckpt", "save_num_checkpoints_to_keep=1"
-
-    # 1. mid-interval, between checkpoints: batch 6 (ep0-ba4 committed)
-    r = train(quickstart_data, tmp_path, keep, kill="batch:6")
-    assert r.returncode != 0 and names(ckpt) == ["ep0-ba4"], ok(r)
-    # 2. inside a save: ep0-ba8's files and manifest written, the folder not yet renamed
-    r = train(quickstart_data, tmp_path, keep, kill="commit:ep0-ba8")
-    assert r.returncode != 0 and names(ckpt) == [".tmp-ep0-ba8", "ep0-ba4"], ok(r)
-    assert "resumed from" in logs(tmp_path, r)
-    # 3. right after the commit: renamed, but `latest` not moved and ep0-ba4 not pruned
-    r = train(quickstart_data, tmp_path, keep, kill="latest:ep0-ba8")
-    assert r.returncode != 0 and names(ckpt) == ["ep0-ba4", "ep0-ba8"], ok(r)
-    assert os.readlink(ckpt / "latest") == "ep0-ba4"
-    # the last restart resumes from ep0-ba8 (newest complete, whatever `latest` says)
-    r = train(quickstart_data, tmp_path, keep)
-    assert r.returncode == 0, ok(r)
-    assert names(ckpt) == ["ep0-ba12"] and os.readlink(ckpt / "latest") == "ep0-ba12"
-
-    # every batch any segment trained has the reference's loss, to the last bit
-    got = losses(tmp_path)
-    assert sorted(got) == list(range(1, 13))
-    assert got == ref
-    a, b = load_model_weights(reference / "ckpt"), load_model_weights(ckpt)
-    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    kill_and_resume(reference, quickstart_data, tmp_path, seed=int(os.environ.get("FOUNDRYX_KILL_SEED", 3)), n=3)
 
 
+@pytest.mark.slow
+def test_kill_ten_times_then_resume_bit_exact(reference, quickstart_data, tmp_path):
+    kill_and_resume(reference, quickstart_data, tmp_path, seed=int(os.environ.get("FOUNDRYX_KILL_SEED", 10)), n=10)
+
+
+@pytest.mark.slow
 def test_resume_on_one_process_from_two(reference, quickstart_data, tmp_path):
     """Saved on 2 ranks at batch 8, resumed on 1: the loss curve goes on within noise."""
     ckpt = tmp_path / "ckpt"
@@ -122,6 +203,7 @@ def test_resume_on_one_process_from_two(reference, quickstart_data, tmp_path):
     assert all(abs(got[b] - ref[b]) < 1e-4 for b in got), (got, ref)
 
 
+@pytest.mark.slow
 def test_resume_on_two_processes_from_one_with_torchrun(reference, quickstart_data, tmp_path):
     """Saved on 1 process at batch 4 (the run killed at batch 5), resumed on 2 under torchrun.
 
@@ -140,6 +222,7 @@ def test_resume_on_two_processes_from_one_with_torchrun(reference, quickstart_da
     assert manifest["world_size"] == 2
 
 
+@pytest.mark.slow
 def test_four_processes_then_resume_on_two(reference, quickstart_data, tmp_path):
     """4 ranks train batches 1-4 (same losses as the 2-rank reference: the loader's order does
     not depend on the world size), are killed at batch 5, and 2 ranks go on from ep0-ba4."""
@@ -156,7 +239,7 @@ def test_four_processes_then_resume_on_two(reference, quickstart_data, tmp_path)
 
 
 def install_fault(spec: str) -> None:
-    """``batch:N`` kills rank 0 at batch N; ``commit:NAME`` just before NAME is renamed into
+    """``moment:STAGE:BATCH:RANK`` see install_moment; ``batch:N`` kills rank 0 at batch N; ``commit:NAME`` just before NAME is renamed into
     place; ``latest:NAME`` just after, before ``latest`` moves and old ones are pruned."""
     from composer.utils import dist
 
@@ -182,6 +265,54 @@ def install_fault(spec: str) -> None:
     elif kind == "latest":
         orig_latest = save.point_latest
         save.point_latest = lambda root, name: die() if name == arg else orig_latest(root, name)
+    elif kind == "moment":
+        stage, batch, rank = arg.split(":")
+        install_moment((int(batch), STAGES.index(stage)), int(rank), die)
+
+
+def install_moment(target: tuple[int, int], rank: int, die) -> None:
+    """Probes at every stage (see STAGES); the first at or after ``target`` on ``rank`` dies."""
+    import torch.distributed.checkpoint as dcp
+
+    from foundryx.checkpoint import callback, layout, save
+
+    me, now = int(os.environ.get("RANK", "0")), {"batch": 0}
+
+    def probe(stage: str) -> None:
+        if me == rank and (now["batch"], STAGES.index(stage)) >= target:
+            print(f"[kill] {stage}@ba{now['batch']}/rank{me}", file=sys.stderr, flush=True)
+            die()
+
+    orig_batch, orig_dcp = callback.Checkpointer.batch_checkpoint, dcp.save
+    orig_write, orig_latest, real_replace = layout.Manifest.write, save.point_latest, os.replace
+
+    def batch_checkpoint(self, state, logger):
+        now["batch"] = int(state.timestamp.batch)
+        probe("batch")
+        orig_batch(self, state, logger)
+
+    def dcp_save(*args, **kwargs):
+        result = orig_dcp(*args, **kwargs)
+        probe("shards")
+        return result
+
+    def write(self, folder):
+        orig_write(self, folder)
+        probe("manifest")
+
+    def point_latest(root, name):
+        probe("renamed")
+        orig_latest(root, name)
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(src).name == ".latest.tmp":
+            probe("latest")
+        real_replace(src, dst, *args, **kwargs)
+        if Path(dst).name.startswith(".tmp-pruned-"):
+            probe("pruned")
+
+    callback.Checkpointer.batch_checkpoint, dcp.save = batch_checkpoint, dcp_save
+    layout.Manifest.write, save.point_latest, os.replace = write, point_latest, replace
 
 
 if __name__ == "__main__":

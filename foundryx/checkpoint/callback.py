@@ -13,6 +13,7 @@ from composer.utils import create_interval_scheduler, dist
 
 from foundryx.checkpoint import load as loader
 from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
+from foundryx.checkpoint.lock import SaveFolderLock
 from foundryx.checkpoint.metadata import record_of
 from foundryx.checkpoint.save import save
 from foundryx.checkpoint.trainer_state import set_rng_state
@@ -59,10 +60,12 @@ class Checkpointer(Callback):
         self.loaded: Path | None = None
         self._rng: dict[str, Any] | None = None
         self._last_saved = -1
+        self._lock: SaveFolderLock | None = None
 
     # -- before training ----------------------------------------------------------------
     def after_load(self, state: State, logger: Logger) -> None:
         if self.save_folder is not None:
+            self._take_lock(self.save_folder)
             self._tidy(self.save_folder)
             if self.autoresume:
                 found = loader.newest_intact(self.save_folder)
@@ -77,13 +80,32 @@ class Checkpointer(Callback):
         if self.load_path:
             self._load_path(state, self.load_path)
 
+    def _take_lock(self, root: Path) -> None:
+        """Rank 0 takes ``root``'s lock (see lock.py); every rank stops if another run holds it."""
+        problem = None
+        if dist.get_global_rank() == 0:
+            lock = SaveFolderLock(root, self.run_name)
+            try:
+                lock.acquire()
+                self._lock = lock
+            except CheckpointError as e:
+                problem = str(e)
+        problem = dist.all_gather_object(problem)[0]
+        if problem is not None:
+            raise CheckpointError(problem)
+
+    def close(self, state: State, logger: Logger) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
     def _tidy(self, root: Path) -> None:
         """Remove temp folders of saves that never committed (rank 0)."""
         stale = dist.all_gather_object([str(p) for p in unfinished_saves(root)])[0]
         if dist.get_global_rank() == 0 and stale:
             for p in stale:
                 shutil.rmtree(p, ignore_errors=True)
-            log.info("removed %d unfinished save(s) in %s: %s", len(stale), root,
+            log.info("removed %d temp folder(s) of unfinished saves or prunes in %s: %s", len(stale), root,
                      ", ".join(Path(p).name for p in stale))
         dist.barrier()
 

@@ -168,7 +168,7 @@ def unfinished_saves(save_folder: str | Path) -> list[Path]:
 def point_latest(save_folder: Path, name: str) -> None:
     """Atomically repoint ``save_folder/latest`` at ``name``."""
     link = save_folder / LATEST
-    tmp = save_folder / (LATEST + ".tmp")
+    tmp = save_folder / f".{LATEST}.tmp"  # a dot name: a kill here leaves nothing that looks final
     if tmp.is_symlink() or tmp.exists():
         tmp.unlink()
     os.symlink(name, tmp)

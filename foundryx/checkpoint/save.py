@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from composer.utils import dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from foundryx.checkpoint import trainer_state
 from foundryx.checkpoint.layout import (
@@ -27,8 +29,13 @@ from foundryx.checkpoint.layout import (
 )
 from foundryx.checkpoint.metadata import write_components, write_model_metadata
 from foundryx.checkpoint.verify import file_digest, signature
+from foundryx.checkpoint.write_failure import describe, state_bytes
+from foundryx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+# what a save that cannot write raises (DCP wraps every rank's error in CheckpointException)
+WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, CheckpointException)
 
 
 def model_and_optim_state(model: torch.nn.Module, optimizers: Any) -> tuple[dict, dict]:
@@ -76,33 +83,69 @@ def save(
     dist.barrier()
 
     model_sd, optim_sd = model_and_optim_state(state.model, state.optimizers)
-    dcp_save({"model": model_sd, "optim": optim_sd},
-             storage_writer=FileSystemWriter(str(tmp / DCP_DIR)))
-    write_json_atomic(tmp / RNG_DIR / f"rank{rank}.json", trainer_state.rng_state())
-    if rank == 0:
-        write_json_atomic(tmp / TRAINER_STATE, trainer_state.capture(state))
-        write_model_metadata(tmp, state.model)  # hf/: config + tokenizer, for export and eval
-        if components is not None:
-            write_components(tmp, components)  # model + tokenizer sections, for rebuild_model
-    dist.barrier()
+    failure: BaseException | None = None
+    try:
+        dcp_save({"model": model_sd, "optim": optim_sd},
+                 storage_writer=FileSystemWriter(str(tmp / DCP_DIR)))
+        write_json_atomic(tmp / RNG_DIR / f"rank{rank}.json", trainer_state.rng_state())
+        if rank == 0:
+            write_json_atomic(tmp / TRAINER_STATE, trainer_state.capture(state))
+            write_model_metadata(tmp, state.model)  # hf/: config + tokenizer, for export and eval
+            if components is not None:
+                write_components(tmp, components)  # model + tokenizer sections, for rebuild_model
+    except WRITE_ERRORS as e:
+        failure = e
+    _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
 
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     mine = {rel: file_digest(tmp / rel) for rel in files[rank::world]}
     digests: dict[str, Any] = {}
     for part in dist.all_gather_object(mine):
         digests.update(part)
+    failure = None
     if rank == 0:
         shapes = tensor_shapes(model_sd)
-        Manifest(
-            batch=int(ts.batch), epoch=int(ts.epoch), world_size=world, run_name=run_name,
-            model_class=type(state.model).__name__, model_signature=signature(shapes),
-            num_params=sum(_numel(s) for s, _ in shapes.values()), files=digests,
-        ).write(tmp)
+        try:
+            Manifest(
+                batch=int(ts.batch), epoch=int(ts.epoch), world_size=world, run_name=run_name,
+                model_class=type(state.model).__name__, model_signature=signature(shapes),
+                num_params=sum(_numel(s) for s, _ in shapes.values()), files=digests,
+            ).write(tmp)
+        except OSError as e:
+            failure = e
+    _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
+    if rank == 0:
         _commit(root, tmp, final)
-        _prune(root, keep, keep_names={name}, replace=replace or set())
+        _after_commit(root, final.name, keep, replace or set())
         log.info("checkpoint saved: %s (%d files, %d ranks)", final, len(files) + 1, world)
     dist.barrier()
     return final
+
+
+def _agree(failure: BaseException | None, root: Path, tmp: Path, needed: Callable[[], int]) -> None:
+    """Every rank learns whether any rank failed to write its part; if one did, the temp folder
+    is deleted and every rank raises one CheckpointError saying why and what is still there."""
+    mine = None if failure is None else describe(failure, root, needed())
+    texts = dist.all_gather_object(mine)
+    if all(t is None for t in texts):
+        return
+    if dist.get_global_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    failed = [(r, t) for r, t in enumerate(texts) if t is not None]
+    if len({t for _, t in failed}) == 1:
+        ranks = "every rank" if len(failed) == len(texts) else ", ".join(f"rank {r}" for r, _ in failed)
+        why = f"{failed[0][1]} ({ranks})" if len(texts) > 1 else failed[0][1]
+    else:
+        why = "; ".join(f"rank {r}: {t}" for r, t in failed)
+    done = complete_checkpoints(root)
+    still = (f"{done[0][0].name} is still the newest complete checkpoint" if done
+             else "no earlier checkpoint is there")
+    raise CheckpointError(
+        f"checkpoint {tmp.name[len(TMP_PREFIX):]} could not be written to {root}: {why}. Nothing "
+        f"of it was kept ({still}); make room or set save_folder to another place, then run the "
+        "same command: autoresume continues from the newest complete checkpoint"
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -123,9 +166,19 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
         os.replace(final, old)
     os.replace(tmp, final)
     fsync_dir(root)
-    point_latest(root, final.name)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _after_commit(root: Path, name: str, keep: int, replace: set[str]) -> None:
+    """Move ``latest`` and prune; the checkpoint is committed, so a failure here is a warning."""
+    try:
+        point_latest(root, name)
+        _prune(root, keep, keep_names={name}, replace=replace)
+    except OSError as e:
+        log.warning("checkpoint %s is saved, but tidying %s failed (%s); `latest` or old "
+                    "checkpoints may be out of date, which autoresume does not depend on",
+                    name, root, e)
 
 
 def _prune(root: Path, keep: int, keep_names: set[str], replace: set[str]) -> None:
@@ -136,6 +189,8 @@ def _prune(root: Path, keep: int, keep_names: set[str], replace: set[str]) -> No
         kept = [p for p in done if p not in doomed]
         doomed += [p for p in kept[keep:] if p.name not in keep_names]
     for p in doomed:
-        shutil.rmtree(p)
+        aside = root / (TMP_PREFIX + "pruned-" + p.name)  # one rename: never half a checkpoint
+        os.replace(p, aside)
+        shutil.rmtree(aside)
         why = "save_overwrite" if p.name in replace else f"save_num_checkpoints_to_keep={keep}"
         log.info("checkpoint removed: %s (%s)", p, why)
