@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -27,12 +28,25 @@ class _RankFilter(logging.Filter):
         return True
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not the one at set-up
+    (so a process that redirects stderr, as pytest does per test, still gets the log)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str | None) -> None:
     """Log ``foundryx`` and ``composer`` at ``level`` (e.g. ``info``) with time and rank;
     None or empty: leave logging as it is."""
     if not level:
         return
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s: rank%(rank)s: %(levelname)s: %(name)s: %(message)s"))
     handler.addFilter(_RankFilter())
     for name in ("foundryx", "composer"):

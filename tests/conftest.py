@@ -32,6 +32,21 @@ ROOT = Path(__file__).parents[1]
 SHARED = ROOT.parent / "shared"
 
 
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """Each test starts with foundryx's and Composer's loggers as a new process has them: an
+    in-process CLI call sets their level and handler, which would otherwise leak into the
+    next test's captured output."""
+    import logging
+
+    yield
+    for name in ("foundryx", "composer"):
+        lg = logging.getLogger(name)
+        lg.handlers.clear()
+        lg.setLevel(logging.NOTSET)
+        lg.propagate = True
+
+
 @pytest.fixture(scope="session")
 def quickstart_data(tmp_path_factory) -> Path:
     """The quickstart's generated corpus, tokenizer and MDS shards, built once per session."""

@@ -9,7 +9,6 @@ checkpoint files pass the same size. The test says which in its output.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import shutil
 import subprocess
@@ -30,8 +29,6 @@ TINY = ["variables.max_seq_len=32", "model.d_model=32", "model.n_heads=2", "mode
 
 
 def train(data: Path, save_folder: Path, *extra: str) -> int:
-    for name in ("foundryx", "composer"):  # log to this test's captured stderr, not an earlier one
-        logging.getLogger(name).handlers.clear()
     return main(["train", QUICKSTART, f"variables.data_root={data}", f"save_folder={save_folder}",
                  "loggers={}", *TINY, *extra])
 

@@ -12,7 +12,6 @@ the checkpoint tests.
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import subprocess
 from pathlib import Path
@@ -77,21 +76,6 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     for needle in needles:
         assert needle in message, message
     return message
-
-
-@pytest.fixture(autouse=True)
-def own_logging():
-    """``foundryx export`` and ``eval`` set up logging to the stderr of their time (a test's
-    capsys): start without handlers and put the loggers back afterwards, so that no test logs
-    into another's closed stream."""
-    saved = [(lg, lg.handlers[:], lg.propagate, lg.level)
-             for lg in map(logging.getLogger, ("foundryx", "composer"))]
-    for lg, *_ in saved:
-        lg.handlers = []
-    yield
-    for lg, handlers, propagate, level in saved:
-        lg.handlers, lg.propagate = handlers, propagate
-        lg.setLevel(level)
 
 
 # -- foundryx data convert ---------------------------------------------------------------------
