@@ -86,13 +86,13 @@ train-2proc: data
 	$(VENV)/bin/composer -n 2 train.py yamls/quickstart.yaml max_duration=20ba
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
 test-modern: install-modern
-	$(MODERN_PY) -m pytest -q -m "not slow"
+	$(MODERN_PY) -m pytest -q -m "not slow" --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check .

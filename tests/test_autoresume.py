@@ -57,7 +57,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 def names(ckpt: Path) -> list[str]:
-    return sorted(p.name for p in ckpt.iterdir() if p.name != "latest")
+    return sorted(p.name for p in ckpt.iterdir() if p.name != "latest" and p.name != ".lock")
 
 
 def logs(out: Path, r: subprocess.CompletedProcess) -> str:

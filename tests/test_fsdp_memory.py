@@ -66,6 +66,9 @@ def run(mode: str, nproc: int, out: Path) -> tuple[dict, list[float]]:
         [str(torchrun), "--nproc_per_node", str(nproc), "--standalone",
          __file__, mode, str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
+        # a fixed mmap threshold: glibc's adaptive one moves large frees onto the heap, where
+        # they stay in RSS, and the peak then varies by tens of MB from run to run
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
     )
     assert r.returncode == 0, r.stderr[-3000:]
     peaks = [float((out.parent / f"{out.stem}.rank{i}.mb").read_text()) for i in range(nproc)]
