@@ -64,6 +64,13 @@ class Checkpointer(Callback):
 
     # -- before training ----------------------------------------------------------------
     def after_load(self, state: State, logger: Logger) -> None:
+        try:
+            self._resume_or_load(state)
+        except BaseException:
+            self.close(state, logger)  # a run that cannot start leaves the folder as it was
+            raise
+
+    def _resume_or_load(self, state: State) -> None:
         if self.save_folder is not None:
             self._take_lock(self.save_folder)
             self._tidy(self.save_folder)

@@ -96,9 +96,11 @@ class SaveFolderLock:
         self.owner = Owner.me(run_name)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._made_folder = False
 
     # -- taking it ----------------------------------------------------------------------
     def acquire(self) -> None:
+        self._made_folder = not self.folder.exists()
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(5):
             if self._try_create():
@@ -202,6 +204,8 @@ class SaveFolderLock:
         held = self._read_quietly()
         if held is not None and held.pid == self.owner.pid and held.host == self.owner.host:
             self.path.unlink(missing_ok=True)
+        if self._made_folder and not any(self.folder.iterdir()):
+            self.folder.rmdir()  # made for the lock alone: a run that saved nothing leaves nothing
 
     def _read_quietly(self) -> Owner | None:
         try:
