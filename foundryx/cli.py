@@ -1,8 +1,10 @@
 """The ``foundryx`` command: a thin shell over library functions.
 
 User errors (:class:`foundryx.errors.FoundryxError`) print one message, no traceback, and
-exit with code 2. Training, eval and export load torch and Composer (seconds); their modules
-are imported when the command runs, so ``foundryx --help`` and the data commands start fast.
+exit with code 2 (a :class:`~foundryx.errors.RunError`, such as a killed dataloader worker:
+code 1, printed by the rank that saw it). Training, eval and export load torch and Composer
+(seconds); their modules are imported when the command runs, so ``foundryx --help`` and the
+data commands start fast.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except FoundryxError as e:
-        if _is_rank_zero():
+        if _is_rank_zero() or not e.rank_zero_only:
             print(f"foundryx: error: {e}", file=sys.stderr)
         return e.exit_code
 

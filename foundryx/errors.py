@@ -2,7 +2,9 @@
 
 Every error a person can cause with bad input (config, data, checkpoint, CLI) is a
 :class:`FoundryxError`. The CLI prints its message without a traceback and exits with
-code 2. One subclass per subsystem keeps ``except`` clauses precise.
+code 2. One subclass per subsystem keeps ``except`` clauses precise. A run that stops for a
+cause outside its input (a killed dataloader worker) is a :class:`RunError`: the same kind of
+message, exit code 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ class FoundryxError(Exception):
     """An error caused by user input; its message says what is wrong and how to fix it."""
 
     exit_code = 2
+    # The same on every rank (it comes from the shared input), so only rank 0 prints it.
+    rank_zero_only = True
 
 
 class ConfigError(FoundryxError):
@@ -39,6 +43,15 @@ class DataError(FoundryxError):
 
 class CheckpointError(FoundryxError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class RunError(FoundryxError):
+    """A run stopped for a cause outside its input, e.g. a dataloader worker killed by the OOM
+    killer. Not bad input, so exit code 1 (running again may succeed; 2 says it will not
+    until the input changes). Only the rank that saw it knows it, so that rank prints it."""
+
+    exit_code = 1
+    rank_zero_only = False
 
 
 class ExportError(FoundryxError):

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
 
 from foundryx import builders
-from foundryx.config import LoadedConfig, load_config
+from foundryx.config import LoadedConfig, TrainConfig, load_config
+from foundryx.data.workers import worker_death_error
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.runtime import pick_device, setup_logging
@@ -85,7 +87,22 @@ def train(loaded: LoadedConfig):
         progress_bar=cfg.progress_bar,
         dist_timeout=cfg.dist_timeout,
     )
-    if cfg.eval_first and evaluators:
-        trainer.eval()
-    trainer.fit()
+    fit(trainer, cfg, eval_first=cfg.eval_first and bool(evaluators), checkpointer=checkpointer)
     return trainer
+
+
+def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: Any) -> None:
+    """``trainer.fit()``, after a first ``trainer.eval()`` when asked. A dataloader worker
+    killed meanwhile (the OOM killer, ``kill -9``) becomes one RunError (exit code 1) naming
+    the loader, the worker, the signal and the batch reached, instead of torch's traceback
+    (see foundryx.data.workers); every other error propagates unchanged."""
+    try:
+        if eval_first:
+            trainer.eval()
+        trainer.fit()
+    except RuntimeError as e:
+        error = worker_death_error(e, trainer.state, save_folder=cfg.save_folder,
+                                   autoresume=bool(checkpointer and checkpointer.autoresume))
+        if error is None:
+            raise
+        raise error from e

@@ -9,6 +9,15 @@ the machine, which breaks them; and which process owns a segment cannot be read 
 ``/proc`` either, since every later ``StreamingDataset`` maps the segments of the prefixes
 it skips.
 
+Picking the prefix is racy in streaming itself (mosaicml/streaming#901): every rank scans
+``/dev/shm`` for the first free prefix, and only after a barrier does the local leader claim
+it. Two runs that start together can both pick prefix N (the second leader then fails with
+``FileExistsError: '/00000N_locals'``), or a rank that scans after another run claimed N picks
+N+1 while its leader claims N (its run fails, or the rank attaches to the other run's
+memory). :func:`registering` makes scan and claim one step per host: around the dataset's
+construction, the local leader of each run holds ``<tmp>/foundryx_shm_register.lock``, and the
+other ranks start only once every leader holds it.
+
 So each foundryx process that builds a dataset holds a shared ``flock`` on
 ``<tmp>/foundryx_shm_<prefix>.lock`` for as long as it lives (the kernel releases it when the
 process dies, however it dies) and removes the file at a normal exit. A prefix is stale when
@@ -20,10 +29,14 @@ are never touched.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
+import random
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +112,54 @@ def clean_stale_shared_memory() -> list[str]:
 def clean_once() -> None:
     """:func:`clean_stale_shared_memory`, at most once per process."""
     clean_stale_shared_memory()
+
+
+def _register_lock_path() -> Path:
+    return Path(tempfile.gettempdir()) / "foundryx_shm_register.lock"
+
+
+@contextlib.contextmanager
+def registering() -> Iterator[None]:
+    """Build a StreamingDataset inside this: no other foundryx run on this host picks or
+    claims a shared-memory prefix meanwhile (see the module docstring). Every rank enters it.
+
+    The local leader of each node takes its host's lock; the ranks then agree that every
+    leader holds one before anyone scans. A leader that cannot take its lock at once makes
+    all leaders let go and try again after a short random pause, so two runs that share
+    several hosts cannot deadlock by taking the locks in opposite orders.
+    """
+    import fcntl
+
+    import torch.distributed as tdist
+    from streaming.base.world import World
+
+    distributed = tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+    fd = os.open(_register_lock_path(), os.O_CREAT | os.O_RDWR, 0o644) \
+        if World.detect().is_local_leader else None
+    try:
+        waited = 0.0
+        while True:
+            held = True
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if distributed else 0))
+                except BlockingIOError:
+                    held = False
+            if distributed:
+                everyone: list[Any] = [None] * tdist.get_world_size()
+                tdist.all_gather_object(everyone, held)
+                if not all(everyone):
+                    if held and fd is not None:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    pause = random.uniform(0.05, 0.25)
+                    time.sleep(pause)
+                    waited += pause
+                    continue
+            break
+        if waited > 5:
+            log.info("waited %.0f s for another run on this host to register its dataset",
+                     waited)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock

@@ -32,7 +32,8 @@ Order: the global order of samples depends only on the data, ``shuffle_seed``,
 ``shuffle_algo`` and ``num_canonical_nodes``, not on the number of ranks: rank r of n gets
 its share of every global batch. Resuming: Composer saves the dataset's position
 (``StreamingDataset.state_dict``) in each checkpoint, and a resumed run continues at the next
-unseen sample. Shared memory left by killed runs is freed at start (:mod:`foundryx.data.shm`).
+unseen sample. Shared memory left by killed runs is freed at start, and runs on one host that
+start together take turns to name theirs (:mod:`foundryx.data.shm`).
 """
 
 from __future__ import annotations
@@ -171,20 +172,21 @@ def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokeni
             raise DataError(f"{len(bad)} bad shard(s) in {folder}: " + "; ".join(bad[:3]))
         _check_tokenizer(read_manifest(folder), tokenizer, folder)
 
-    shm.clean_once()
     source = ({"streams": streams.build_streams(ds)} if ds.streams else
               {"local": str(Path(ds.local).expanduser()), "split": ds.split})
-    dataset = StreamingDataset(
-        **source,
-        remote=None,
-        shuffle=ds.shuffle,
-        shuffle_seed=ds.shuffle_seed,
-        shuffle_algo=ds.shuffle_algo,
-        num_canonical_nodes=ds.num_canonical_nodes,
-        epoch_size=ds.epoch_size,
-        batch_size=device_batch_size,
-    )
-    shm.hold(dataset)
+    with shm.registering():  # streaming's choice of shared-memory names is racy across runs
+        shm.clean_once()
+        dataset = StreamingDataset(
+            **source,
+            remote=None,
+            shuffle=ds.shuffle,
+            shuffle_seed=ds.shuffle_seed,
+            shuffle_algo=ds.shuffle_algo,
+            num_canonical_nodes=ds.num_canonical_nodes,
+            epoch_size=ds.epoch_size,
+            batch_size=device_batch_size,
+        )
+        shm.hold(dataset)
     _stored_len(dataset, ds, folders)
     if ds.streams:
         log.info("data mix (%d samples per epoch, shuffle_seed %d):\n%s", dataset.epoch_size,

@@ -1,0 +1,142 @@
+"""A dataloader worker that dies during a run, as one message instead of torch's traceback.
+
+When a worker process of a ``DataLoader`` is killed (most often by the kernel's OOM killer,
+which picks the process with the most memory, or by ``kill -9``), torch raises a bare
+``RuntimeError: DataLoader worker (pid 1234) is killed by signal: Killed.`` from whatever the
+main process was doing: deep inside the model's forward, or an evaluation. The training
+entry point (:mod:`foundryx.train`) passes such an error to :func:`worker_death_error`, which
+returns a :class:`~foundryx.errors.RunError` naming the loader, the worker's pid, the signal,
+the batch and sample the run had reached, the likely causes and how to go on; any other
+error gives ``None`` and propagates unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+from foundryx.errors import RunError
+
+# torch's three wordings: the SIGCHLD handler (torch/csrc/DataLoader.cpp), signal or exit
+# code known; and the periodic liveness check of the main process (dataloader.py), not known.
+_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.]*)\.")
+_EXITED = re.compile(r"DataLoader worker \(pid (\d+)\) exited unexpectedly with exit code (-?\d+)")
+_LOST = re.compile(r"DataLoader worker \(pid\(s\) ([\d, ]+)\) exited unexpectedly")
+
+
+@dataclass(frozen=True)
+class WorkerDeath:
+    """What torch's error says: the dead workers' pids, and the signal or exit code."""
+
+    pids: tuple[int, ...]
+    signal: str | None = None  # e.g. "SIGKILL"
+    exit_code: int | None = None
+
+    def how(self) -> str:
+        if self.signal:
+            return f"was killed by signal {self.signal}"
+        if self.exit_code is not None:
+            return f"exited with code {self.exit_code}"
+        return "exited unexpectedly"
+
+
+def _signal_name(description: str) -> str:
+    """``"Killed"`` (strsignal's text, which torch prints) -> ``"SIGKILL"``."""
+    for sig in signal.Signals:
+        if signal.strsignal(sig) == description:
+            return sig.name
+    return repr(description)
+
+
+def parse_worker_death(err: BaseException) -> WorkerDeath | None:
+    """The worker death torch reports in ``err``, or None when ``err`` is something else."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    if m := _KILLED.search(text):
+        return WorkerDeath((int(m[1]),), signal=_signal_name(m[2].strip()))
+    if m := _EXITED.search(text):
+        return WorkerDeath((int(m[1]),), exit_code=int(m[2]))
+    if m := _LOST.search(text):
+        return WorkerDeath(tuple(int(p) for p in m[1].split(",") if p.strip()))
+    return None
+
+
+def _config_name(label: str) -> str:
+    """The config section of a Composer dataloader label."""
+    return {"train": "train_loader", "eval": "eval_loader"}.get(label, f"evaluator {label!r}")
+
+
+def _loaders(state: Any) -> dict[str, Any]:
+    """Config name -> torch DataLoader of every loader the trainer reads."""
+    loaders = {"train_loader": getattr(state, "train_dataloader", None)}
+    for evaluator in getattr(state, "evaluators", None) or []:
+        spec = evaluator.dataloader
+        loaders[_config_name(evaluator.label)] = getattr(spec, "dataloader", spec)
+    return {name: dl for name, dl in loaders.items() if dl is not None}
+
+
+def _whose(state: Any) -> list[tuple[str, Any]]:
+    """The loaders the dead worker can have belonged to: those with worker processes.
+
+    Not simply the loader being read (``state.dataloader_label``): the train loader's workers
+    keep prefetching while an evaluation runs, and torch's error does not say whose worker it
+    was. With several candidates the message names them all.
+    """
+    loaders = _loaders(state)
+    with_workers = [(n, dl) for n, dl in loaders.items() if getattr(dl, "num_workers", 0) > 0]
+    if with_workers:
+        return with_workers
+    name = _config_name(getattr(state, "dataloader_label", None) or "train")
+    return [(name, loaders.get(name))]
+
+
+def worker_death_error(err: BaseException, state: Any, *, save_folder: str | None,
+                       autoresume: bool) -> RunError | None:
+    """A :class:`RunError` for a dataloader worker death reported by ``err`` during a run with
+    Composer ``state``, or None when ``err`` is not one (see the module docstring)."""
+    death = parse_worker_death(err)
+    if death is None:
+        return None
+    from composer.utils import dist
+
+    candidates = _whose(state)
+    loader = " or ".join(name for name, _ in candidates)
+    workers = " or ".join(
+        (f"{name}.num_workers" if name.endswith("_loader") else f"the num_workers of {name}")
+        + (f" (now {dl.num_workers})" if dl is not None else "") for name, dl in candidates)
+    ts = state.timestamp
+    pids = ", ".join(str(p) for p in death.pids)
+    rank = f"rank {dist.get_global_rank()}: " if dist.get_world_size() > 1 else ""
+    lines = [
+        f"{rank}a dataloader worker of {loader} (pid {pids}) {death.how()} after batch "
+        f"{int(ts.batch)} (sample {int(ts.sample)}, epoch {int(ts.epoch)}); training stopped there.",
+    ]
+    oom = (f"  Likely cause: the host ran out of memory and the kernel's OOM killer chose the "
+           f"worker (check `dmesg` or `journalctl -k` for \"Killed process {death.pids[0]}\"); "
+           f"lower {workers}, the batch size or max_seq_len, or give the job more memory. A job "
+           f"scheduler or `kill -9` can also have sent the signal.")
+    crash = ("  A crash inside the worker (native code, or a library calling exit) ends it this "
+             "way; with num_workers: 0 the same error shows in the main process, with its "
+             "traceback.")
+    if death.exit_code is not None:
+        lines.append(crash)
+    elif death.signal == "SIGBUS":
+        lines.append(f"  Likely cause: shared memory (/dev/shm) ran out; raise its size (e.g. "
+                     f"`docker run --shm-size=16g`) or lower {workers}.")
+    elif death.signal in (None, "SIGKILL"):
+        lines.append(oom)
+    else:
+        lines += [oom, crash]
+    if save_folder and autoresume:
+        lines.append(f"  Run the same command again: autoresume continues from the newest "
+                     f"checkpoint in {save_folder} (from the start if none was saved yet).")
+    elif save_folder:
+        lines.append(f"  Checkpoints are in {save_folder}, but autoresume is off for this run: "
+                     "set autoresume=true (and save_overwrite=false) to continue from them.")
+    else:
+        lines.append("  This run saves no checkpoints (save_folder is not set), so running "
+                     "it again starts from batch 0; set save_folder to make it resumable.")
+    return RunError("\n".join(lines))
