@@ -15,7 +15,10 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     options_parameter,
     split_name,
 )
+from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
+from foundryx.models.peft.lora import apply_lora
+from foundryx.models.peft.options import LoraOptions
 from foundryx.parallel import parallelize
 
 log = logging.getLogger(__name__)
@@ -32,7 +35,13 @@ def build_tokenizer(cfg: TrainConfig) -> Any:
 
 
 def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
-    return build_component("models", cfg.model, tokenizer=tokenizer)
+    """The model section's model, with LoRA applied from outside when it has ``peft_config``
+    (before parallelism and the optimizer, as torchtitan orders them)."""
+    model = build_component("models", cfg.model, tokenizer=tokenizer)
+    peft = cfg.model.get("peft_config")
+    if peft is not None:
+        model = apply_lora(model, coerce(LoraOptions, peft, owner="model.peft_config"))
+    return model
 
 
 def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size: int) -> Any:
@@ -49,7 +58,9 @@ def build_optimizer(cfg: TrainConfig, model: Any) -> Any:
     section = dict(cfg.optimizer)
     if isinstance(section.get("betas"), list):
         section["betas"] = tuple(section["betas"])
-    return build_component("optimizers", section, params=model.parameters())
+    # Only trainable parameters: with LoRA the frozen base gets no optimizer state.
+    params = [p for p in model.parameters() if p.requires_grad]
+    return build_component("optimizers", section, params=params)
 
 
 def build_scheduler(cfg: TrainConfig) -> Any:

@@ -54,3 +54,18 @@ def token_batch(batch: int = 4, seq: int = 16, seed: int = 1) -> dict[str, torch
 def composer_state(model) -> dict[str, torch.Tensor]:
     """``model``'s weights keyed as in a ComposerModel checkpoint (``model.`` prefix)."""
     return {f"model.{k}": v for k, v in model.state_dict().items()}
+
+
+def train_steps(model, steps: int = 12, lr: float = 1e-2, opt=None) -> list[float]:
+    """``steps`` optimizer steps (``opt``, default AdamW over every parameter) on one batch of
+    :func:`token_batch`; the losses."""
+    batch = token_batch()
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -7,25 +7,12 @@ import time
 
 import pytest
 import torch
-from hf_tiny import HF_CONFIGS, hf_folder, token_batch
+from hf_tiny import HF_CONFIGS, hf_folder, token_batch, train_steps
 
 from foundryx import registry
 from foundryx.config.components import component_problems
 from foundryx.errors import ConfigError
 from foundryx.models.hf import ComposerHFCausalLM
-
-
-def train_steps(model, steps: int = 12, lr: float = 1e-2) -> list[float]:
-    batch = token_batch()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = model.loss(model(batch), batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("model_type", sorted(HF_CONFIGS))

@@ -29,6 +29,7 @@ from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.hub import looks_like_path, resolve_source
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
+from foundryx.models.peft.options import LoraOptions, init_device_problems
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +56,14 @@ class HFCausalLMOptions:
         "weights, the other ranks build on meta and receive their shards)", default="cpu")
     allow_embedding_resizing: bool = option("grow the embeddings when the tokenizer is larger",
                                             default=False)
+    peft_config: LoraOptions | None = option(
+        "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
+        "the built model from outside", default=None)
 
     def problems(self) -> list[str]:
         """Combinations, and the config of a local folder or dict (no weights are read)."""
         path, config = self.pretrained_model_name_or_path, self.config
-        p = []
+        p = init_device_problems(self.peft_config, self.init_device)
         if (path is None) == (config is None):
             p.append("pretrained_model_name_or_path: give exactly one of "
                      "pretrained_model_name_or_path (a folder or hub name) and config (a dict "

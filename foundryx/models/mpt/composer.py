@@ -13,7 +13,7 @@ from foundryx.config.types import options_or_fields, to_data
 from foundryx.errors import ConfigError, DataError
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import IGNORE_INDEX, MPTForCausalLM, causal_lm_loss
-from foundryx.models.mpt.options import MPTOptions
+from foundryx.models.mpt.options import RUN_FIELDS, MPTOptions
 
 
 class ComposerMPTCausalLM(HuggingFaceModel):
@@ -35,7 +35,8 @@ class ComposerMPTCausalLM(HuggingFaceModel):
                 f"{len(tokenizer)} tokens; set vocab_size >= {len(tokenizer)} (a multiple of "
                 "64 is fastest)"
             ])
-        model = MPTForCausalLM(MPTConfig(**{k: to_data(v) for k, v in vars(options).items()}))
+        model = MPTForCausalLM(MPTConfig(**{k: to_data(v) for k, v in vars(options).items()
+                                            if k not in RUN_FIELDS}))
         super().__init__(
             model=model,
             tokenizer=tokenizer,

@@ -13,9 +13,9 @@ from typing import Any
 from transformers import PretrainedConfig
 
 from foundryx.config.types import coerce, to_data
-from foundryx.models.mpt.options import AttnConfig, FFNConfig, InitConfig, MPTOptions
+from foundryx.models.mpt.options import RUN_FIELDS, AttnConfig, FFNConfig, InitConfig, MPTOptions
 
-FIELDS = tuple(f.name for f in dataclasses.fields(MPTOptions))
+FIELDS = tuple(f.name for f in dataclasses.fields(MPTOptions) if f.name not in RUN_FIELDS)
 
 
 class MPTConfig(PretrainedConfig):

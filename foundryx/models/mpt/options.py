@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from foundryx.config.types import is_int, option
+from foundryx.models.peft.options import LoraOptions, init_device_problems
 
 INIT_SCHEMES = ("kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_")
 InitScheme = Literal["kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_"]
@@ -105,6 +106,9 @@ class MPTOptions:
     init_device: str = option("where to build the weights: cpu, meta (materialised after "
                               "sharding), ...", default="cpu",
                               check=(_is_device, "a torch device such as 'cpu' or 'meta'"))
+    peft_config: LoraOptions | None = option(
+        "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
+        "the built model from outside; not part of the MPT config.json", default=None)
 
     @property
     def uses_sequence_id(self) -> bool:
@@ -130,7 +134,10 @@ class MPTOptions:
                      f"use one of {', '.join(divisors)}")
         if self.init_config.name == "baseline_" and self.init_config.init_std is None:
             p.append("init_config.init_std: baseline_ needs init_std; set it, e.g. 0.02")
-        return p
+        return p + init_device_problems(self.peft_config, self.init_device)
 
+
+# Run options in the model section that are not MPT hyperparameters (not in MPTConfig).
+RUN_FIELDS = ("peft_config",)
 
 SUB_CONFIGS = {"attn_config": AttnConfig, "ffn_config": FFNConfig, "init_config": InitConfig}
