@@ -100,7 +100,7 @@ def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: A
         if eval_first:
             trainer.eval()
         trainer.fit()
-    except RuntimeError as e:
+    except (RuntimeError, ConnectionError, EOFError) as e:  # see foundryx.data.workers
         error = worker_death_error(e, trainer.state, save_folder=cfg.save_folder,
                                    autoresume=bool(checkpointer and checkpointer.autoresume))
         if error is None:

@@ -122,6 +122,31 @@ def fake_state(train_workers: int, eval_workers: int, label: str = "train") -> S
 KILLED = RuntimeError("DataLoader worker (pid 1234) is killed by signal: Killed. ")
 
 
+def _suicide() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_while_handing_over_a_batch():
+    """torch 2.14: the main process gets ConnectionResetError (no pid in it) when the worker
+    dies while passing a tensor's file descriptor; the iterator in the traceback names it."""
+    import multiprocessing
+
+    worker = multiprocessing.get_context("fork").Process(target=_suicide)
+    worker.start()
+    worker.join()
+
+    class Iterator:  # stands in for torch's _MultiProcessingDataLoaderIter
+        _workers = [worker]
+
+        def _try_get_data(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(ConnectionResetError) as e:
+        Iterator()._try_get_data()
+    assert parse_worker_death(e.value) == WorkerDeath((worker.pid,), signal="SIGKILL")
+    assert parse_worker_death(ConnectionResetError(104, "elsewhere")) is None
+
+
 def test_other_errors_pass_through():
     state = fake_state(1, 0)
     assert worker_death_error(RuntimeError("CUDA out of memory"), state, save_folder=None,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ def _signal_name(description: str) -> str:
 
 def parse_worker_death(err: BaseException) -> WorkerDeath | None:
     """The worker death torch reports in ``err``, or None when ``err`` is something else."""
+    if isinstance(err, (ConnectionError, EOFError)):
+        return _lost_in_handover(err)
     if not isinstance(err, RuntimeError):
         return None
     text = str(err)
@@ -62,6 +65,39 @@ def parse_worker_death(err: BaseException) -> WorkerDeath | None:
     if m := _LOST.search(text):
         return WorkerDeath(tuple(int(p) for p in m[1].split(",") if p.strip()))
     return None
+
+
+# A worker killed while it hands a batch over (tensors travel as file descriptors) surfaces as
+# ConnectionResetError / EOFError in the main process, with no pid in the message: torch 2.14
+# does this. The dataloader iterator is a frame of the traceback; its dead workers say who.
+_FETCH_FRAMES = {"_try_get_data", "_get_data", "_next_data"}
+
+
+def _lost_in_handover(err: BaseException) -> WorkerDeath | None:
+    tb = err.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        workers = getattr(frame.f_locals.get("self"), "_workers", None)
+        if frame.f_code.co_name in _FETCH_FRAMES and workers:
+            dead = _dead(workers)
+            if not dead:
+                return None
+            pid, code = dead[0]
+            if code < 0:
+                return WorkerDeath((pid,), signal=signal.Signals(-code).name)
+            return WorkerDeath((pid,), exit_code=code)
+        tb = tb.tb_next
+    return None
+
+
+def _dead(workers: list[Any], wait_s: float = 2.0) -> list[tuple[int, int]]:
+    """``(pid, exit code)`` of the workers that have exited (waiting briefly to reap them)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [(w.pid, w.exitcode) for w in workers if w.exitcode is not None]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def _config_name(label: str) -> str:
