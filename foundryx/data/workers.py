@@ -62,8 +62,10 @@ def parse_worker_death(err: BaseException) -> WorkerDeath | None:
         return WorkerDeath((int(m[1]),), signal=_signal_name(m[2].strip()))
     if m := _EXITED.search(text):
         return WorkerDeath((int(m[1]),), exit_code=int(m[2]))
-    if m := _LOST.search(text):
-        return WorkerDeath(tuple(int(p) for p in m[1].split(",") if p.strip()))
+    if m := _LOST.search(text):  # the liveness check: no signal in the text, the iterator has it
+        pids = tuple(int(p) for p in m[1].split(",") if p.strip())
+        known = _lost_in_handover(err)
+        return known if known is not None and known.pids[0] in pids else WorkerDeath(pids)
     return None
 
 
@@ -79,7 +81,10 @@ def _lost_in_handover(err: BaseException) -> WorkerDeath | None:
         frame = tb.tb_frame
         workers = getattr(frame.f_locals.get("self"), "_workers", None)
         if frame.f_code.co_name in _FETCH_FRAMES and workers:
-            dead = _dead(workers)
+            try:
+                dead = _dead(workers)
+            except RuntimeError as reported:  # torch's SIGCHLD handler fired while we waited
+                return parse_worker_death(reported)
             if not dead:
                 return None
             pid, code = dead[0]
