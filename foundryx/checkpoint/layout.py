@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.errors import CheckpointError
+from foundryx.runtime import write_text_atomically
 
 FORMAT = "foundryx-checkpoint"
 VERSION = 1
@@ -114,12 +115,7 @@ def outside(folder: Path, rel: str) -> bool:
 
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON to ``path`` through a temporary file and an atomic rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(data, indent=1, sort_keys=True))
 
 
 def fsync_dir(path: Path) -> None:

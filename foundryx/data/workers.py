@@ -54,7 +54,7 @@ def _signal_name(description: str) -> str:
 def parse_worker_death(err: BaseException) -> WorkerDeath | None:
     """The worker death torch reports in ``err``, or None when ``err`` is something else."""
     if isinstance(err, (ConnectionError, EOFError)):
-        return _lost_in_handover(err)
+        return _from_iterator(err)
     if not isinstance(err, RuntimeError):
         return None
     text = str(err)
@@ -64,18 +64,19 @@ def parse_worker_death(err: BaseException) -> WorkerDeath | None:
         return WorkerDeath((int(m[1]),), exit_code=int(m[2]))
     if m := _LOST.search(text):  # the liveness check: no signal in the text, the iterator has it
         pids = tuple(int(p) for p in m[1].split(",") if p.strip())
-        known = _lost_in_handover(err)
+        known = _from_iterator(err)
         return known if known is not None and known.pids[0] in pids else WorkerDeath(pids)
     return None
 
 
 # A worker killed while it hands a batch over (tensors travel as file descriptors) surfaces as
-# ConnectionResetError / EOFError in the main process, with no pid in the message: torch 2.14
-# does this. The dataloader iterator is a frame of the traceback; its dead workers say who.
+# ConnectionResetError / EOFError in the main process, with no pid in the message (torch 2.14),
+# and torch's liveness check names pids but no signal. The dataloader iterator is a frame of the
+# traceback of both; its dead workers say who died and how.
 _FETCH_FRAMES = {"_try_get_data", "_get_data", "_next_data"}
 
 
-def _lost_in_handover(err: BaseException) -> WorkerDeath | None:
+def _from_iterator(err: BaseException) -> WorkerDeath | None:
     tb = err.__traceback__
     while tb is not None:
         frame = tb.tb_frame
