@@ -71,3 +71,25 @@ def tiny_tokenizer(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("tiny_tokenizer")
     return train_bpe_tokenizer(generate_corpus(300, seed=1), vocab_size=400, out_dir=out)
+
+
+@pytest.fixture(scope="session")
+def _s3_server():
+    from s3 import start_server
+
+    server, endpoint_url = start_server()
+    yield endpoint_url
+    server.stop()
+
+
+@pytest.fixture
+def s3(_s3_server, monkeypatch):
+    """A real S3 API server on localhost (moto), shared by the session; this test's environment
+    points every S3 client at it (`S3_ENDPOINT_URL`, fake credentials). `s3.bucket()` makes a
+    fresh bucket; pass `s3.env` to subprocesses."""
+    from s3 import S3Server
+
+    server = S3Server(_s3_server)
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    return server
