@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.foundryx-installed
 QUICKSTART_DATA ?= data/quickstart
 
-.PHONY: install install-modern lock-modern data train train-2proc test test-fast test-modern lint clean
+.PHONY: install install-modern lock-modern data train train-2proc test test-pinned test-modern test-all test-fast lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -85,14 +85,27 @@ train: data
 train-2proc: data
 	$(VENV)/bin/composer -n 2 train.py yamls/quickstart.yaml max_duration=20ba
 
-test: install
+# make test = both torch legs, each the fast set plus its share of the slow set (tests/conftest.py
+# names the modern leg's share). The second leg runs even when the first fails; make test fails
+# if either does.
+test: install install-modern
+	status=0; \
+	$(MAKE) --no-print-directory test-pinned || status=$$?; \
+	$(MAKE) --no-print-directory test-modern || status=$$?; \
+	exit $$status
+
+test-pinned: install
+	$(PY) -m pytest -q --slow-leg=pinned --durations=25
+
+test-modern: install-modern
+	$(MODERN_PY) -m pytest -q --slow-leg=modern --durations=25
+
+# every test on the pinned torch (what make test splits between the legs)
+test-all: install
 	$(PY) -m pytest -q --durations=25
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
-
-test-modern: install-modern
-	$(MODERN_PY) -m pytest -q -m "not slow" --durations=15
 
 lint: install
 	$(VENV)/bin/ruff check .
