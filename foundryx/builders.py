@@ -9,6 +9,8 @@ from typing import Any
 
 from foundryx import registry
 from foundryx.checkpoint.callback import Checkpointer
+from foundryx.checkpoint.remote import is_remote
+from foundryx.checkpoint.remote_callback import RemoteCheckpointer
 from foundryx.config import TrainConfig
 from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     build_component,
@@ -99,7 +101,8 @@ def stable_run_name(cfg: TrainConfig, source: str) -> str | None:
     and save_folder, so a restarted job gets the same name."""
     if cfg.run_name or not cfg.save_folder:
         return cfg.run_name
-    digest = hashlib.sha1(str(Path(cfg.save_folder).resolve()).encode()).hexdigest()[:8]
+    where = cfg.save_folder if is_remote(cfg.save_folder) else str(Path(cfg.save_folder).resolve())
+    digest = hashlib.sha1(where.encode()).hexdigest()[:8]
     name = f"{Path(source).stem}-{digest}"
     log.info("run_name: %s (not set; derived from the config name and save_folder)", name)
     return name
@@ -107,10 +110,12 @@ def stable_run_name(cfg: TrainConfig, source: str) -> str | None:
 
 def build_checkpointer(cfg: TrainConfig, run_name: str | None) -> Any:
     """The Checkpointer callback (saves, keeps the last K, autoresume, load_path), or None.
-    Each checkpoint records the run's model and tokenizer sections (``components.json``)."""
+    Each checkpoint records the run's model and tokenizer sections (``components.json``); an
+    ``s3://`` save_folder or load_path gets the RemoteCheckpointer (docs/storage.md)."""
     if not cfg.save_folder and not cfg.load_path:
         return None
-    return Checkpointer(
+    remote = is_remote(cfg.save_folder) or is_remote(cfg.load_path)
+    return (RemoteCheckpointer if remote else Checkpointer)(
         save_folder=cfg.save_folder, save_interval=cfg.save_interval,
         keep=cfg.save_num_checkpoints_to_keep, overwrite=cfg.save_overwrite,
         autoresume=resolve_autoresume(cfg), load_path=cfg.load_path,

@@ -75,7 +75,7 @@ class Checkpointer(Callback):
             self._take_lock(self.save_folder)
             self._tidy(self.save_folder)
             if self.autoresume:
-                found = loader.newest_intact(self.save_folder)
+                found = self._newest_intact()
                 if found is not None:
                     self._rng = loader.load(state, found)
                     self.loaded, self._last_saved = found, int(state.timestamp.batch)
@@ -86,6 +86,10 @@ class Checkpointer(Callback):
                 self._check_reuse(self.save_folder)
         if self.load_path:
             self._load_path(state, self.load_path)
+
+    def _newest_intact(self) -> Path | None:
+        """The checkpoint autoresume continues from (RemoteCheckpointer: from the bucket)."""
+        return loader.newest_intact(self.save_folder)
 
     def _take_lock(self, root: Path) -> None:
         """Rank 0 takes ``root``'s lock (see lock.py); every rank stops if another run holds it."""
@@ -177,10 +181,14 @@ class Checkpointer(Callback):
             return
         if int(state.timestamp.batch) == self._last_saved:
             return
-        save(state, self.save_folder, run_name=self.run_name, keep=self.keep, replace=self.replace,
-             components=self.components)
+        self._save(state)
         self.replace = set()
         self._last_saved = int(state.timestamp.batch)
+
+    def _save(self, state: State) -> Path:
+        """Write and commit one checkpoint (RemoteCheckpointer: then upload it)."""
+        return save(state, self.save_folder, run_name=self.run_name, keep=self.keep,
+                    replace=self.replace, components=self.components)
 
 
 def _match_keys(weights: dict[str, Any], expected: set[str], path: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.checkpoint.layout import MANIFEST, resolve_checkpoint, write_json_atomic
+from foundryx.checkpoint.remote import fetch, is_remote
 from foundryx.errors import CheckpointError
 
 METADATA_DIR = "hf"  # inside a checkpoint folder: config.json and tokenizer files
@@ -52,7 +53,10 @@ def write_components(folder: str | Path, record: dict[str, Any]) -> Path:
 
 def record_folder(checkpoint: str | Path) -> Path | None:
     """The folder holding a checkpoint's records: the checkpoint folder (or the newest of a
-    save_folder), or the folder of a weights file; None when there is no checkpoint."""
+    save_folder), or the folder of a weights file; None when there is no checkpoint. An
+    ``s3://`` checkpoint is downloaded (verified) into the local cache first."""
+    if is_remote(checkpoint):
+        return fetch(str(checkpoint))
     path = Path(checkpoint)
     if path.is_dir() or path.name == MANIFEST:
         try:

@@ -32,6 +32,7 @@ from transformers.modeling_utils import no_init_weights
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.checkpoint.layout import MANIFEST, resolve_checkpoint
 from foundryx.checkpoint.metadata import COMPONENTS, METADATA_DIR, metadata_folder, read_components
+from foundryx.checkpoint.remote import fetch, is_remote
 from foundryx.checkpoint.weights import fit_weights, load_model_weights
 from foundryx.config.components import build_component, component_problems
 from foundryx.config.load import read_merged, resolve
@@ -52,7 +53,10 @@ class RebuiltModel:
 
 
 def checkpoint_path(checkpoint: str | Path) -> Path:
-    """A checkpoint folder (from itself, its manifest or a save_folder) or a weights file."""
+    """A checkpoint folder (from itself, its manifest or a save_folder) or a weights file; an
+    ``s3://`` one is downloaded (verified) into the local cache first."""
+    if is_remote(checkpoint):
+        return fetch(str(checkpoint))
     path = Path(checkpoint)
     if not path.exists():
         raise CheckpointError(f"{path}: no such checkpoint folder or file")

@@ -76,10 +76,10 @@ def save(
     name = checkpoint_name(int(ts.epoch), int(ts.batch))
     tmp, final = root / (TMP_PREFIX + name), root / name
     rank, world = dist.get_global_rank(), dist.get_world_size()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)  # an earlier attempt at this very save that did not finish
-        (tmp / RNG_DIR).mkdir(parents=True)
+    if dist.get_local_rank() == 0 and tmp.exists():  # each node: staging may be node-local
+        shutil.rmtree(tmp, ignore_errors=True)  # an earlier attempt at this very save
+    dist.barrier()
+    (tmp / RNG_DIR).mkdir(parents=True, exist_ok=True)
     dist.barrier()
 
     model_sd, optim_sd = model_and_optim_state(state.model, state.optimizers)
@@ -98,7 +98,7 @@ def save(
     _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
 
     files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-    mine = {rel: file_digest(tmp / rel) for rel in files[rank::world]}
+    mine = {rel: file_digest(tmp / rel) for rel in my_files(files)}
     digests: dict[str, Any] = {}
     for part in dist.all_gather_object(mine):
         digests.update(part)
@@ -120,6 +120,19 @@ def save(
         log.info("checkpoint saved: %s (%d files, %d ranks)", final, len(files) + 1, world)
     dist.barrier()
     return final
+
+
+def my_files(seen: list[str]) -> list[str]:
+    """This rank's share of the files of a save, given the files it sees (every rank calls it):
+    each file goes to one of the ranks that see it, spread evenly. On a shared file system all
+    ranks see every file; on node-local staging (a remote save_folder), the ranks of the node
+    that wrote it."""
+    seers: dict[str, list[int]] = {}
+    for r, view in enumerate(dist.all_gather_object(sorted(seen))):
+        for rel in view:
+            seers.setdefault(rel, []).append(r)
+    rank = dist.get_global_rank()
+    return [rel for i, rel in enumerate(sorted(seers)) if seers[rel][i % len(seers[rel])] == rank]
 
 
 def _agree(failure: BaseException | None, root: Path, tmp: Path, needed: Callable[[], int]) -> None:
