@@ -144,6 +144,51 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(fn=cmd_eval)
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from foundryx.report import make_report  # matplotlib: only for a report
+
+    path = make_report(args.run_folder, out=args.out, evals=args.eval)
+    print(f"wrote {path} and its plots")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Exit 0, or 1 when a known-bad combination is found."""
+    from foundryx.doctor import check, config_facts, probe, render  # torch: only for a doctor
+
+    cfg = None
+    if args.config:
+        from foundryx import train as training
+
+        cfg = training.load_run_config(args.config, args.overrides).cfg
+    save_folder = args.save_folder or (cfg.save_folder if cfg is not None else None)
+    facts = probe(save_folder=save_folder)
+    if cfg is not None:
+        facts = config_facts(facts, args.config, cfg)
+    findings = check(facts)
+    print(render(facts, findings, as_json=args.json))
+    return 1 if any(f.bad for f in findings) else 0
+
+
+def _add_report_and_doctor_parsers(sub: argparse._SubParsersAction) -> None:
+    r = sub.add_parser("report", help="plots and report.md of a run folder (see docs/operations.md)")
+    r.add_argument("run_folder", help="the folder the run's jsonl logger wrote metrics.jsonl to, "
+                   "e.g. runs/quickstart")
+    r.add_argument("--out", help="where to write report.md and the PNGs (default RUN_FOLDER/report)")
+    r.add_argument("--eval", action="append", metavar="DIR", help="a foundryx eval output_dir whose "
+                   "results (reference models, comparisons) to show; results inside the run "
+                   "folder are found without it")
+    r.set_defaults(fn=cmd_report)
+    d = sub.add_parser("doctor", help="versions, GPUs and limits, and known-bad combinations "
+                       "with their fixes (exit 1 when one is found)")
+    d.add_argument("config", nargs="?", help="a run config: also check what it asks for "
+                   "(device: gpu, dataloader workers, save_folder)")
+    d.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
+    d.add_argument("--save-folder", metavar="PATH", help="report the free disk space there")
+    d.add_argument("--json", action="store_true", help="print the facts and findings as JSON")
+    d.set_defaults(fn=cmd_doctor)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="foundryx", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -186,6 +231,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_data_convert)
     _add_export_parser(sub)
     _add_eval_parser(sub)
+    _add_report_and_doctor_parsers(sub)
     return p
 
 

@@ -68,3 +68,8 @@ def did_you_mean(name: str, choices: Iterable[str], n: int = 3) -> str:
     if not close:
         return ""
     return " (did you mean " + " or ".join(repr(c) for c in close) + "?)"
+
+
+class ReportError(FoundryxError):
+    """A run folder cannot be reported on (missing, empty, damaged metrics), or the report
+    cannot be written."""

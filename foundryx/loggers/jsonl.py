@@ -1,9 +1,12 @@
-"""A logger that appends every logged metric to a JSON-lines file (rank 0 only)."""
+"""A logger that appends every logged metric to a JSON-lines file (rank 0 only), and keeps the
+run's hyperparameters (its resolved config, its environment, Composer's own) in ``run.json``
+beside it: the two files ``foundryx report`` reads."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,12 +14,18 @@ from composer.core import State
 from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
+from foundryx.loggers.files import RUN_FILE, read_hyperparameters, read_metrics
+
+__all__ = ["JSONLLogger", "read_hyperparameters", "read_metrics"]
+
 
 class JSONLLogger(LoggerDestination):
     """Write ``{"batch": N, "metric": value, ...}`` lines to ``path``.
 
     ``path`` may contain ``{run_name}``. Lines are flushed as they are written, so a crashed
-    run keeps every metric logged before the crash.
+    run keeps every metric logged before the crash. Hyperparameters (``log_hyperparameters``:
+    ``foundryx train`` logs ``foundryx/config`` and ``foundryx/environment``) go to
+    ``run.json`` in the same folder, rewritten whole (atomically) when more arrive.
     """
 
     def __init__(self, path: str = "runs/{run_name}/metrics.jsonl"):
@@ -24,6 +33,7 @@ class JSONLLogger(LoggerDestination):
         self.path: Path | None = None
         self._file = None
         self._batch = 0
+        self._hparams: dict[str, Any] = {}
 
     def init(self, state: State, logger: Logger) -> None:
         if dist.get_global_rank() != 0:
@@ -31,6 +41,20 @@ class JSONLLogger(LoggerDestination):
         self.path = Path(self.path_template.format(run_name=state.run_name))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
+        self._write_hparams()
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self._hparams.update(hyperparameters)
+        self._write_hparams()
+
+    def _write_hparams(self) -> None:
+        if self._file is None or not self._hparams:
+            return  # before init (Composer logs some first) or not rank 0
+        text = json.dumps({"hyperparameters": self._hparams}, indent=1, default=str)
+        path = self.path.parent / RUN_FILE
+        tmp = path.with_name(f".{RUN_FILE}.tmp-{os.getpid()}")
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, path)  # readers see the old file or the new one, never a part
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._file is None:
@@ -48,7 +72,3 @@ class JSONLLogger(LoggerDestination):
             self._file.close()
             self._file = None
 
-
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows a JSONLLogger wrote."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,161 @@
+"""The report's plots: one PNG of a fixed size each (``SIZE`` pixels), or the reason it was
+skipped. Every function returns a :class:`Plot`; matplotlib draws off-screen (Agg)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from foundryx.report.run import RunFolder, Series
+
+WIDTH, HEIGHT, DPI = 8.0, 4.5, 100
+SIZE = (int(WIDTH * DPI), int(HEIGHT * DPI))  # (800, 450) pixels
+SMOOTHING = 0.9  # TensorBoard-style debiased exponential moving average
+
+
+@dataclass
+class Plot:
+    name: str  # file stem, e.g. "loss"
+    title: str
+    skipped: str | None = None  # why it was not drawn
+    draw: Callable[[Any], None] | None = None  # fills a matplotlib Figure
+
+    def save(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI)
+        self.draw(fig)
+        fig.suptitle(self.title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=DPI, format="png")  # no bbox_inches: the size stays SIZE
+
+
+def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
+    out, avg = [], 0.0
+    for i, v in enumerate(values, 1):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight**i))
+    return out
+
+
+def _lines(ax: Any, series: dict[str, Series], ylabel: str) -> None:
+    for key, s in series.items():
+        ax.plot(s.steps, s.values, label=key, lw=1.2, marker="o" if len(s.values) < 20 else None)
+    ax.set_xlabel("batch")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def loss_plot(run: RunFolder) -> Plot:
+    found = run.find("loss/train/total", "loss/train*")
+    if found is None:
+        return Plot("loss", "training loss", skipped="the run logged no loss/train/* metric")
+    key, s = found
+    evals = run.matching(r"^metrics/eval/LanguageCrossEntropy$")
+
+    def draw(fig: Any) -> None:
+        ax = fig.subplots()
+        ax.plot(s.steps, s.values, color="tab:blue", alpha=0.3, lw=0.8, label=f"{key} (raw)")
+        ax.plot(s.steps, smooth(s.values), color="tab:blue", lw=1.8,
+                label=f"smoothed (EMA {SMOOTHING})")
+        for k, e in evals.items():
+            ax.plot(e.steps, e.values, "o-", color="tab:orange", label=k)
+        _lines(ax, {}, "loss")
+
+    return Plot("loss", "loss", draw=draw)
+
+
+def lr_plot(run: RunFolder) -> Plot:
+    lrs = run.matching(r"^lr-")
+    if not lrs:
+        return Plot("lr", "learning rate", skipped="the run logged no learning rate "
+                    "(add callbacks.lr_monitor: {})")
+    return Plot("lr", "learning rate", draw=lambda fig: _lines(fig.subplots(), lrs, "lr"))
+
+
+def throughput_plot(run: RunFolder) -> Plot:
+    tps = run.find("throughput/tokens_per_sec", "throughput/device/tokens_per_sec")
+    mfu = run.matching(r"mfu$")
+    if tps is None and not mfu:
+        return Plot("throughput", "throughput", skipped="the run logged no tokens/s or MFU "
+                    "(add callbacks.speed_monitor: {window_size: 10})")
+
+    def draw(fig: Any) -> None:
+        axes = fig.subplots(1, 2 if tps and mfu else 1, squeeze=False)[0]
+        if tps is not None:
+            _lines(axes[0], {tps[0]: tps[1]}, "tokens/s")
+        if mfu:
+            _lines(axes[-1], mfu, "MFU")
+
+    return Plot("throughput", "tokens/s and MFU", draw=draw)
+
+
+def memory_plot(run: RunFolder) -> Plot:
+    mem = run.matching(r"^memory/")
+    if not mem:
+        return Plot("memory", "memory", skipped="the run logged no memory/* metrics (add "
+                    "callbacks.memory_monitor: {}; Composer's reports GPU memory only)")
+    return Plot("memory", "memory", draw=lambda fig: _lines(fig.subplots(), mem, "memory"))
+
+
+def eval_plot(run: RunFolder) -> Plot:
+    ev = run.matching(r"^metrics/eval/")
+    if not ev:
+        return Plot("eval", "eval metrics", skipped="the run logged no eval metrics "
+                    "(set eval_loader and eval_interval)")
+
+    def draw(fig: Any) -> None:
+        axes = fig.subplots(1, len(ev), squeeze=False)[0]
+        for ax, (k, s) in zip(axes, ev.items()):
+            _lines(ax, {k: s}, k.rsplit("/", 1)[-1])
+
+    return Plot("eval", "eval metrics", draw=draw)
+
+
+def icl_scores(run: RunFolder) -> dict[str, dict[str, float]]:
+    """Model label -> result key -> score: this run's last ICL scores, then each eval's
+    models (reference models included)."""
+    table: dict[str, dict[str, float]] = {}
+    if scores := run.icl_scores():
+        table[f"{run.name} (training)"] = scores
+    for ev in run.evals:
+        for model, scores in ev.scores.items():
+            table.setdefault(model, {}).update(scores)
+    return table
+
+
+def icl_plot(run: RunFolder) -> Plot:
+    table = icl_scores(run)
+    if not table:
+        return Plot("icl", "ICL scores", skipped="the run logged no ICL scores and the folder "
+                    "holds no foundryx eval results (icl_tasks in the run config, or foundryx "
+                    "eval with output_dir inside the run folder, or --eval DIR)")
+    keys = sorted({k for scores in table.values() for k in scores})
+    baselines = {k: v for ev in run.evals for k, v in ev.baselines.items()}
+
+    def draw(fig: Any) -> None:
+        ax = fig.subplots()
+        n = len(table)
+        bar = 0.8 / n
+        for j, (model, scores) in enumerate(table.items()):
+            xs = [i + (j - (n - 1) / 2) * bar for i in range(len(keys))]
+            ax.bar(xs, [scores.get(k, float("nan")) for k in keys], width=bar, label=model)
+        for i, k in enumerate(keys):
+            if k in baselines:
+                ax.plot([i - 0.45, i + 0.45], [baselines[k]] * 2, "k--", lw=1)
+        ax.set_xticks(range(len(keys)), keys, fontsize=7, rotation=20, ha="right")
+        ax.set_ylabel("score")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+
+    return Plot("icl", "ICL scores" + (" (dashed: random baseline)" if baselines else ""),
+                draw=draw)
+
+
+PLOTS = (loss_plot, lr_plot, throughput_plot, memory_plot, eval_plot, icl_plot)
