@@ -20,6 +20,7 @@ import dataclasses
 import inspect
 import typing
 from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
 
 from foundryx import registry
@@ -136,10 +137,12 @@ def model_facts(model_section: Any) -> ModelFacts:
                       uses_sequence_id=get("uses_sequence_id") is True)
 
 
-def component_problems(data: dict[str, Any]) -> list[str]:
-    """Problems of every registry-backed section of a resolved config, each alone and then
-    against the model (``problems_with``)."""
+def component_problems(data: dict[str, Any], sections: Collection[str] | None = None) -> list[str]:
+    """Problems of every registry-backed section of a resolved config (or only of
+    ``sections``), each alone and then against the model (``problems_with``)."""
     problems: list[str] = []
+    if sections is not None:
+        data = {k: v for k, v in data.items() if k in sections}
     for section, reg_name in COMPONENT_SECTIONS.items():
         value = data.get(section)
         if not isinstance(value, dict):

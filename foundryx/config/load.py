@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,12 +107,14 @@ def expand_switches(data: dict[str, Any]) -> dict[str, Any]:
 def load_config(
     path: str | Path, overrides: list[str] | None = None, world_size: int | None = None,
     checks: Sequence[Callable[[dict[str, Any]], list[str]]] = (),
+    component_sections: Collection[str] | None = None,
 ) -> LoadedConfig:
     """Read, merge, resolve and validate a run config; raise ConfigError with every problem.
 
     ``checks``: more checks of the resolved data (each returns its problems), reported with
     the others; the entry points pass those of higher layers, e.g. the ICL tasks
-    (``foundryx.train.RUN_CONFIG_CHECKS``)."""
+    (``foundryx.train.RUN_CONFIG_CHECKS``). ``component_sections``: check only these
+    registry-backed sections' options (the planner checks the model, not the data paths)."""
     path = Path(path)
     merged, problems = read_merged(path, overrides)
     data = resolve(merged, "", problems)
@@ -120,7 +122,7 @@ def load_config(
     data = expand_switches(data)
     problems += old_forms
     problems += dataclass_problems(TrainConfig, data)
-    problems += component_problems(data)
+    problems += component_problems(data, component_sections)
     for check in checks:  # e.g. the ICL tasks and gauntlet, which foundryx.eval checks
         problems += check(data)
     if problems:
