@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import typing
-from dataclasses import dataclass
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from foundryx import registry
