@@ -19,6 +19,8 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
 )
 from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
+from foundryx.models.peft.frozen_base import apply_frozen_base
+from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora
 from foundryx.models.peft.options import LoraOptions
 from foundryx.parallel import parallelize
@@ -43,6 +45,9 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
     peft = cfg.model.get("peft_config")
     if peft is not None:
         model = apply_lora(model, coerce(LoraOptions, peft, owner="model.peft_config"))
+    frozen = cfg.model.get("frozen_base")
+    if frozen is not None:  # after LoRA, before parallelism
+        model = apply_frozen_base(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"))
     return model
 
 

@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from foundryx.config.types import is_int, option
+from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions, init_device_problems
 
 INIT_SCHEMES = ("kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_")
@@ -109,6 +110,9 @@ class MPTOptions:
     peft_config: LoraOptions | None = option(
         "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
         "the built model from outside; not part of the MPT config.json", default=None)
+    frozen_base: FrozenBaseOptions | None = option(
+        "with peft_config: store the frozen linear weights as nf4, fp8, int8 or bf16 and "
+        "offload a share of them to host memory (docs/finetuning.md)", default=None)
 
     @property
     def uses_sequence_id(self) -> bool:
@@ -134,10 +138,11 @@ class MPTOptions:
                      f"use one of {', '.join(divisors)}")
         if self.init_config.name == "baseline_" and self.init_config.init_std is None:
             p.append("init_config.init_std: baseline_ needs init_std; set it, e.g. 0.02")
-        return p + init_device_problems(self.peft_config, self.init_device)
+        return (p + init_device_problems(self.peft_config, self.init_device)
+                + frozen_base_problems(self.peft_config, self.frozen_base))
 
 
 # Run options in the model section that are not MPT hyperparameters (not in MPTConfig).
-RUN_FIELDS = ("peft_config",)
+RUN_FIELDS = ("peft_config", "frozen_base")
 
 SUB_CONFIGS = {"attn_config": AttnConfig, "ffn_config": FFNConfig, "init_config": InitConfig}

@@ -1,0 +1,241 @@
+"""Low-precision frozen base weights for LoRA (``model.frozen_base``), applied from outside.
+
+After LoRA is injected, every frozen linear layer (PEFT's ``base_layer`` of each adapted layer
+and any linear layer LoRA does not target; never the output projection) becomes a
+:class:`LowPrecisionLinear` whose ``weight`` is a frozen parameter in the chosen storage:
+
+- ``nf4``: torchao's ``NF4Tensor`` (QLoRA's 4-bit NormalFloat, a scale per 64 weights, the
+  scales themselves quantized); it carries FSDP2's all-gather hooks.
+- ``fp8`` / ``int8``: :class:`~foundryx.models.peft.rowwise.RowScaledTensor` (a scale per
+  output row), ours, with the same hooks.
+- ``bf16``: a plain bfloat16 parameter.
+
+FSDP2 shards and all-gathers these parameters as they are, so the low-precision bytes are
+what each rank stores and what moves. The layer dequantizes its weight to the input's dtype
+in the forward pass and again in the backward pass (nothing dense is kept between them), so
+LoRA trains in the precision of the run (fp32, or bf16 under autocast).
+
+``offload_fraction`` keeps that share of the layers' weights out of the model's parameters
+in (pinned, when there is a GPU) host memory: a layer copies its weight to the input's device
+when it runs, forward and backward, and drops it after; while one runs the next offloaded
+layer's copy is started. Offloaded weights are not sharded by FSDP2 (each rank holds the
+whole low-precision weight in host memory) and are not in the model's state dict (a LoRA
+checkpoint holds only the adapters).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foundryx.errors import ConfigError
+from foundryx.models.peft.frozen_options import FrozenBaseOptions
+from foundryx.models.peft.lora import inner_model, linear_modules
+from foundryx.models.peft.rowwise import RowScaledTensor
+
+log = logging.getLogger(__name__)
+
+PATH = "model.frozen_base"
+NF4_BLOCK = 64  # QLoRA's block of weights per scale
+NF4_SCALER_BLOCKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # QLoRA's is 256
+
+
+def _nf4_tensor_type() -> type:
+    from torchao.dtypes.nf4tensor import NF4Tensor  # torchao is a heavy import, needed only here
+
+    return NF4Tensor
+
+
+def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages."""
+    if isinstance(weight, RowScaledTensor):
+        return weight.dequantize(dtype)
+    return weight.to(dtype)  # NF4Tensor dequantizes on .to(dtype); bf16 casts
+
+
+def stored_bytes(weight: torch.Tensor) -> int:
+    """Bytes a (local shard of a) frozen weight really holds: a DTensor's local tensor, the
+    inner tensors of a low-precision subclass."""
+    local = getattr(weight, "_local_tensor", weight)
+    if hasattr(local, "__tensor_flatten__"):
+        names, _ = local.__tensor_flatten__()
+        return sum(stored_bytes(getattr(local, n)) for n in names)
+    return local.numel() * local.element_size()
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def to_nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """torchao's NF4 with 64-weight blocks and the largest scaler block (QLoRA's 256, or
+    smaller for a small layer) that lets FSDP2 split the layer evenly over the ranks."""
+    from torchao.dtypes.nf4tensor import to_nf4 as torchao_to_nf4  # heavy import, only here
+
+    blocks, rem = divmod(weight.numel(), NF4_BLOCK)
+    world = _world_size()
+    scaler = next((s for s in NF4_SCALER_BLOCKS if not rem and blocks % (s * world) == 0), None)
+    if scaler is None or weight.shape[0] % world:
+        raise ConfigError([
+            f"{PATH}.dtype: nf4 needs each frozen linear weight's size to be a multiple of "
+            f"{NF4_BLOCK} x {world} (ranks) and its rows of {world}; {name!r} is "
+            f"{tuple(weight.shape)}; use dtype: int8 or fp8 (any shape), or leave that layer "
+            "unsharded"])
+    return torchao_to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler)
+
+
+def to_storage(weight: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
+    if dtype == "nf4":
+        return to_nf4(weight, name)
+    if dtype in ("fp8", "int8"):
+        return RowScaledTensor.from_weight(weight, dtype)
+    return weight.detach().to(torch.bfloat16)
+
+
+class _FrozenLinearFn(torch.autograd.Function):
+    """``x @ W^T + b`` with ``W`` dequantized in forward and again in backward, so no dense
+    copy of ``W`` stays alive for backward; ``W`` and ``b`` are frozen (no gradients)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: LowPrecisionLinear) -> torch.Tensor:  # noqa: ANN001
+        ctx.layer = layer
+        bias = None if layer.bias is None else layer.bias.to(x.dtype)
+        return F.linear(x, layer.dense_weight(x.dtype, x.device), bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+        if not ctx.needs_input_grad[0]:  # e.g. the first layer: its input needs no gradient
+            return None, None
+        w = ctx.layer.dense_weight(grad.dtype, grad.device, backward=True)
+        return grad @ w, None
+
+
+class LowPrecisionLinear(nn.Module):
+    """A frozen linear layer whose weight is stored in ``frozen_base``'s dtype (or, offloaded,
+    in host memory) and dequantized when it runs."""
+
+    def __init__(self, linear: nn.Linear, dtype: str, name: str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.storage = dtype
+        self.weight = nn.Parameter(to_storage(linear.weight, dtype, name), requires_grad=False)
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+        self.offload: _Offloaded | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _FrozenLinearFn.apply(x, self)
+
+    def dense_weight(self, dtype: torch.dtype, device: torch.device,
+                     backward: bool = False) -> torch.Tensor:
+        if self.offload is None:
+            return dequantize(self.weight, dtype)
+        return dequantize(self.offload.take(device, backward), dtype)
+
+    def extra_repr(self) -> str:
+        where = ", offloaded" if self.offload is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"storage={self.storage}{where}"
+
+
+class _Offloaded:
+    """One layer's frozen weight kept in host memory; :meth:`take` gives a copy on the device
+    (the one prefetched, else a fresh one) and starts the copy of the next layer's weight."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host.pin_memory() if torch.cuda.is_available() else host
+        self.next: _Offloaded | None = None
+        self.prev: _Offloaded | None = None
+        self.pending: tuple[torch.device, torch.Tensor, object] | None = None
+        self.copies = 0  # host -> device copies made (tests count them)
+
+    def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
+        self.copies += 1
+        if device.type == "cuda":
+            stream = _copy_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                w = self.host.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            return w, event
+        # On CPU "the device" is host memory too: still a real copy, dropped after use.
+        return (self.host.clone() if device == self.host.device else self.host.to(device)), None
+
+    def prefetch(self, device: torch.device) -> None:
+        if self.pending is None:
+            self.pending = (device, *self._copy(device))
+
+    def take(self, device: torch.device, backward: bool = False) -> torch.Tensor:
+        if self.pending is not None and self.pending[0] == device:
+            _, w, event = self.pending
+        else:
+            w, event = self._copy(device)
+        self.pending = None
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+        neighbour = self.prev if backward else self.next  # backward runs the layers reversed
+        if neighbour is not None:
+            neighbour.prefetch(device)
+        return w
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def offload_layers(layers: list[LowPrecisionLinear], fraction: float) -> list[LowPrecisionLinear]:
+    """Move ``fraction`` of ``layers`` (spread evenly over the model, in forward order) to host
+    memory and chain them for prefetching; the offloaded layers."""
+    count = round(fraction * len(layers))
+    chosen = [layers[(i * len(layers)) // count] for i in range(count)] if count else []
+    chain: list[_Offloaded] = []
+    for layer in chosen:
+        host = layer.weight.detach()
+        del layer._parameters["weight"]
+        layer.weight = None  # a plain attribute now: not a parameter, not in the state dict
+        layer.offload = _Offloaded(host)
+        chain.append(layer.offload)
+    for a, b in zip(chain, chain[1:]):
+        a.next, b.prev = b, a
+    return chosen
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, new)
+
+
+def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions) -> nn.Module:
+    """Store the frozen linear weights of a LoRA model (``model``, after ``apply_lora``) as
+    ``options.dtype``, offload ``options.offload_fraction`` of them, and log one line.
+    Raises ConfigError when the model has no frozen linear layer or a layer NF4 cannot split."""
+    inner = inner_model(model)
+    frozen = {name: m for name, m in linear_modules(inner).items()
+              if not m.weight.requires_grad and ".lora_" not in f".{name}"}
+    if not frozen:
+        raise ConfigError([f"{PATH}: the model has no frozen linear layers (is peft_config "
+                           "set?); remove frozen_base or add peft_config"])
+    before = sum(m.weight.numel() * m.weight.element_size() for m in frozen.values())
+    layers = []
+    for name, linear in frozen.items():
+        layer = LowPrecisionLinear(linear, options.dtype, name)
+        _replace(inner, name, layer)
+        layers.append(layer)
+    after = sum(stored_bytes(layer.weight) for layer in layers)
+    offloaded = offload_layers(layers, options.offload_fraction)
+    off_bytes = sum(stored_bytes(layer.offload.host) for layer in offloaded)
+    log.info("frozen_base: %d linear layers stored as %s: %.1f MB -> %.1f MB%s", len(layers),
+             options.dtype, before / 2**20, after / 2**20,
+             f"; {len(offloaded)} of them ({off_bytes / 2**20:.1f} MB) offloaded to host memory"
+             if offloaded else "")
+    return model
