@@ -20,6 +20,7 @@ from foundryx.data.convert import convert_to_mds
 from foundryx.data.quickstart import prepare_quickstart
 from foundryx.data.tokenizers import build_hf_tokenizer
 from foundryx.errors import FoundryxError
+from foundryx.plan.command import add_parser as add_plan_parser
 from foundryx.runtime import setup_logging
 
 
@@ -231,6 +232,7 @@ def parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_data_convert)
     _add_export_parser(sub)
     _add_eval_parser(sub)
+    add_plan_parser(sub)
     _add_report_and_doctor_parsers(sub)
     return p
 

@@ -1,0 +1,107 @@
+"""``tensorboard``: TensorBoard event files (``tensorboard --logdir runs``).
+
+YAML::
+
+    loggers:
+      tensorboard:
+        log_dir: runs/{run_name}/tensorboard   # the default
+        flush_secs: 30
+        rank_zero_only: true                   # false: every rank writes to log_dir/rank<N>
+
+Every logged number is a scalar at step = the batch. The writer opens when training (or a
+first eval) starts, after the checkpoint is loaded; a resumed run tells TensorBoard to drop
+the steps the interrupted run logged after its checkpoint (``purge_step``), so the curves
+have no doubled tail.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composer.core import State
+from composer.loggers import Logger, LoggerDestination
+from composer.utils import dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TensorBoardOptions:
+    """``loggers.tensorboard``: where the event files go."""
+
+    log_dir: str = field(default="runs/{run_name}/tensorboard", metadata={
+        "doc": "folder of the event files ({run_name} is replaced)"})
+    flush_secs: float = field(default=30.0, metadata={
+        "doc": "seconds between flushes to disk", "bounds": {"gt": 0}})
+    rank_zero_only: bool = field(default=True, metadata={
+        "doc": "only rank 0 writes; false: every rank writes to log_dir/rank<N>"})
+
+
+class TensorBoardLogger(LoggerDestination):
+    """See the module docstring."""
+
+    def __init__(self, options: TensorBoardOptions | None = None, **fields: Any):
+        self.options = options if options is not None else TensorBoardOptions(**fields)
+        self.writer: Any = None
+        self.log_dir: Path | None = None
+        self._enabled = False
+        self._pending: list[tuple[str, Any, int | None]] = []
+
+    def init(self, state: State, logger: Logger) -> None:
+        self._enabled = not self.options.rank_zero_only or dist.get_global_rank() == 0
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._start(state)
+
+    def eval_start(self, state: State, logger: Logger) -> None:
+        self._start(state)
+
+    def _start(self, state: State) -> None:
+        if not self._enabled or self.writer is not None:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
+
+        folder = Path(self.options.log_dir.format(run_name=state.run_name))
+        if not self.options.rank_zero_only:
+            folder = folder / f"rank{dist.get_global_rank()}"
+        start = int(state.timestamp.batch)
+        self.writer = SummaryWriter(str(folder), flush_secs=self.options.flush_secs,
+                                    purge_step=start if start > 0 else None)
+        self.log_dir = folder
+        for kind, data, step in self._pending:
+            self._write(kind, data, step)
+        self._pending = []
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self._log("text", hyperparameters, None)
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        self._log("scalars", metrics, step)
+
+    def _log(self, kind: str, data: dict[str, Any], step: int | None) -> None:
+        if not self._enabled:
+            return
+        if self.writer is None:
+            self._pending.append((kind, dict(data), step))
+        else:
+            self._write(kind, data, step)
+
+    def _write(self, kind: str, data: dict[str, Any], step: int | None) -> None:
+        if kind == "text":
+            text = "\n".join(f"    {k}: {v}" for k, v in sorted(data.items()))  # markdown code
+            self.writer.add_text("hyperparameters", text, global_step=step or 0)
+            return
+        for k, v in data.items():
+            if hasattr(v, "numel") and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, global_step=step)
+
+    def post_close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+            self.writer = None
