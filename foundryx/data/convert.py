@@ -20,6 +20,18 @@ over). At the end the chunk indexes are merged into one ``index.json``,
 ``foundryx_manifest.json`` is written last, and the folder is renamed to ``out_dir`` in one
 step: ``out_dir`` is either absent, the previous dataset, or the complete new one.
 
+Object storage: ``out_dir`` may be a URL (``s3://bucket/path``, any scheme mosaicml-streaming
+writes). The work folder is then local (under the data cache root,
+:func:`foundryx.data.remote.staging_folder`); each shard is uploaded by streaming's
+``MDSWriter`` as soon as it is full, and deleted locally once uploaded; the manifest and,
+last, ``index.json`` are uploaded when every shard is. Until then the remote is no dataset
+(readers look for ``index.json``), and the same command resumes an interrupted conversion.
+``overwrite`` deletes the old ``index.json`` first (S3 only), so a reader never sees old and
+new shards mixed.
+
+Partitions (:mod:`foundryx.data.partitions`): ``partition=(i, n)`` converts only the i-th of n
+contiguous shares of the input's documents into ``out_dir/part-0000i-of-0000n``.
+
 Output: an MDS dataset with one column ``tokens`` (``ndarray:int32``, length ``max_seq_len``).
 """
 
@@ -36,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from foundryx.data import partitions
+from foundryx.data import remote as remotes
 from foundryx.data.parallel import tokenize_in_order
 from foundryx.data.partial import Partial
 from foundryx.data.sources import Source, open_source, read_documents  # noqa: F401 (re-export)
@@ -124,8 +138,9 @@ class _ChunkWriter:
     """Cuts the token stream into sequences and writes each chunk's MDS dataset."""
 
     def __init__(self, partial: Partial, max_seq_len: int, compression: str | None,
-                 done: list[dict[str, Any]]):
+                 done: list[dict[str, Any]], remote: str | None = None):
         self.partial, self.seq, self.compression = partial, max_seq_len, compression
+        self.remote = remote  # shards go there as they are finished; only indexes stay local
         self.chunk = len(done)
         self.carry = np.asarray(done[-1]["carry"] if done else [], dtype=np.int32)
         self.writer: Any = None
@@ -139,9 +154,13 @@ class _ChunkWriter:
             self.close_chunk()
             self.chunk = chunk
         if self.writer is None:
-            self.writer = MDSWriter(out=str(self.partial.chunk_dir(chunk)),
-                                    columns={COLUMN: "ndarray:int32"}, compression=self.compression,
-                                    hashes=[SHARD_HASH])
+            local = str(self.partial.chunk_dir(chunk))
+            out = local if self.remote is None else (local, remotes.join(
+                self.remote, self.partial.chunk_dir(chunk).relative_to(
+                    self.partial.folder).as_posix()))
+            self.writer = MDSWriter(out=out, columns={COLUMN: "ndarray:int32"},
+                                    compression=self.compression, hashes=[SHARD_HASH],
+                                    keep_local=False)
         stream = np.concatenate([self.carry, tokens])
         n_full = len(stream) // self.seq * self.seq
         for row in stream[:n_full].reshape(-1, self.seq):
@@ -155,7 +174,20 @@ class _ChunkWriter:
     def close_chunk(self) -> None:
         if self.writer is None:
             return
-        self.writer.finish()
+        shards = self.writer.shards
+        try:
+            self.writer.finish()
+        except Exception as e:  # an upload failed in streaming's threads (it logged which)
+            if self.remote is None:
+                raise
+            raise DataError(f"uploading shards to {self.remote} failed ({e}; the log above says "
+                            f"why); the same command resumes from the last finished chunk once "
+                            f"that is fixed") from None
+        if self.remote is not None:  # the writer removed its local folder: keep the index
+            folder = self.partial.chunk_dir(self.chunk)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / INDEX).write_text(json.dumps({"version": 2, "shards": shards},
+                                                   sort_keys=True))
         self.writer = None
         self.partial.chunk_done({"chunk": self.chunk, **self.counts, "carry": self.carry.tolist()})
         self.counts = dict.fromkeys(self.counts, 0)
@@ -211,8 +243,11 @@ def convert_to_mds(
     progress: bool = True,
     batch_chars: int = BATCH_CHARS,
     chunk_chars: int = CHUNK_CHARS,
+    partition: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``input_path`` into MDS sequences of ``max_seq_len`` tokens at ``out_dir``.
+    """Tokenize ``input_path`` into MDS sequences of ``max_seq_len`` tokens at ``out_dir``
+    (a folder or a URL such as ``s3://bucket/path``); ``partition=(i, n)``: only the i-th of
+    n shares of the documents, into ``out_dir/part-0000i-of-0000n``.
 
     Returns the manifest that was written (see the module docstring for the rules).
     """
@@ -227,9 +262,20 @@ def convert_to_mds(
                  "choose)", workers)
     if workers < 1:
         raise DataError(f"workers must be at least 1, got {workers}")
-    out = Path(out_dir)
-    _check_out_dir(out, overwrite)
+    if partition is not None:
+        out_dir = partitions.folder_of(out_dir, *partition)
+    remote = str(out_dir).rstrip("/") if remotes.is_remote(str(out_dir)) else None
+    out = remotes.staging_folder(remote) if remote else Path(out_dir)
+    up = None
+    if remote:
+        up = remotes.uploader(out.with_name(f".{out.name}.upload"), remote)
+        _check_remote_out(up, remote, overwrite)
+        log.info("converting into %s; work folder (ledger, indexes) %s", remote, out)
+    else:
+        _check_out_dir(out, overwrite)
     source = open_source(input_path, text_field, split=split, subset=subset)
+    if partition is not None:
+        source = partitions.share(source, *partition)
     prefix, suffix = _special_ids(tokenizer)
     header = {"format": FORMAT, "source": source.fingerprint, "text_field": text_field,
               "vocab_sha256": vocab_hash(tokenizer), "prefix": prefix, "suffix": suffix,
@@ -238,7 +284,7 @@ def convert_to_mds(
     with Partial(out) as partial:
         done = partial.start(header, resume)
         try:
-            writer = _ChunkWriter(partial, max_seq_len, compression, done)
+            writer = _ChunkWriter(partial, max_seq_len, compression, done, remote)
             bar = tqdm(desc=f"tokenizing {Path(source.label).name}", total=source.total,
                        unit=source.unit, unit_scale=True, disable=not progress)
             start, n_tokens = time.perf_counter(), 0
@@ -263,12 +309,14 @@ def convert_to_mds(
                 bar.refresh()
             chunks = partial.chunks()
             manifest = _manifest(source, tokenizer, max_seq_len, compression, chunks)
+            if partition is not None:
+                manifest["partition"] = partitions.record(*partition)
         except DataError:
             partial.discard()  # bad input: it must change, so nothing is worth resuming
             raise
         except OSError as e:  # out of disk, no permission: resumable once that is fixed
             raise DataError(
-                f"the conversion to {out} stopped: {_reason(e)}; {out} is unchanged, the "
+                f"the conversion to {remote or out} stopped: {_reason(e)}; {out} is unchanged, the "
                 f"finished chunks stay in {partial.folder} and the same command resumes from "
                 f"them once that is fixed (--no-resume starts over)"
             ) from e
@@ -277,6 +325,9 @@ def convert_to_mds(
                         "command resumes from them (--no-resume starts over)",
                         type(e).__name__, partial.folder)
             raise
+        if remote:
+            _finish_remote(partial, len(chunks), manifest, remote, up)
+            return manifest
         try:
             partial.finish(len(chunks), {MANIFEST: json.dumps(manifest, indent=2) + "\n"})
             _check_out_dir(out, overwrite)  # another process may have written it meanwhile
@@ -285,6 +336,35 @@ def convert_to_mds(
             raise DataError(f"could not finish the dataset at {out}: {_reason(e)}; {out} is "
                             f"unchanged; run the same command again once that is fixed") from e
     return manifest
+
+
+def _check_remote_out(up: Any, remote: str, overwrite: bool) -> None:
+    """The bucket exists (checked by the uploader) and holds no dataset at ``remote``, or
+    ``overwrite``: its old index is deleted first, so no reader sees old and new mixed."""
+    if INDEX not in remotes.list_keys(up, remote, INDEX):
+        return
+    if not overwrite:
+        raise DataError(f"output {remote} already holds a dataset ({INDEX}); pass --overwrite "
+                        f"to replace it, or choose another --out")
+    log.info("--overwrite: deleting %s first (the new one is uploaded last)",
+             remotes.join(remote, INDEX))
+    remotes.delete(remote, INDEX)
+
+
+def _finish_remote(partial: Partial, n_chunks: int, manifest: dict[str, Any], remote: str,
+                   up: Any) -> None:
+    """Upload the manifest, then ``index.json`` (last: it makes the remote a dataset), then
+    drop the local work folder (its ledger stays until the upload is done, so a failed upload
+    resumes)."""
+    import shutil
+
+    partial.merge_index(n_chunks)
+    (partial.folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for name in (MANIFEST, INDEX):
+        shutil.copyfile(partial.folder / name, Path(up.local) / name)
+    remotes.upload(up, [MANIFEST, INDEX], remote)
+    partial.discard()
+    shutil.rmtree(up.local, ignore_errors=True)
 
 
 def read_manifest(folder: Path | str) -> dict[str, Any] | None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from foundryx.config.components import ModelFacts
 from foundryx.config.types import is_int, option
+from foundryx.data import remote as remotes
 from foundryx.data.convert import INDEX, SHARD_HASH, read_manifest
 
 CONVERT_FIX = (
@@ -34,9 +35,20 @@ class LoaderOptions:
 
 
 def mds_folder_problems(local: Any, split: Any, prefix: str, max_seq_len: Any = None,
-                        seq_path: str = "max_seq_len") -> list[str]:
+                        seq_path: str = "max_seq_len", remote: Any = None) -> list[str]:
     """Problems of the MDS folder ``local/split``; ``prefix`` is the path of their section
-    relative to the loader's ``dataset`` (e.g. ``""`` or ``streams.web.``)."""
+    relative to the loader's ``dataset`` (e.g. ``""`` or ``streams.web.``). With a ``remote``
+    (object storage), ``local`` is its cache and is checked, with the remote, when the loader
+    is built (:func:`foundryx.data.remote.fetch_index`)."""
+    if remote is not None:
+        problem = remotes.scheme_problem(remote, f"{prefix}remote")
+        if problem is None and remotes.is_remote(local):
+            problem = (f"{prefix}local: {local!r} is object storage; local: is the folder the "
+                       f"shards of remote: are cached in (or leave it out for a default)")
+        return [problem] if problem else []
+    if remotes.is_remote(local):
+        return [f"{prefix}local: {local!r} is object storage; write it as remote: {local} "
+                f"(local: is then the cache folder, or leave it out for a default)"]
     if not isinstance(local, str) or not local:
         return [f"{prefix}local: expected the folder of MDS shards, got {local!r}; {CONVERT_FIX}"]
     root = Path(local).expanduser()

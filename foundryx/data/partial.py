@@ -127,6 +127,13 @@ class Partial:
     def finish(self, n_chunks: int, files: dict[str, str]) -> None:
         """Merge the chunk indexes into one ``index.json``, add ``files``, drop the ledger
         (last: until then a failure, e.g. a full disk, leaves the work resumable)."""
+        self.merge_index(n_chunks)
+        for name, text in files.items():  # after index.json: the manifest marks it complete
+            (self.folder / name).write_text(text)
+        (self.folder / LEDGER).unlink()
+
+    def merge_index(self, n_chunks: int) -> None:
+        """Write ``index.json``: every chunk's shards, in chunk order, named from the folder."""
         shards = []
         for chunk in range(n_chunks):
             rel = self.chunk_dir(chunk).relative_to(self.folder).as_posix()
@@ -137,9 +144,6 @@ class Partial:
                         shard[key]["basename"] = f"{rel}/{shard[key]['basename']}"
                 shards.append(shard)
         (self.folder / "index.json").write_text(json.dumps({"version": 2, "shards": shards}))
-        for name, text in files.items():  # after index.json: the manifest marks it complete
-            (self.folder / name).write_text(text)
-        (self.folder / LEDGER).unlink()
 
     def discard(self) -> None:
         if self.folder.exists():

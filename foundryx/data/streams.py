@@ -1,6 +1,8 @@
 """Mixing several MDS datasets ("streams") in one ``text`` loader.
 
-``dataset.streams`` maps a name to ``{local, split, proportion | repeat | choose}``:
+``dataset.streams`` maps a name to ``{local, remote, split, proportion | repeat | choose}``
+(``remote``: the stream's MDS dataset in object storage, ``local`` its cache; see
+:mod:`foundryx.data.remote`):
 
 * ``proportion``: relative weights (normalised to sum to 1); the epoch has ``epoch_size``
   samples (default: the sum of all streams' samples), each stream contributing its share,
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.config.types import option
+from foundryx.data import remote as remotes
 from foundryx.data.options import mds_folder_problems
 
 WEIGHTS = ("proportion", "repeat", "choose")
@@ -29,7 +32,11 @@ WEIGHTS = ("proportion", "repeat", "choose")
 class StreamOptions:
     """One entry of ``dataset.streams``."""
 
-    local: str = option("folder of MDS shards (written by `foundryx data convert`)")
+    local: str | None = option("folder of MDS shards (written by `foundryx data convert`); "
+                               "with remote: the cache folder (default: under the cache root)",
+                               default=None)
+    remote: str | None = option("the MDS dataset in object storage, e.g. s3://bucket/path",
+                                default=None)
     split: str | None = option("subfolder of local; null: the dataset's split", default=None)
     proportion: float | None = option("relative weight (give it to every stream or none)",
                                       default=None, gt=0)
@@ -55,7 +62,8 @@ def streams_problems(ds: Any) -> list[str]:
         return ["streams: expected {name: {local: <folder>, split: ..., proportion: ...}, ...}"]
     for name, stream in ds.streams.items():
         problems += mds_folder_problems(stream.local, stream.split or ds.split,
-                                        f"streams.{name}.", ds.max_seq_len, "max_seq_len")
+                                        f"streams.{name}.", ds.max_seq_len, "max_seq_len",
+                                        remote=stream.remote)
     if len({s.proportion is not None for s in ds.streams.values()}) > 1:
         problems.append("streams: give proportion to every stream or to none "
                         "(proportions are relative and do not mix with repeat or choose)")
@@ -66,20 +74,44 @@ def streams_problems(ds: Any) -> list[str]:
     return problems
 
 
-def folders(ds: Any) -> dict[str, Path]:
-    """``{stream name: MDS folder}``; a single dataset is the stream ``"dataset"``."""
-    if ds.streams:
-        return {name: Path(s.local).expanduser() / (s.split or ds.split or "")
-                for name, s in ds.streams.items()}
-    return {"dataset": Path(ds.local).expanduser() / (ds.split or "")}
+@dataclass
+class Place:
+    """Where one stream's MDS data is: a local folder, or a remote and its local cache."""
+
+    name: str  # the stream's name; "dataset" for a single dataset
+    key: str  # YAML path of its section relative to the loader's dataset: "" or "streams.web."
+    local: str  # the folder (or the remote's cache), without the split
+    remote: str | None
+    split: str | None
+
+    @property
+    def folder(self) -> Path:
+        return Path(self.local).expanduser() / (self.split or "")
+
+    @property
+    def label(self) -> str:
+        return remotes.join(self.remote, self.split) if self.remote else str(self.folder)
 
 
-def build_streams(ds: Any) -> list[Any]:
+def places(ds: Any) -> list[Place]:
+    """Each stream's place, in the config's order (a single dataset is the stream "dataset");
+    a remote without local gets its default cache folder (logged)."""
+    entries = ds.streams.items() if ds.streams else [("dataset", ds)]
+    out = []
+    for name, s in entries:
+        key = f"streams.{name}." if ds.streams else ""
+        split = (s.split or ds.split) if ds.streams else ds.split
+        local = s.local or remotes.default_local(s.remote, f"dataset.{key}remote")
+        out.append(Place(name, key, str(Path(local).expanduser()), s.remote, split))
+    return out
+
+
+def build_streams(ds: Any, where: list[Place]) -> list[Any]:
     """streaming ``Stream`` objects for ``dataset.streams``, in the config's order."""
     from streaming import Stream
 
-    return [Stream(local=str(Path(s.local).expanduser()), split=s.split or ds.split, **s.weights())
-            for s in ds.streams.values()]
+    return [Stream(local=p.local, remote=p.remote, split=p.split, **s.weights())
+            for p, s in zip(where, ds.streams.values())]
 
 
 def mix_table(dataset: Any, names: list[str]) -> str:

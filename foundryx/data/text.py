@@ -1,14 +1,15 @@
-"""The ``text`` dataloader: batches of token sequences from local MDS shards, one or mixed.
+"""The ``text`` dataloader: batches of token sequences from MDS shards, one or mixed.
 
 Config section (``train_loader`` / ``eval_loader``)::
 
     name: text
     dataset:
       local: data/quickstart/mds   # folder written by `foundryx data convert` ...
-      split: train                 # subfolder of local, or null
+      # remote: s3://bucket/mds    # ... or a dataset in object storage, local: its cache
+      split: train                 # subfolder of local (and remote), or null
       # ... or several datasets mixed (see foundryx.data.streams), instead of local:
       # streams:
-      #   web:  {local: /data/web-mds, split: train, proportion: 0.7}
+      #   web:  {remote: s3://bucket/web-mds, split: train, proportion: 0.7}
       #   code: {local: /data/code-mds, split: train, proportion: 0.3}
       # epoch_size: 100000         # samples per epoch (with proportions; default: all)
       max_seq_len: 128             # <= the stored sequence length; longer ones are truncated
@@ -32,7 +33,11 @@ Order: the global order of samples depends only on the data, ``shuffle_seed``,
 ``shuffle_algo`` and ``num_canonical_nodes``, not on the number of ranks: rank r of n gets
 its share of every global batch. Resuming: Composer saves the dataset's position
 (``StreamingDataset.state_dict``) in each checkpoint, and a resumed run continues at the next
-unseen sample. Shared memory left by killed runs is freed at start, and runs on one host that
+unseen sample. A ``remote`` (any URL mosaicml-streaming reads: ``s3://``, ``gs://``, ...) is
+streamed shard by shard into ``local`` (default: a folder per remote under
+``$FOUNDRYX_DATA_CACHE`` or ``~/.cache/foundryx/mds``, logged); its ``index.json`` is read
+when the loader is built, so a bad remote stops the run before training
+(:mod:`foundryx.data.remote`). Shared memory left by killed runs is freed at start, and runs on one host that
 start together take turns to name theirs (:mod:`foundryx.data.shm`).
 """
 
@@ -47,6 +52,7 @@ from typing import Any, Literal
 
 from foundryx.config.components import ModelFacts
 from foundryx.config.types import coerce, option
+from foundryx.data import remote as remotes
 from foundryx.data import shm, streams
 from foundryx.data.convert import read_manifest, vocab_hash
 from foundryx.data.options import LoaderOptions, mds_folder_problems, shard_problems
@@ -63,7 +69,11 @@ class TextDatasetOptions:
     """The ``dataset`` of a ``text`` loader: one MDS folder (``local``) or ``streams``."""
 
     max_seq_len: int = option("tokens per sample (<= the stored sequence length)", gt=0)
-    local: str | None = option("folder written by `foundryx data convert`", default=None)
+    local: str | None = option("folder written by `foundryx data convert`; with remote: the "
+                               "cache folder (default: under the cache root)", default=None)
+    remote: str | None = option("the MDS dataset in object storage, e.g. s3://bucket/path "
+                                "(credentials and S3_ENDPOINT_URL from the environment)",
+                                default=None)
     streams: dict[str, StreamOptions] | None = option(
         "several datasets mixed, instead of local: {name: {local, split, proportion | repeat | "
         "choose}}", default=None)
@@ -81,9 +91,10 @@ class TextDatasetOptions:
 
     def problems(self) -> list[str]:
         if self.streams is None:
-            return mds_folder_problems(self.local, self.split, "", self.max_seq_len)
-        both = ["local: give either local (one dataset) or streams, not both"] \
-            if self.local is not None else []
+            return mds_folder_problems(self.local, self.split, "", self.max_seq_len,
+                                       remote=self.remote)
+        both = [f"{k}: give either {k} (one dataset) or streams, not both"
+                for k in ("local", "remote") if getattr(self, k) is not None]
         return both + streams.streams_problems(self)
 
 
@@ -131,7 +142,7 @@ def _num_tokens(batch: dict[str, Any]) -> int:
     return int(batch["attention_mask"].sum())
 
 
-def _check_tokenizer(manifest: dict[str, Any] | None, tokenizer: Any, folder: Path) -> None:
+def _check_tokenizer(manifest: dict[str, Any] | None, tokenizer: Any, folder: Path | str) -> None:
     if manifest is None or tokenizer is None:
         return
     stored = manifest["tokenizer"]
@@ -144,16 +155,37 @@ def _check_tokenizer(manifest: dict[str, Any] | None, tokenizer: Any, folder: Pa
         )
 
 
-def _stored_len(dataset: Any, ds: TextDatasetOptions, folders: dict[str, Path]) -> None:
+def _stored_len(dataset: Any, ds: TextDatasetOptions, where: list[streams.Place]) -> None:
     """Refuse a max_seq_len longer than what a stream stores (datasets without a manifest)."""
-    for name, folder, offset in zip(folders, folders.values(), dataset.sample_offset_per_stream):
+    for place, offset in zip(where, dataset.sample_offset_per_stream):
         stored = len(dataset.get_item(int(offset))["tokens"])
         if ds.max_seq_len > stored:
             raise DataError(
                 f"dataset.max_seq_len: {ds.max_seq_len} is longer than the sequences stored "
-                f"in {folder} ({stored} tokens); lower it, or re-convert with --max-seq-len "
-                f"{ds.max_seq_len}" + (f" (stream {name!r})" if ds.streams else "")
+                f"in {place.label} ({stored} tokens); lower it, or re-convert with "
+                f"--max-seq-len {ds.max_seq_len}" +
+                (f" (stream {place.name!r})" if ds.streams else "")
             )
+
+
+def _check_place(place: streams.Place, ds: TextDatasetOptions, tokenizer: Any) -> None:
+    """A local dataset's shards, or a remote one's index (reachable, cache not stale); then
+    the tokenizer and sequence length its manifest records."""
+    if place.remote is None:
+        bad = shard_problems(place.folder)
+        if bad:
+            raise DataError(f"{len(bad)} bad shard(s) in {place.folder}: " + "; ".join(bad[:3]))
+        manifest = read_manifest(place.folder)
+    else:
+        key = f"dataset.{place.key}remote"
+        index, manifest = remotes.fetch_index(place.remote, place.split, key)
+        remotes.check_cache(place.local, place.split, index, place.remote, key)
+        stored = (manifest or {}).get("max_seq_len")
+        if isinstance(stored, int) and ds.max_seq_len > stored:
+            raise DataError(f"dataset.max_seq_len: {ds.max_seq_len} is longer than the sequences "
+                            f"stored in {place.label} ({stored} tokens); lower it, or re-convert "
+                            f"with --max-seq-len {ds.max_seq_len}")
+    _check_tokenizer(manifest, tokenizer, place.label)
 
 
 def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokenizer: Any,
@@ -165,20 +197,16 @@ def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokeni
 
     options = coerce(TextLoaderOptions, options, owner="the 'text' dataloader")
     ds = options.dataset
-    folders = streams.folders(ds)
-    for folder in folders.values():
-        bad = shard_problems(folder)
-        if bad:
-            raise DataError(f"{len(bad)} bad shard(s) in {folder}: " + "; ".join(bad[:3]))
-        _check_tokenizer(read_manifest(folder), tokenizer, folder)
+    where = streams.places(ds)
+    for place in where:
+        _check_place(place, ds, tokenizer)
 
-    source = ({"streams": streams.build_streams(ds)} if ds.streams else
-              {"local": str(Path(ds.local).expanduser()), "split": ds.split})
+    source = ({"streams": streams.build_streams(ds, where)} if ds.streams else
+              {"local": where[0].local, "remote": where[0].remote, "split": ds.split})
     with shm.registering():  # streaming's choice of shared-memory names is racy across runs
         shm.clean_once()
         dataset = StreamingDataset(
             **source,
-            remote=None,
             shuffle=ds.shuffle,
             shuffle_seed=ds.shuffle_seed,
             shuffle_algo=ds.shuffle_algo,
@@ -187,10 +215,10 @@ def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokeni
             batch_size=device_batch_size,
         )
         shm.hold(dataset)
-    _stored_len(dataset, ds, folders)
+    _stored_len(dataset, ds, where)
     if ds.streams:
         log.info("data mix (%d samples per epoch, shuffle_seed %d):\n%s", dataset.epoch_size,
-                 ds.shuffle_seed, streams.mix_table(dataset, list(folders)))
+                 ds.shuffle_seed, streams.mix_table(dataset, [p.name for p in where]))
     separators = (tokenizer.eos_token_id, tokenizer.bos_token_id) if ds.emit_sequence_id else None
     loader = DataLoader(
         dataset,

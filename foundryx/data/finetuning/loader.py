@@ -5,6 +5,8 @@ Config section (``train_loader`` / ``eval_loader``)::
     name: finetuning
     dataset:
       path: data/chat.jsonl     # .jsonl, .parquet, save_to_disk folder, MDS folder, hf://owner/name
+      # remote: s3://bucket/chat-mds  # or an MDS dataset in object storage, instead of path
+      # local: /tmp/chat-mds          # its cache (default: a folder under the cache root)
       split: train              # split of a Hugging Face dataset, or subfolder of an MDS folder
       max_seq_len: 512          # longer examples are bad examples
       target_prompts: none      # none | all   (see foundryx.data.finetuning.examples)
@@ -17,7 +19,9 @@ Config section (``train_loader`` / ``eval_loader``)::
     num_workers: 0
 
 The examples are read and tokenized once, when the loader is built (fine-tuning sets fit in
-memory). Batches: ``input_ids``, ``labels`` (-100 where no loss is taken), ``attention_mask``
+memory); an MDS dataset in object storage (``remote``) is downloaded whole into ``local``
+first (its index is read up front: a bad remote is one message, see
+:mod:`foundryx.data.remote`). Batches: ``input_ids``, ``labels`` (-100 where no loss is taken), ``attention_mask``
 (0 on padding), all ``LongTensor (B, S)`` padded to the longest row, and ``sequence_id``
 when packed (see :mod:`foundryx.data.packing`; padding gets an id of its own).
 """
@@ -35,6 +39,7 @@ from typing import Any, Literal
 from foundryx.config.components import ModelFacts
 from foundryx.config.types import coerce, option
 from foundryx.data import packing
+from foundryx.data import remote as remotes
 from foundryx.data.finetuning.examples import IGNORE, chat_renderer, encode
 from foundryx.data.options import LoaderOptions
 from foundryx.data.sources import HUB_PREFIX, read_records
@@ -43,11 +48,16 @@ from foundryx.errors import DataError
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FinetuningDatasetOptions:
     """The ``dataset`` of a ``finetuning`` loader."""
 
-    path: str = option(".jsonl or .parquet file, save_to_disk or MDS folder, or hf://owner/name")
+    path: str | None = option(".jsonl or .parquet file, save_to_disk or MDS folder, or "
+                              "hf://owner/name (or remote: instead)", default=None)
+    remote: str | None = option("an MDS dataset in object storage, e.g. s3://bucket/path, "
+                                "instead of path", default=None)
+    local: str | None = option("with remote: the cache folder (default: under the cache root)",
+                               default=None)
     max_seq_len: int = option("longest example in tokens; longer ones are bad examples", gt=0)
     split: str | None = option("split of a Hugging Face dataset, or subfolder of an MDS folder",
                                default=None)
@@ -62,13 +72,31 @@ class FinetuningDatasetOptions:
     skip_bad_examples: bool = option("skip malformed examples and log how many", default=False)
 
     def problems(self) -> list[str]:
+        if self.remote is not None:
+            if self.path is not None:
+                return ["path: give either path or remote (an MDS dataset in object storage), "
+                        "not both"]
+            problem = remotes.scheme_problem(self.remote, "remote")
+            return [problem] if problem else []
+        if self.local is not None:
+            return ["local: is the cache of remote:; for a local dataset use path:"]
+        if self.path is None:
+            return ["path: expected a .jsonl or .parquet file, a save_to_disk or MDS folder, "
+                    "hf://owner/name, or remote: s3://bucket/path (an MDS dataset)"]
+        if remotes.is_remote(self.path) and not self.path.startswith(HUB_PREFIX):
+            return [f"path: {self.path!r} is object storage; write it as remote: {self.path} "
+                    "(an MDS dataset)"]
         if not self.path.startswith(HUB_PREFIX) and not Path(self.path).expanduser().exists():
             return [f"path: {self.path} does not exist; give a .jsonl or .parquet file, a "
                     "save_to_disk or MDS folder, or hf://owner/name"]
         return []
 
     def location(self) -> tuple[str, str | None]:
-        """(input, split for read_records): an MDS split is a subfolder."""
+        """(input, split for read_records): an MDS split is a subfolder; a remote MDS dataset
+        is downloaded into its cache first."""
+        if self.remote is not None:
+            local = self.local or remotes.default_local(self.remote, "dataset.remote")
+            return str(remotes.fetch_dataset(self.remote, local, self.split, "dataset.remote")), None
         path, split = self.path, self.split
         if split and not path.startswith(HUB_PREFIX) and (Path(path) / split / "index.json").is_file():
             return str(Path(path) / split), None
