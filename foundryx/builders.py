@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def build_named(reg_name: str, mapping: dict[str, dict[str, Any] | None]) -> list[Any]:
-    """``{key: kwargs}`` → one object per registry key (algorithms, callbacks, loggers)."""
-    reg = registry.get_registry(reg_name)
-    return [reg.get(name)(**(kwargs or {})) for name, kwargs in mapping.items()]
+    """``{key: kwargs}`` → one object per registry key (algorithms, callbacks, loggers); an
+    entry with an options dataclass gets an instance of it, as in :func:`build_component`."""
+    return [build_component(reg_name, {**(kwargs or {}), "name": name})
+            for name, kwargs in mapping.items()]
 
 
 def build_tokenizer(cfg: TrainConfig) -> Any:

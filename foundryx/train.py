@@ -14,8 +14,10 @@ from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
 
 from foundryx import builders
+from foundryx.algorithms import check_algorithms
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.data.workers import worker_death_error
+from foundryx.doctor.facts import environment
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.runtime import pick_device, setup_logging
@@ -45,6 +47,8 @@ def train(loaded: LoadedConfig):
 
     tokenizer = builders.build_tokenizer(cfg)
     model = builders.build_model(cfg, tokenizer)
+    algorithms = builders.build_named("algorithms", cfg.algorithms)
+    check_algorithms(algorithms, model)  # surgery that does not apply: refused before any write
     model = builders.build_parallelism(cfg, model)  # FSDP2 etc., before the optimizer sees it
     train_loader = builders.build_dataloader(
         cfg.train_loader, tokenizer, derived.device_train_batch_size
@@ -72,7 +76,7 @@ def train(loaded: LoadedConfig):
         max_duration=cfg.max_duration,
         optimizers=optimizer,
         schedulers=builders.build_scheduler(cfg),
-        algorithms=builders.build_named("algorithms", cfg.algorithms),
+        algorithms=algorithms,
         callbacks=builders.build_named("callbacks", cfg.callbacks) + icl_callbacks
         + ([checkpointer] if checkpointer else []),
         loggers=builders.build_named("loggers", cfg.loggers),
@@ -87,6 +91,9 @@ def train(loaded: LoadedConfig):
         progress_bar=cfg.progress_bar,
         dist_timeout=cfg.dist_timeout,
     )
+    # run.json beside the jsonl metrics (foundryx report), the W&B config, ...
+    trainer.logger.log_hyperparameters({"foundryx/config": loaded.resolved,
+                                        "foundryx/environment": environment()})
     fit(trainer, cfg, eval_first=cfg.eval_first and bool(evaluators), checkpointer=checkpointer)
     return trainer
 
