@@ -60,6 +60,10 @@ class HFCausalLMOptions:
     peft_config: LoraOptions | None = option(
         "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
         "the built model from outside", default=None)
+    pretrained_lora_id_or_path: str | None = option(
+        "a PEFT LoRA adapter folder to start from (adapter_config.json + "
+        "adapter_model.safetensors); checked against peft_config, or peft_config is taken "
+        "from it when absent (docs/finetuning.md)", default=None)
     frozen_base: FrozenBaseOptions | None = option(
         "with peft_config: store the frozen linear weights as nf4, fp8, int8 or bf16 and "
         "offload a share of them to host memory (docs/finetuning.md)", default=None)

@@ -110,6 +110,10 @@ class MPTOptions:
     peft_config: LoraOptions | None = option(
         "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
         "the built model from outside; not part of the MPT config.json", default=None)
+    pretrained_lora_id_or_path: str | None = option(
+        "a PEFT LoRA adapter folder to start from (adapter_config.json + "
+        "adapter_model.safetensors); checked against peft_config, or peft_config is taken "
+        "from it when absent (docs/finetuning.md)", default=None)
     frozen_base: FrozenBaseOptions | None = option(
         "with peft_config: store the frozen linear weights as nf4, fp8, int8 or bf16 and "
         "offload a share of them to host memory (docs/finetuning.md)", default=None)
@@ -143,6 +147,6 @@ class MPTOptions:
 
 
 # Run options in the model section that are not MPT hyperparameters (not in MPTConfig).
-RUN_FIELDS = ("peft_config", "frozen_base")
+RUN_FIELDS = ("peft_config", "pretrained_lora_id_or_path", "frozen_base")
 
 SUB_CONFIGS = {"attn_config": AttnConfig, "ffn_config": FFNConfig, "init_config": InitConfig}
