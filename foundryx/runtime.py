@@ -42,16 +42,19 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def setup_logging(level: str | None) -> None:
-    """Log ``foundryx`` and ``composer`` at ``level`` (e.g. ``info``) with time and rank;
-    None or empty: leave logging as it is."""
+    """Log ``foundryx`` at ``level`` (e.g. ``info``) with time and rank, and ``composer`` at
+    the same level when it is ``debug``, else at ``warning`` at least (its info lines repeat
+    what foundryx says: seeds, run name, precision); None or empty: leave logging as it is."""
     if not level:
         return
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s: rank%(rank)s: %(levelname)s: %(name)s: %(message)s"))
     handler.addFilter(_RankFilter())
+    numeric = logging.getLevelName(level.upper())
     for name in ("foundryx", "composer"):
         lg = logging.getLogger(name)
-        lg.setLevel(level.upper())
+        quiet = name == "composer" and isinstance(numeric, int) and numeric > logging.DEBUG
+        lg.setLevel(max(numeric, logging.WARNING) if quiet else level.upper())
         if not lg.handlers:
             lg.addHandler(handler)
         lg.propagate = False

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,17 @@ from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
 
-from foundryx import builders
+from foundryx import builders, known_warnings
 from foundryx.algorithms import check_algorithms
+from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.data.workers import worker_death_error
 from foundryx.doctor.facts import environment
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
+from foundryx.loggers.console import ConsoleLogger
+from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.run_summary import RunFacts, summary
 from foundryx.runtime import pick_device, setup_logging
 
 log = logging.getLogger("foundryx")
@@ -39,6 +44,7 @@ def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
     cfg, derived = loaded.cfg, loaded.derived
     setup_logging(cfg.python_log_level)
+    known_warnings.install()
     device = get_device(pick_device(cfg.device))
     if derived.world_size > 1 and not dist.is_initialized():
         dist.initialize_dist(device, timeout=cfg.dist_timeout)
@@ -67,6 +73,7 @@ def train(loaded: LoadedConfig):
     optimizer = builders.build_optimizer(cfg, model)
     run_name = builders.stable_run_name(cfg, loaded.source)
     checkpointer = builders.build_checkpointer(cfg, run_name)  # saves, autoresume, load_path
+    loggers = build_loggers(cfg)
 
     trainer = Trainer(
         run_name=run_name,
@@ -79,7 +86,7 @@ def train(loaded: LoadedConfig):
         algorithms=algorithms,
         callbacks=builders.build_named("callbacks", cfg.callbacks) + icl_callbacks
         + ([checkpointer] if checkpointer else []),
-        loggers=builders.build_named("loggers", cfg.loggers),
+        loggers=loggers,
         precision=cfg.precision,
         device=device,
         device_train_microbatch_size=derived.device_train_microbatch_size,
@@ -87,15 +94,57 @@ def train(loaded: LoadedConfig):
         eval_subset_num_batches=cfg.eval_subset_num_batches,
         seed=cfg.seed,
         console_log_interval=cfg.console_log_interval,
-        log_to_console=cfg.log_to_console and "console" not in cfg.loggers,
-        progress_bar=cfg.progress_bar,
+        log_to_console=False,  # foundryx's console logger (build_loggers) prints instead
+        progress_bar=False,
         dist_timeout=cfg.dist_timeout,
     )
     # run.json beside the jsonl metrics (foundryx report), the W&B config, ...
     trainer.logger.log_hyperparameters({"foundryx/config": loaded.resolved,
                                         "foundryx/environment": environment()})
+    started, first_batch = time.monotonic(), int(trainer.state.timestamp.batch)
     fit(trainer, cfg, eval_first=cfg.eval_first and bool(evaluators), checkpointer=checkpointer)
+    if dist.get_global_rank() == 0:
+        text = summary(run_facts(trainer, loaded, first_batch, time.monotonic() - started))
+        console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
+        console.write(text) if console is not None else log.info("%s", text)
     return trainer
+
+
+def build_loggers(cfg: TrainConfig) -> list[Any]:
+    """The ``loggers`` section's loggers, and the console logger when ``log_to_console``
+    (``console_log_interval`` its interval; ``python_log_level: debug`` prints every metric)."""
+    sections = {name: dict(kwargs or {}) for name, kwargs in cfg.loggers.items()}
+    if "console" in sections:
+        sections["console"].setdefault("log_interval", cfg.console_log_interval)
+    loggers = builders.build_named("loggers", sections)
+    if cfg.log_to_console and not any(isinstance(lg, ConsoleLogger) for lg in loggers):
+        debug = (cfg.python_log_level or "").lower() == "debug"
+        loggers.append(ConsoleLogger(log_interval=cfg.console_log_interval,
+                                     level="debug" if debug else "info",
+                                     progress_bar=cfg.progress_bar))
+    return loggers
+
+
+def run_facts(trainer: Trainer, loaded: LoadedConfig, first_batch: int, seconds: float) -> RunFacts:
+    """What the run summary says, from the fitted trainer and the config."""
+    cfg, state = loaded.cfg, trainer.state
+    console = next((d for d in trainer.logger.destinations if isinstance(d, ConsoleLogger)), None)
+    metrics = next((d.path for d in trainer.logger.destinations
+                    if isinstance(d, JSONLLogger) and d.path is not None), None)
+    checkpoint = None
+    if cfg.save_folder and Path(cfg.save_folder).is_dir():
+        found = complete_checkpoints(cfg.save_folder)
+        checkpoint = str(found[0][0]) if found else None
+    eval_config = next((str(p) for p in (Path("eval/yamls") / f"{Path(loaded.source).stem}.yaml",
+                                         Path("eval/yamls/hf_eval.yaml")) if p.is_file()), None)
+    last_batch = int(state.timestamp.batch)
+    return RunFacts(
+        run_name=state.run_name, config=str(loaded.source), batches=last_batch - first_batch,
+        last_batch=last_batch, tokens=int(state.timestamp.token), seconds=seconds,
+        first_loss=getattr(console, "first_loss", None), last_loss=getattr(console, "last_loss", None),
+        save_folder=cfg.save_folder, checkpoint=checkpoint,
+        metrics=str(metrics) if metrics else None, eval_config=eval_config,
+    )
 
 
 def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: Any) -> None:

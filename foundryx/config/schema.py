@@ -117,10 +117,14 @@ class TrainConfig:
     eval_interval: str = doc("how often to evaluate, e.g. 500ba or 1ep", default="1ep")
     eval_first: bool = doc("evaluate before the first step", default=False)
     eval_subset_num_batches: int = doc("eval batches per evaluation (-1: all)", default=-1)
-    console_log_interval: str = doc("how often the console logger prints", default="10ba")
-    log_to_console: bool = doc("print metrics to the console", default=True)
-    progress_bar: bool = doc("show a tqdm progress bar instead of log lines", default=False)
-    python_log_level: str | None = doc("log level of foundryx and composer", default="info")
+    console_log_interval: str = doc("how often the console prints a line (loss, lr, tokens/s, "
+                                    "MFU, memory, ETA)", default="10ba")
+    log_to_console: bool = doc("print a line per console_log_interval, eval tables and the "
+                               "run summary (docs/operations.md)", default=True)
+    progress_bar: bool | None = doc("a progress bar under the console lines; null: when stderr "
+                                    "is a terminal", default=None)
+    python_log_level: str | None = doc("log level of foundryx (composer: warnings only unless "
+                                       "debug); debug also prints every metric", default="info")
 
     # -- in-context-learning evaluation at eval_interval (docs/eval.md) -----------------
     icl_tasks: str | list[dict[str, Any]] | None = doc(

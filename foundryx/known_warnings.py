@@ -1,0 +1,86 @@
+"""Known-harmless third-party warnings, filtered by message in this one place.
+
+Each filter names the warning's start (a regular expression matched against the start of the
+message, as :func:`warnings.filterwarnings` does), its category and why it is harmless in
+foundryx. Everything else still reaches the output. :func:`install` is called by
+``foundryx train`` and ``foundryx eval`` before they build anything. To see every warning again,
+set ``FOUNDRYX_ALL_WARNINGS=1``.
+
+Imports nothing of foundryx: any part may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Known:
+    message: str  # regular expression, matched at the start of the message
+    category: type[Warning]
+    reason: str
+
+
+KNOWN: tuple[Known, ...] = (
+    Known(r"TypedStorage is deprecated", UserWarning,
+          "torch's DCP save/load touches storages through the old API internally (every "
+          "checkpoint); nothing in foundryx uses TypedStorage"),
+    Known(r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is "
+          r"to (save|load) in a single process", UserWarning,
+          "a single-process run saves and loads DCP checkpoints without a process group, "
+          "which is what it means to do"),
+    Known(r"The ``compute`` method of metric \w+ was called before the ``update`` method",
+          UserWarning,
+          "Composer computes the train metrics on the first batch before any update when "
+          "train metrics are logged; the value it logs is replaced on the next batch"),
+)
+
+# Lines that third-party code prints to stderr (torch < 2.8) or logs (later: the logger
+# torch.utils.cpp_extension) while being imported.
+KNOWN_PRINTS: tuple[Known, ...] = (
+    Known(r"No CUDA runtime is found, using CUDA_HOME=", UserWarning,
+          "torch.utils.cpp_extension (imported by torch.compile's CPU backend) says it on "
+          "a machine with a CUDA toolkit and no GPU; a CPU run needs no CUDA runtime"),
+)
+KNOWN_PRINT_LOGGERS = ("torch.utils.cpp_extension",)
+
+
+class _DropKnownPrints(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(re.match(k.message, record.getMessage()) for k in KNOWN_PRINTS)
+
+
+def install() -> None:
+    """Ignore the :data:`KNOWN` warnings (not when ``FOUNDRYX_ALL_WARNINGS=1``) and import the
+    modules that print :data:`KNOWN_PRINTS` with those lines dropped."""
+    if os.environ.get("FOUNDRYX_ALL_WARNINGS") == "1":
+        return
+    for known in KNOWN:
+        warnings.filterwarnings("ignore", message=known.message, category=known.category)
+    for name in KNOWN_PRINT_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownPrints) for f in logger.filters):
+            logger.addFilter(_DropKnownPrints())
+    with filtered_stderr():
+        with contextlib.suppress(Exception):
+            import torch.utils.cpp_extension  # noqa: F401  (prints on import; see KNOWN_PRINTS)
+
+
+@contextlib.contextmanager
+def filtered_stderr():
+    """Run the block with stderr captured, then write what it printed less the
+    :data:`KNOWN_PRINTS` lines."""
+    captured = io.StringIO()
+    with contextlib.redirect_stderr(captured):
+        yield
+    patterns = [re.compile(k.message) for k in KNOWN_PRINTS]
+    for line in captured.getvalue().splitlines(keepends=True):
+        if not any(p.match(line) for p in patterns):
+            sys.stderr.write(line)

@@ -1,0 +1,129 @@
+"""The one peak-FLOPs table (foundryx.devices) and the speed monitor's MFU from it."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from composer.core import Precision
+
+from foundryx import devices
+from foundryx.callbacks import speed_monitor
+from foundryx.callbacks.speed_monitor import SpeedMonitor
+from foundryx.errors import ConfigError
+
+T = 1e12
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(devices, "_warned", set())
+
+
+@pytest.mark.parametrize("name, dtype, expected", [
+    ("NVIDIA A100-SXM4-40GB", "bf16", 312 * T),
+    ("NVIDIA A100-SXM4-80GB", "fp16", 312 * T),
+    ("NVIDIA A100 80GB PCIe", "amp_bf16", 312 * T),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989 * T),
+    ("NVIDIA H100 80GB HBM3", "fp8", 1979 * T),
+    ("NVIDIA H100 PCIe", "bf16", 756 * T),
+    ("NVIDIA H100 PCIe", "amp_fp8", 1513 * T),
+    ("NVIDIA H200", "bf16", 989 * T),
+    ("NVIDIA B200", "bf16", 2250 * T),
+    ("NVIDIA B200", "fp8", 4500 * T),
+    ("AMD Instinct MI250X", "bf16", 191.5 * T),
+    ("AMD Instinct MI300X", "bf16", 1307.4 * T),
+    ("AMD Instinct MI300X", "fp8", 2614.9 * T),
+    ("AMD Instinct MI325X", "amp_bf16", 1307.4 * T),
+])
+def test_known_devices(name, dtype, expected, caplog):
+    assert devices.peak_flops(name, dtype) == pytest.approx(expected)
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("name, dtype, why", [
+    ("NVIDIA GeForce RTX 4090", "bf16", "not in foundryx's device table"),
+    ("NVIDIA H100 NVL", "bf16", "not in foundryx's device table"),     # lower peaks than SXM
+    ("NVIDIA H200 NVL", "bf16", "not in foundryx's device table"),
+    ("NVIDIA GH200 480GB", "bf16", "not in foundryx's device table"),
+    ("AMD Instinct MI250X/MI250", "bf16", "not in foundryx's device table"),  # MI250 or X?
+    ("NVIDIA A100-SXM4-80GB", "fp8", "a100 has no fp8 peak"),
+    ("NVIDIA H100 80GB HBM3", "fp32", "bf16, fp16 and fp8 peaks only"),
+])
+def test_unknown_is_one_warning_and_no_number(name, dtype, why, caplog):
+    with caplog.at_level(logging.WARNING, logger="foundryx.devices"):
+        assert devices.peak_flops(name, dtype) is None
+        assert devices.peak_flops(name, dtype) is None  # asked again: no second warning
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and why in warnings[0] and name in warnings[0]
+    assert "callbacks.speed_monitor.peak_flops" in warnings[0]
+
+
+class _Model:
+    def flops_per_batch(self, batch):
+        return 4 * T  # 4 TFLOP per batch
+
+
+class _Logger:
+    def __init__(self):
+        self.rows: list[dict[str, float]] = []
+
+    def log_metrics(self, metrics):
+        self.rows.append(dict(metrics))
+
+
+def _fake_gpu_state(precision: Precision) -> SimpleNamespace:
+    return SimpleNamespace(device=SimpleNamespace(name="gpu", tensor_to_device=lambda t: t),
+                           precision=precision, model=SimpleNamespace(module=_Model()), batch=None)
+
+
+def test_mfu_on_a_fake_h100(monkeypatch, caplog):
+    """4 TFLOP per batch at 10 batches/s on one device = 40 TFLOP/s = 40/989 of an H100's bf16."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    state = _fake_gpu_state(Precision.AMP_BF16)
+    monitor, logger = SpeedMonitor(window_size=2), _Logger()
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        monitor.init(state, logger)
+    assert monitor.gpu_flops_available == pytest.approx(989 * T)
+    assert any("989 TFLOP/s" in r.getMessage() for r in caplog.records)
+    for i in range(4):
+        state.timestamp = SimpleNamespace(
+            sample=SimpleNamespace(value=16 * i), token=SimpleNamespace(value=2048 * i),
+            total_wct=SimpleNamespace(total_seconds=lambda i=i: 0.1 * i))
+        monitor.batch_end(state, logger)
+    logged = {k: v for row in logger.rows for k, v in row.items()}
+    assert logged["throughput/tokens_per_sec"] == pytest.approx(20480)
+    assert logged["throughput/device/flops_per_sec"] == pytest.approx(40 * T)
+    assert logged["throughput/device/mfu"] == pytest.approx(40 / 989)
+
+
+def test_cpu_and_unknown_gpu_log_no_mfu(monkeypatch, caplog):
+    cpu = SimpleNamespace(device=SimpleNamespace(name="cpu"), precision=Precision.FP32)
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        monitor = SpeedMonitor()
+        monitor.init(cpu, _Logger())
+    assert monitor.gpu_flops_available == 0  # Composer logs no MFU at 0
+    assert any("MFU: not reported on cpu" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU 9000")
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        monitor = SpeedMonitor()
+        monitor.init(_fake_gpu_state(Precision.AMP_BF16), _Logger())
+    assert monitor.gpu_flops_available == 0
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    # given by hand, the number wins over the table
+    monitor = SpeedMonitor(peak_flops=5e14)
+    monitor.init(_fake_gpu_state(Precision.AMP_BF16), _Logger())
+    assert monitor.gpu_flops_available == 5e14
+    assert speed_monitor.device_peak  # the function the planner-facing docs point to
+
+
+def test_bad_options_name_the_yaml_path():
+    with pytest.raises(ConfigError) as e:
+        SpeedMonitor(window_size=0, peak_flops="fast")
+    text = str(e.value)
+    assert "callbacks.speed_monitor.window_size" in text and "callbacks.speed_monitor.peak_flops" in text
