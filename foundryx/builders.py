@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from pathlib import Path
@@ -19,10 +20,10 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
 )
 from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
+from foundryx.models.peft.adapters import load_adapter, section_options
 from foundryx.models.peft.frozen_base import apply_frozen_base
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
-from foundryx.models.peft.lora import apply_lora
-from foundryx.models.peft.options import LoraOptions
+from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.parallel import parallelize
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,14 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
     """The model section's model, with LoRA applied from outside when it has ``peft_config``
     (before parallelism and the optimizer, as torchtitan orders them)."""
     model = build_component("models", cfg.model, tokenizer=tokenizer)
-    peft = cfg.model.get("peft_config")
-    if peft is not None:
-        model = apply_lora(model, coerce(LoraOptions, peft, owner="model.peft_config"))
+    adapter = cfg.model.get("pretrained_lora_id_or_path")
+    options = section_options(cfg.model.get("peft_config"), adapter)
+    if options is not None:
+        if cfg.model.get("peft_config") is None:  # taken from the adapter: recorded in checkpoints
+            cfg.model["peft_config"] = dataclasses.asdict(options)
+        model = apply_lora(model, options)
+        if adapter is not None:
+            load_adapter(inner_model(model), adapter)
     frozen = cfg.model.get("frozen_base")
     if frozen is not None:  # after LoRA, before parallelism
         model = apply_frozen_base(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"))

@@ -14,11 +14,13 @@ from composer.utils import create_interval_scheduler, dist
 from foundryx.checkpoint import load as loader
 from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
 from foundryx.checkpoint.lock import SaveFolderLock
+from foundryx.checkpoint.lora import base_record, check_base, read_base
 from foundryx.checkpoint.metadata import record_of
 from foundryx.checkpoint.save import save
 from foundryx.checkpoint.trainer_state import set_rng_state
 from foundryx.checkpoint.weights import load_model_weights, match_prefix
 from foundryx.errors import CheckpointError
+from foundryx.models.peft.adapters import base_key, is_adapter_key
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class Checkpointer(Callback):
         self._rng: dict[str, Any] | None = None
         self._last_saved = -1
         self._lock: SaveFolderLock | None = None
+        self._base: dict[str, Any] | None = None  # a LoRA run's base record (lora.py)
 
     # -- before training ----------------------------------------------------------------
     def after_load(self, state: State, logger: Logger) -> None:
@@ -71,13 +74,20 @@ class Checkpointer(Callback):
             raise
 
     def _resume_or_load(self, state: State) -> None:
+        section = self.components.get("model") if self.components is not None else None
+        self._base = base_record(state.model, section, self.load_path)
+        if self._base is not None and not self._base["adapter_only"] and self.save_folder:
+            log.info("LoRA on a randomly initialised base (no pretrained_model_name_or_path with "
+                     "pretrained: true, no load_path): checkpoints hold the whole model, base "
+                     "included, as the base cannot be read again from a source")
         if self.save_folder is not None:
             self._take_lock(self.save_folder)
             self._tidy(self.save_folder)
             if self.autoresume:
                 found = self._newest_intact()
                 if found is not None:
-                    self._rng = loader.load(state, found)
+                    self._load_lora_base(state, found)
+                    self._rng = loader.load(state, found, base=self._base)
                     self.loaded, self._last_saved = found, int(state.timestamp.batch)
                     return
                 log.info("autoresume: no checkpoint in %s yet; starting from the beginning",
@@ -86,6 +96,20 @@ class Checkpointer(Callback):
                 self._check_reuse(self.save_folder)
         if self.load_path:
             self._load_path(state, self.load_path)
+
+    def _load_lora_base(self, state: State, found: Path) -> None:
+        """Before resuming an adapter-only checkpoint whose base came from ``load_path``: check
+        the base is the one it records, then load the base's weights from ``load_path``."""
+        saved = check_base(found, self._base)
+        if saved is None or not saved.get("adapter_only") or saved.get("source_field") != "load_path":
+            return
+        path = Path(self.load_path)
+        if path.is_file() and path.name != "manifest.json":
+            self._load_weights_file(state, path)
+        else:
+            loader.load(state, loader.verified(resolve_checkpoint(path)), weights_only=True,
+                        base=self._base)
+        log.info("LoRA base weights read again from load_path %s before resuming %s", path, found)
 
     def _newest_intact(self) -> Path | None:
         """The checkpoint autoresume continues from (RemoteCheckpointer: from the bucket)."""
@@ -140,7 +164,14 @@ class Checkpointer(Callback):
             self._load_weights_file(state, p)
             return
         folder = loader.verified(resolve_checkpoint(p))
-        self._rng = loader.load(state, folder, weights_only=self.load_weights_only)
+        saved = read_base(folder)
+        if saved is not None and saved.get("adapter_only") and saved.get("source_field") == "load_path":
+            raise CheckpointError(
+                f"load_path {folder}: holds only LoRA adapters, whose base came from load_path "
+                f"{saved['source']}; continue it with autoresume in its own save_folder (and that "
+                "load_path), or export its adapter (foundryx export) and start from it with "
+                f"model.pretrained_lora_id_or_path and load_path: {saved['source']}")
+        self._rng = loader.load(state, folder, weights_only=self.load_weights_only, base=self._base)
         self.loaded = folder
 
     def _load_weights_file(self, state: State, path: Path) -> None:
@@ -152,12 +183,16 @@ class Checkpointer(Callback):
         )
 
         full = load_model_weights(path) if dist.get_global_rank() == 0 else {}
+        lora = self._base is not None
         if full:
-            full = _match_keys(full, set(get_model_state_dict(state.model)), path)
+            keys = set(get_model_state_dict(state.model))
+            names = {base_key(k): k for k in keys if not is_adapter_key(k)} if lora else {}
+            full = _match_keys(full, set(names) if lora else keys, path)
+            full = {names[k]: v for k, v in full.items()} if lora else full
         distributed = dist.get_world_size() > 1
         try:
             set_model_state_dict(state.model, full, options=StateDictOptions(
-                full_state_dict=True, broadcast_from_rank0=distributed))
+                full_state_dict=True, broadcast_from_rank0=distributed, strict=not lora))
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: does not fit the model ({str(e).strip()[:300]})") from None
         log.info("loaded model weights from %s%s", path,
@@ -188,7 +223,7 @@ class Checkpointer(Callback):
     def _save(self, state: State) -> Path:
         """Write and commit one checkpoint (RemoteCheckpointer: then upload it)."""
         return save(state, self.save_folder, run_name=self.run_name, keep=self.keep,
-                    replace=self.replace, components=self.components)
+                    replace=self.replace, components=self.components, lora=self._base)
 
 
 def _match_keys(weights: dict[str, Any], expected: set[str], path: Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from foundryx.checkpoint.layout import (
     complete_checkpoints,
     read_json,
 )
+from foundryx.checkpoint.lora import adapter_state, check_base
 from foundryx.checkpoint.safe_dcp import (
     DCP_ERRORS,
     SafeFileSystemReader,
@@ -30,6 +31,7 @@ from foundryx.checkpoint.save import model_and_optim_state, tensor_shapes
 from foundryx.checkpoint.verify import raise_problems, shape_mismatches, verify_files
 from foundryx.checkpoint.weights import model_tensor_shapes
 from foundryx.errors import CheckpointError
+from foundryx.models.peft.adapters import base_key, is_adapter_key
 
 log = logging.getLogger(__name__)
 
@@ -94,22 +96,41 @@ def check_model_matches(folder: Path, model_sd: dict[str, Any]) -> None:
         ))
 
 
-def load(state: Any, folder: Path, weights_only: bool = False) -> dict[str, Any] | None:
+def load(state: Any, folder: Path, weights_only: bool = False,
+         base: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Load ``folder`` into Composer ``state``: model weights, and unless ``weights_only`` the
     optimizer, schedulers, timestamp and data position. Returns this rank's saved RNG state
-    when the world size is unchanged (apply it before the next batch), else None."""
+    when the world size is unchanged (apply it before the next batch), else None.
+
+    ``base``: this run's LoRA base record (:func:`~foundryx.checkpoint.lora.base_record`),
+    None without LoRA. A LoRA checkpoint must record the same base (else CheckpointError
+    naming both); an adapter-only one loads into the LoRA weights only (the base is already
+    in place). A checkpoint without LoRA loads, weights only, into a LoRA model's base."""
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_model_state_dict,
         set_model_state_dict,
         set_state_dict,
     )
 
     manifest = Manifest.read(folder)
+    saved = check_base(folder, base)
+    partial = saved is not None and bool(saved.get("adapter_only"))
     if weights_only:
         model_sd, optim_sd = get_model_state_dict(state.model), {}
     else:
         model_sd, optim_sd = model_and_optim_state(state.model, state.optimizers)
+    names: dict[str, str] | None = None  # checkpoint name -> model name, for a base into LoRA
+    if partial:
+        model_sd = adapter_state(model_sd)
+    elif base is not None and saved is None:
+        if not weights_only:
+            raise CheckpointError(
+                f"{folder} is a checkpoint of a run without LoRA, and this run has peft_config; "
+                "give it as load_path (the base's weights) with a save_folder of its own")
+        names = {base_key(k): k for k in model_sd if not is_adapter_key(k)}
+        model_sd, partial = {b: model_sd[k] for b, k in names.items()}, True
     check_model_matches(folder, model_sd)
     target: dict[str, Any] = {"model": model_sd} if weights_only else {"model": model_sd, "optim": optim_sd}
     try:
@@ -120,12 +141,15 @@ def load(state: Any, folder: Path, weights_only: bool = False) -> dict[str, Any]
     except DCP_ERRORS as e:
         raise CheckpointError(f"{folder / DCP_DIR}: cannot load ({dcp_error_text(e)}); the "
                               "checkpoint is damaged: use an earlier one") from None
+    loaded = target["model"] if names is None else {names[k]: v for k, v in target["model"].items()}
+    options = StateDictOptions(strict=not partial)
     if weights_only:
-        set_model_state_dict(state.model, target["model"])
-        log.info("loaded model weights from %s", folder)
+        set_model_state_dict(state.model, loaded, options=options)
+        log.info("loaded model weights from %s%s", folder,
+                 " into the LoRA model's base" if names is not None else "")
         return None
-    set_state_dict(state.model, list(state.optimizers or []), model_state_dict=target["model"],
-                   optim_state_dict=target["optim"])
+    set_state_dict(state.model, list(state.optimizers or []), model_state_dict=loaded,
+                   optim_state_dict=target["optim"], options=options)
     trainer_state.restore(state, read_json(folder / TRAINER_STATE), str(folder))
     world = dist.get_world_size()
     log.info("resumed from %s at batch %d (saved with world size %d, now %d)", folder,

@@ -27,6 +27,7 @@ from foundryx.checkpoint.layout import (
     point_latest,
     write_json_atomic,
 )
+from foundryx.checkpoint.lora import adapter_state, write_base
 from foundryx.checkpoint.metadata import write_components, write_model_metadata
 from foundryx.checkpoint.verify import file_digest, signature
 from foundryx.checkpoint.write_failure import describe, state_bytes
@@ -58,6 +59,7 @@ def save(
     keep: int = -1,
     replace: set[str] | None = None,
     components: dict[str, Any] | None = None,
+    lora: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``state`` under ``save_folder`` and commit it; return its folder.
 
@@ -67,6 +69,9 @@ def save(
     checkpoints that may be deleted regardless of ``keep`` (an overwritten earlier run).
     ``components`` (see :func:`~foundryx.checkpoint.metadata.record_of`) is written as
     ``components.json``; the model's Hugging Face config and tokenizer go to ``hf/``.
+    ``lora`` (a LoRA run's :func:`~foundryx.checkpoint.lora.base_record`) is written as
+    ``lora_base.json``; when it says ``adapter_only`` only the LoRA weights of the model are
+    saved (the optimizer holds only them anyway).
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
@@ -83,6 +88,8 @@ def save(
     dist.barrier()
 
     model_sd, optim_sd = model_and_optim_state(state.model, state.optimizers)
+    if lora is not None and lora.get("adapter_only"):
+        model_sd = adapter_state(model_sd)
     failure: BaseException | None = None
     try:
         dcp_save({"model": model_sd, "optim": optim_sd},
@@ -93,6 +100,8 @@ def save(
             write_model_metadata(tmp, state.model)  # hf/: config + tokenizer, for export and eval
             if components is not None:
                 write_components(tmp, components)  # model + tokenizer sections, for rebuild_model
+            if lora is not None:
+                write_base(tmp, lora)  # the LoRA base's source and config hash
     except WRITE_ERRORS as e:
         failure = e
     _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
