@@ -44,7 +44,7 @@ def _has(model: torch.nn.Module, names: set[str]) -> set[str]:
 
 
 def _is_mpt(model: torch.nn.Module) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == "mpt"
+    return getattr(getattr(model, "config", None), "model_type", None) in ("mpt", "foundryx_mpt")
 
 
 class _Refusing:

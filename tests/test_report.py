@@ -1,0 +1,108 @@
+"""foundryx report: plots of the right size, linked from report.md; a plot the run could not
+have is a line saying why; a missing or empty run folder is one message (exit 2). The report of
+a real training run is in tests/test_plugin_e2e.py (the same run the plugin test makes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from foundryx.cli import main
+from foundryx.report import SIZE, make_report
+
+PNG_LINK = re.compile(r"!\[[^\]]*\]\(([^)]+\.png)\)")
+
+
+def write_run(folder: Path, batches: int = 40, restart_at: int | None = None) -> None:
+    """A run folder as foundryx train leaves it: metrics.jsonl, run.json, and an eval's results
+    with a reference model."""
+    folder.mkdir(parents=True)
+    rows = []
+    for b in range(batches):
+        rows += [{"batch": b, "loss/train/total": 6 * math.exp(-b / 15) + 0.3 * ((-1) ** b)},
+                 {"batch": b, "lr-DecoupledAdamW/group0": 1e-3 * min(1, b / 5)},
+                 {"batch": b, "time/batch": b, "time/token": 128 * b, "time/train": b / 3600}]
+        if b >= 10:
+            rows.append({"batch": b, "throughput/tokens_per_sec": 1000 + b,
+                         "throughput/device/mfu": 0.3})
+        if b % 10 == 9:
+            rows.append({"batch": b, "metrics/eval/LanguageCrossEntropy": 5 - b / 10,
+                         "metrics/facts_mc/0-shot/ICLMultipleChoiceAccuracy": 0.25 + b / 100,
+                         "icl/gauntlet/quickstart_facts": 0.1})
+    if restart_at is not None:  # a restarted run appends from batch 0 again
+        rows += [{"batch": b, "loss/train/total": 1.0} for b in range(restart_at)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "run.json").write_text(json.dumps({"hyperparameters": {
+        "foundryx/config": {"run_name": "tiny", "model": {"name": "mpt_causal_lm", "d_model": 64}},
+        "foundryx/environment": {"torch": "2.x-test", "gpus": "none"}}}))
+    results = folder / "eval"
+    results.mkdir()
+    (results / "results.json").write_text(json.dumps({
+        "models": ["reference"], "scores": {"reference": {"facts_mc/0-shot": 0.5,
+                                                           "gauntlet/quickstart_facts": 0.3}},
+        "random_baselines": {"facts_mc/0-shot": 0.25}}))
+    (results / "comparison_tiny.md").write_text("| result | reference | tiny |\n|---|---|---|\n")
+
+
+def test_report_plots_are_images_linked_from_report_md(tmp_path):
+    write_run(tmp_path / "run")
+    assert main(["report", str(tmp_path / "run")]) == 0
+    out = tmp_path / "run" / "report"
+    md = (out / "report.md").read_text()
+    linked = PNG_LINK.findall(md)
+    assert linked == ["loss.png", "lr.png", "throughput.png", "eval.png", "icl.png"]
+    for name in linked:
+        with Image.open(out / name) as im:
+            assert im.format == "PNG" and im.size == SIZE, (name, im.size)
+    # what the run did not log is a line saying why, not a plot
+    assert not (out / "memory.png").exists()
+    assert "- memory: not plotted: the run logged no memory/* metrics" in md
+    # the final numbers, the ICL scores against the reference model, config and environment
+    assert "| train loss (loss/train/total, mean of the last 10) |" in md
+    assert "| facts_mc/0-shot | 0.6400 | 0.5000 |" in md  # this run (last logged), reference
+    assert "| gauntlet/quickstart_facts | 0.1000 | 0.3000 |" in md
+    assert "comparison_tiny.md" in md
+    assert "| torch | 2.x-test |" in md and "d_model: 64" in md
+    assert "# Run report: tiny" in md
+
+
+def test_appended_runs_show_the_last_values_per_batch(tmp_path):
+    write_run(tmp_path / "run", batches=30, restart_at=12)
+    path = make_report(tmp_path / "run", out=tmp_path / "rep")
+    md = path.read_text()
+    assert "holds 2 runs appended" in md
+    assert "| train loss (loss/train/total, mean of the last 10) | 1 |" in md
+
+
+def test_a_run_without_metadata_says_what_is_missing(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        json.dumps({"batch": 0, "loss/train/total": 3.0}) + "\n")
+    md = make_report(tmp_path / "run").read_text()
+    assert "Not recorded: the folder has no run.json" in md
+    assert "- learning rate: not plotted: the run logged no learning rate" in md
+    assert "- ICL scores: not plotted" in md
+
+
+@pytest.mark.parametrize("case", ["missing", "empty folder", "empty metrics", "no losses"])
+def test_missing_or_empty_run_folder_is_one_message(case, tmp_path, capsys):
+    folder = tmp_path / "run"
+    if case != "missing":
+        folder.mkdir()
+    if case == "empty metrics":
+        (folder / "metrics.jsonl").write_text("")
+    if case == "no losses":
+        (folder / "metrics.jsonl").write_text(json.dumps({"batch": 0, "time/batch": 0}) + "\n")
+    assert main(["report", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("foundryx: error: ") and err.count("\n") == 1, err
+    assert str(folder) in err and "Traceback" not in err
+    want = {"missing": "no such run folder", "empty folder": "holds no metrics.jsonl",
+            "empty metrics": "holds no losses or metrics", "no losses": "holds no losses"}[case]
+    assert want in err
+    assert not (folder / "report").exists()  # nothing written
