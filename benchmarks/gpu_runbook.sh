@@ -193,7 +193,7 @@ step_throughput() { # one run per model: a model that fails (out of memory) leav
   { echo "Command per model: \`$(cmd_tp MODEL; show "${CMD_TP[@]:0:${#CMD_TP[@]}-2}")\`"; echo
     "$PYTHON" "$HELPER" throughput ${ok[@]+"${ok[@]}"}; echo
     echo "Random tokens, seq 2048, bf16 (amp_bf16), one process, attn_impl of the yamls (torch)."
-    echo "MFU is n/a when Composer's SpeedMonitor knows no peak bf16 FLOP/s for this GPU."
+    echo "MFU is n/a when foundryx/devices.py (the speed monitor's peak table) has no bf16 peak for this GPU."
     cat "$failed"; } >"$1"
   return $rc
 }

@@ -9,8 +9,8 @@
 Each case is a separate run of this file as the training script (under the composer launcher
 for several processes): it registers a ``synthetic`` dataloader (random tokens, for the GPU
 cases, which have no 2048-token corpus offline) and calls ``foundryx train``. Tokens/s and
-MFU are Composer's SpeedMonitor numbers (MFU = model FLOPs per second / the GPU's peak bf16
-FLOPs), averaged over the batches after ``--warmup``. The CPU cases train the quickstart
+MFU are the speed_monitor's numbers (MFU = model FLOPs per second / the GPU's peak dense bf16
+FLOP/s from foundryx/devices.py), averaged over the batches after ``--warmup``. The CPU cases train the quickstart
 on its generated data (``data/quickstart``, created if missing), each process with
 ``OMP_NUM_THREADS`` = cores / processes unless it is set.
 """

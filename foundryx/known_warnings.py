@@ -3,7 +3,7 @@
 Each filter names the warning's start (a regular expression matched against the start of the
 message, as :func:`warnings.filterwarnings` does), its category and why it is harmless in
 foundryx. Everything else still reaches the output. :func:`install` is called by
-``foundryx train`` and ``foundryx eval`` before they build anything. To see every warning again,
+``foundryx train`` (foundryx.train) before it builds anything. To see every warning again,
 set ``FOUNDRYX_ALL_WARNINGS=1``.
 
 Imports nothing of foundryx: any part may use it.
