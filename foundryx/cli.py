@@ -110,7 +110,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = export_checkpoint(
         args.checkpoint, args.out, config=config, overrides=overrides,
         tokenizer=args.tokenizer, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
-        progress=not args.no_progress, verify=not args.no_verify,
+        progress=not args.no_progress, verify=not args.no_verify, merged=args.merged,
     )
     print(f"exported {args.checkpoint} to {out}")
     return 0
@@ -121,7 +121,7 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
         "export", help="checkpoint → Hugging Face folder (safetensors, config, tokenizer)",
         usage="foundryx export CHECKPOINT OUT [--config RUN_YAML [KEY=VALUE ...]] [--tokenizer T] "
               "[--format auto|llama|mpt] [--dtype fp32|bf16|fp16] [--overwrite] [--no-verify] "
-              "[--no-progress]",
+              "[--no-progress] [--merged]",
     )
     e.add_argument("checkpoint", help="a checkpoint folder, a save_folder (its newest checkpoint), "
                    "or a weights file (.pt, .safetensors)")
@@ -135,6 +135,8 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--overwrite", action="store_true", help="replace an existing export in OUT")
     e.add_argument("--no-verify", action="store_true", help="skip the checkpoint's hash check")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.add_argument("--merged", action="store_true", help="a LoRA run: write the base with the "
+                   "adapters merged (a plain model) instead of a PEFT adapter folder")
     e.set_defaults(fn=cmd_export)
 
 

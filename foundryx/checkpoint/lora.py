@@ -20,9 +20,12 @@ from typing import Any
 from torch import nn
 
 from foundryx.checkpoint.layout import read_json, write_json_atomic
+from foundryx.checkpoint.weights import load_model_weights, match_prefix
+from foundryx.config.types import coerce
 from foundryx.errors import CheckpointError
-from foundryx.models.peft.adapters import has_lora, is_adapter_key
+from foundryx.models.peft.adapters import base_key, has_lora, is_adapter_key
 from foundryx.models.peft.lora import inner_model
+from foundryx.models.peft.options import LoraOptions
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +111,35 @@ def check_base(folder: Path, current: dict[str, Any] | None) -> dict[str, Any] |
             f"{folder} holds LoRA adapters trained on {describe(saved)}, but this run's base is "
             f"{describe(current)}; resume it with the base it records, or use another save_folder")
     return saved
+
+
+def lora_options(section: dict[str, Any] | None) -> LoraOptions | None:
+    """The ``LoraOptions`` of a recorded model section, or None when it has no peft_config."""
+    peft = (section or {}).get("peft_config")
+    return None if peft is None else coerce(LoraOptions, peft, owner="model.peft_config")
+
+
+def with_base(model: nn.Module, adapters: dict[str, Any], folder: Path,
+              saved: dict[str, Any]) -> dict[str, Any]:
+    """The full state dict of ``model`` (a rebuilt LoRA model whose base came from a
+    pretrained folder, already loaded) from an adapter-only checkpoint's ``adapters``: the
+    base's weights are read from ``load_path`` when the checkpoint's base came from there.
+    CheckpointError when the rebuilt base's config differs from the recorded one."""
+    mine = config_hash(model)
+    if mine != saved.get("config_sha256"):
+        raise CheckpointError(
+            f"{folder} holds LoRA adapters trained on {describe(saved)}, but the model rebuilt "
+            f"for it has config sha256 {mine}; give the run config it was trained with")
+    current = model.state_dict()
+    names = {base_key(k): k for k in current if not is_adapter_key(k)}
+    if saved.get("source_field") == "load_path":
+        source = Path(saved["source"])
+        if not source.exists():
+            raise CheckpointError(
+                f"{folder} holds only LoRA adapters; their base is load_path {source}, which is "
+                "gone; put the base back there, or rebuild from a run config naming it")
+        base = match_prefix(load_model_weights(source), names)
+        base = {names[k]: v for k, v in base.items() if k in names}
+    else:  # the pretrained base, loaded when the model was built
+        base = {k: current[k] for k in names.values()}
+    return {**base, **adapters}

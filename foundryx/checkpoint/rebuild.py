@@ -31,12 +31,14 @@ from transformers.modeling_utils import no_init_weights
 
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.checkpoint.layout import MANIFEST, resolve_checkpoint
+from foundryx.checkpoint.lora import lora_options, read_base, with_base
 from foundryx.checkpoint.metadata import COMPONENTS, METADATA_DIR, metadata_folder, read_components
 from foundryx.checkpoint.remote import fetch, is_remote
 from foundryx.checkpoint.weights import fit_weights, load_model_weights
 from foundryx.config.components import build_component, component_problems
 from foundryx.config.load import read_merged, resolve
 from foundryx.errors import CheckpointError, ConfigError, FoundryxError
+from foundryx.models.peft.lora import apply_lora
 from foundryx.parallel.materialize import has_meta, init_meta
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class RebuiltModel:
     tokenizer: Any  # None when no tokenizer was given, saved or recorded
     checkpoint: Path  # the checkpoint folder or weights file the weights came from
     origin: str  # where the model's description came from, for messages
+    lora: Any = None  # a LoRA run's LoraOptions (its adapters are in ``model``), else None
+    lora_base: dict[str, Any] | None = None  # a LoRA checkpoint's lora_base.json
 
 
 def checkpoint_path(checkpoint: str | Path) -> Path:
@@ -151,6 +155,15 @@ def describe_and_build(path: Path, run_config: str | Path | None = None,
     return _from_hf_folder(meta, tok), tok, str(meta / "config.json")
 
 
+def _model_section(path: Path, run_config: str | Path | None,
+                   overrides: list[str] | None) -> dict[str, Any] | None:
+    """The model section the model was built from (run config, else the recorded one)."""
+    if run_config is not None:
+        return run_config_sections(run_config, overrides, with_tokenizer=False)["model"]
+    recorded = read_components(path)
+    return recorded[0]["model"] if recorded is not None else None
+
+
 def rebuild_model(checkpoint: str | Path, *, run_config: str | Path | None = None,
                   overrides: list[str] | None = None, tokenizer: Any = None, verify: bool = True,
                   check: Callable[[Any], None] | None = None) -> RebuiltModel:
@@ -166,11 +179,19 @@ def rebuild_model(checkpoint: str | Path, *, run_config: str | Path | None = Non
     path = checkpoint_path(checkpoint)
     with no_init_weights():  # no random init (torch.nn.init, _init_weights): weights come next
         model, tok, origin = describe_and_build(path, run_config, overrides, tokenizer)
+        options = lora_options(_model_section(path, run_config, overrides)) if path.is_dir() else None
+        if options is not None:  # the adapters' weights come from the checkpoint
+            apply_lora(model, options)
         if check is not None:
             check(model)
         if has_meta(model):  # e.g. init_device: meta; every tensor is overwritten or initialised
             init_meta(model, torch.device("cpu"))
-    state = fit_weights(load_model_weights(path, verify=verify), model, str(path), origin)
+    weights = load_model_weights(path, verify=verify)
+    saved = read_base(path) if path.is_dir() else None
+    if saved is not None and saved.get("adapter_only"):
+        weights = with_base(model, weights, path, saved)
+    state = fit_weights(weights, model, str(path), origin)
     model.load_state_dict(state)
     model.eval()
-    return RebuiltModel(model=model, tokenizer=tok, checkpoint=path, origin=origin)
+    return RebuiltModel(model=model, tokenizer=tok, checkpoint=path, origin=origin, lora=options,
+                        lora_base=saved)

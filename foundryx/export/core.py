@@ -25,7 +25,7 @@ from foundryx.checkpoint.metadata import has_model_record
 from foundryx.checkpoint.rebuild import checkpoint_path, rebuild_model
 from foundryx.checkpoint.weights import fit_weights
 from foundryx.errors import ExportError
-from foundryx.export import llama, mpt
+from foundryx.export import llama, lora, mpt
 from foundryx.export.writer import check_target, save_model_folder, write_atomically
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import MPTForCausalLM
@@ -155,13 +155,17 @@ def export_weights(state: Mapping[str, torch.Tensor], spec: ExportSpec, out: str
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, config: str | Path | None = None,
                       overrides: list[str] | None = None, tokenizer: str | None = None,
                       fmt: str = "auto", dtype: str | None = None, overwrite: bool = False,
-                      progress: bool = True, verify: bool = True) -> Path:
+                      progress: bool = True, verify: bool = True, merged: bool = False) -> Path:
     """Export a checkpoint (folder, save_folder, or weights file) to the folder ``out``.
 
     The model is rebuilt with :func:`~foundryx.checkpoint.rebuild.rebuild_model`: from
     ``config`` (the run YAML, with dotlist ``overrides``) when given, else from the
     checkpoint's own record; ``tokenizer`` (a folder or hub name) replaces its tokenizer.
     Nothing is read or written before the options are checked.
+
+    A LoRA run's checkpoint is written as a PEFT adapter folder for the base of the chosen
+    format, or with ``merged`` as the plain model with the adapters folded in (see
+    :mod:`foundryx.export.lora`).
     """
     check_target(out, overwrite)
     check_dtype(dtype)
@@ -177,5 +181,17 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, config: str | 
 
     rebuilt = rebuild_model(path, run_config=config, overrides=overrides, tokenizer=tokenizer,
                             verify=verify, check=check)
-    return write_export(hf_model_of(rebuilt.model), rebuilt.tokenizer, out, fmt=chosen[0],
+    model = hf_model_of(rebuilt.model)
+    if rebuilt.lora is None:
+        if merged:
+            raise ExportError(f"--merged: {path} is not a checkpoint of a LoRA run (its model has "
+                              "no peft_config); export it without --merged")
+    elif merged:
+        model = lora.merge_adapters(model)
+    else:
+        base = (rebuilt.lora_base or {}).get("source")
+        return lora.write_adapter(model, rebuilt.lora, rebuilt.tokenizer, out, fmt=chosen[0],
+                                  base=base, dtype=check_dtype(dtype), overwrite=overwrite,
+                                  source=str(path))
+    return write_export(model, rebuilt.tokenizer, out, fmt=chosen[0],
                         dtype=dtype, overwrite=overwrite, progress=progress, source=str(path))

@@ -15,7 +15,8 @@ from foundryx.runtime import replace_all
 
 def replaceable(out: Path) -> bool:
     """An existing ``out`` may be replaced only if it is an empty folder or a model folder."""
-    return out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file())
+    return out.is_dir() and (not any(out.iterdir()) or (out / "config.json").is_file()
+                             or (out / "adapter_config.json").is_file())
 
 
 def check_target(out: str | Path, overwrite: bool) -> Path:

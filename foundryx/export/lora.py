@@ -1,0 +1,126 @@
+"""Export of a LoRA run: a PEFT adapter folder, or the base with the adapters merged.
+
+The adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) is what
+``peft.PeftModel.from_pretrained(base, folder)`` loads, on the Hugging Face base the export
+format gives: ``hf_causal_lm``'s own pretrained folder; for an MPT, its export as Llama
+(``llama``) or as ``foundryx_mpt`` (``mpt``). For the Llama export the fused ``Wqkv``'s
+adapter becomes three: q_proj, k_proj, v_proj share its ``lora_A`` and each takes its rows of
+``lora_B`` (``B A x`` split by rows is exactly ``B_q A x``, ``B_k A x``, ``B_v A x``).
+
+``--merged`` folds each adapter into its frozen weight (``W + scale B A``, PEFT's merge) and
+writes the plain model as an ordinary export.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundryx.errors import ExportError
+from foundryx.export.writer import write_atomically
+from foundryx.models.mpt.configuration import MPTConfig
+from foundryx.models.peft.adapters import (
+    ADAPTER,
+    is_adapter_key,
+    peft_config_dict,
+    to_peft_key,
+    write_adapter_folder,
+)
+from foundryx.models.peft.options import LoraOptions
+
+log = logging.getLogger(__name__)
+
+_LORA = re.compile(r"^(?P<layer>.+)\.(?P<ab>lora_[AB])\." + ADAPTER + r"\.weight$")
+# MPT layer name (regex) -> Llama layer name; Wqkv is split separately.
+_LLAMA_LAYERS = [
+    (r"^transformer\.blocks\.(\d+)\.attn\.out_proj$", r"model.layers.\1.self_attn.o_proj"),
+    (r"^transformer\.blocks\.(\d+)\.ffn\.(gate|up|down)_proj$", r"model.layers.\1.mlp.\2_proj"),
+]
+_WQKV = re.compile(r"^transformer\.blocks\.(\d+)\.attn\.Wqkv$")
+
+
+def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{inner-model name: tensor}`` of the LoRA weights of a Hugging Face model; ExportError
+    for adapters that are not PEFT's plain LoRA layers."""
+    out = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+    odd = [k for k in out if not _LORA.match(k)]
+    if odd:
+        raise ExportError(f"{odd[0]}: not a PEFT LoRA weight (<layer>.lora_A.{ADAPTER}.weight); "
+                          "foundryx exports adapters of whole linear layers only (MPT's q/k/v "
+                          "slice targets: export with --merged)")
+    return out
+
+
+def to_llama(cfg: MPTConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An MPT's adapter weights under LlamaForCausalLM's layer names (Wqkv split)."""
+    d, kv = cfg.d_model, cfg.kv_n_heads * cfg.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in weights.items():
+        m = _LORA.match(key)
+        layer, ab = m.group("layer"), m.group("ab")
+        qkv = _WQKV.match(layer)
+        if qkv:
+            prefix = f"model.layers.{qkv.group(1)}.self_attn"
+            parts = ((tensor,) * 3 if ab == "lora_A" else tensor.split((d, kv, kv), dim=0))
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), parts):
+                out[f"{prefix}.{proj}.{ab}.{ADAPTER}.weight"] = part.clone()
+            continue
+        for pattern, repl in _LLAMA_LAYERS:
+            new, n = re.subn(pattern, repl, layer)
+            if n:
+                out[f"{new}.{ab}.{ADAPTER}.weight"] = tensor
+                break
+        else:
+            raise ExportError(f"{layer}: no Llama layer for this MPT adapter; export with "
+                              "--format mpt (or --merged)")
+    return out
+
+
+def targets_of(weights: dict[str, torch.Tensor]) -> list[str]:
+    return sorted({_LORA.match(k).group("layer").rsplit(".", 1)[-1] for k in weights})
+
+
+def write_adapter(model: nn.Module, options: LoraOptions, tokenizer: Any, out: str | Path, *,
+                  fmt: str, base: str | None, dtype: torch.dtype | None = None,
+                  overwrite: bool = False, source: str = "") -> Path:
+    """Write the adapters of ``model`` (a Hugging Face model with injected LoRA layers) as a
+    PEFT adapter folder ``out`` for the base of export format ``fmt``."""
+    weights = adapter_weights(model)
+    if fmt == "llama":
+        weights = to_llama(model.config, weights)
+    tensors = {to_peft_key(k): v.detach().to("cpu", dtype or v.dtype) for k, v in weights.items()}
+    config = peft_config_dict(options, targets_of(weights), base)
+
+    def fill(tmp: Path) -> None:
+        write_adapter_folder(tmp, tensors, config)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+
+    out = write_atomically(out, fill, overwrite)
+    log.info("exported the LoRA adapter of %s (%d weights, for a %s base) to %s", source or "the model",
+             len(tensors), {"llama": "Llama", "mpt": "foundryx_mpt"}.get(fmt, "its Hugging Face"), out)
+    return out
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every LoRA layer of ``model`` into its frozen linear layer and put that layer back
+    in its place (in place; returns ``model``, now a plain Hugging Face model)."""
+    from peft.tuners.lora import LoraLayer  # a heavy optional import, used only here
+
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for name, layer in layers:
+        with torch.no_grad():
+            layer.merge()
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer.get_base_layer())
+    left = [n for n, _ in model.named_parameters() if is_adapter_key(n)]
+    if left:
+        raise ExportError(f"{left[0]}: cannot merge this adapter (not a PEFT LoRA layer)")
+    log.info("merged %d LoRA adapters into their base weights", len(layers))
+    return model
