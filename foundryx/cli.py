@@ -96,7 +96,7 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 def cmd_data_merge(args: argparse.Namespace) -> int:
     setup_logging("info")
     manifest = partitions.merge(args.out, overwrite=args.overwrite)
-    print(f"merged {len(manifest['partitions'])} partitions into {args.out}: "
+    print(f"merged {len(manifest['partitions'])} partition(s) into {args.out}: "
           f"{manifest['sequences']} sequences of {manifest['max_seq_len']} tokens "
           f"({manifest['tokens']} tokens from {manifest['documents']} documents)")
     return 0

@@ -99,7 +99,8 @@ def test_convert_into_bucket_uploads_shards_then_index(s3, cache, corpus, tiny_t
 
 
 @pytest.mark.slow
-def test_partitions_merge_to_the_single_conversion(s3, cache, corpus, tiny_tokenizer, tmp_path):
+def test_partitions_merge_to_the_single_conversion(s3, cache, corpus, tiny_tokenizer, tmp_path,
+                                                   capsys):
     docs, src = corpus
     single = convert_to_mds(src, tmp_path / "single", tiny_tokenizer, SEQ, **SMALL)
     for i in range(3):
@@ -123,9 +124,15 @@ def test_partitions_merge_to_the_single_conversion(s3, cache, corpus, tiny_token
         done += part["tokens"]
     assert pos == len(stream) and done == len(got)
 
-    # one partition, merged, is the single conversion itself
-    convert_to_mds(src, tmp_path / "one", tiny_tokenizer, SEQ, partition=(0, 1), **SMALL)
-    partitions.merge(tmp_path / "one")
+    # one partition, merged, is the single conversion itself (through the CLI)
+    cli = ["data", "convert", "--input", str(src), "--tokenizer", tiny_tokenizer.name_or_path,
+           "--max-seq-len", str(SEQ), "--workers", "1", "--no-progress", "--out",
+           str(tmp_path / "one")]
+    assert "--partition I together" in one_message(in_process(capsys, *cli, "--partition", "0"))
+    r = in_process(capsys, *cli, "--num-partitions", "1", "--partition", "0")
+    assert r.returncode == 0 and f"to {tmp_path / 'one' / 'part-00000-of-00001'}" in r.stdout
+    r = in_process(capsys, "data", "merge", str(tmp_path / "one"))
+    assert r.returncode == 0 and f"merged 1 partition(s) into {tmp_path / 'one'}" in r.stdout
     np.testing.assert_array_equal(stored(tmp_path / "one"), stored(tmp_path / "single"))
 
     # the same in a bucket: a merge waits for every partition, then equals the local merge
@@ -187,7 +194,7 @@ def test_loaders_stream_from_a_bucket(s3, cache, quickstart_data, tmp_path, capl
     ("no-dataset", "/nothing/train/index.json does not exist, so there is no MDS dataset"),
     ("wrong-endpoint", "cannot reach the S3 endpoint http://127.0.0.1:9"),
     ("no-credentials", "no AWS credentials were found to read s3://"),
-])
+], ids=["missing-bucket", "no-dataset", "wrong-endpoint", "no-credentials"])
 def test_bad_remote_is_one_message_before_training(s3, quickstart_data, tmp_path, monkeypatch,
                                                    capsys, case, needle):
     bucket = s3.bucket()
