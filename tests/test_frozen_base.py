@@ -62,7 +62,7 @@ def test_storage_bytes_error_and_no_nan_from_zero_rows():
     with torch.no_grad():
         layer.weight.copy_(w)
     errors = {}
-    for dtype, max_ratio in (("bf16", 1.0), ("int8", 0.51), ("fp8", 0.51), ("nf4", 0.27)):
+    for dtype, max_ratio in (("bf16", 1.01), ("int8", 0.51), ("fp8", 0.51), ("nf4", 0.27)):
         q = LowPrecisionLinear(layer, dtype, "w")
         assert stored_bytes(q.weight) <= max_ratio * bf16, dtype
         dense = q.dense_weight(torch.float32, torch.device("cpu"))
@@ -168,9 +168,10 @@ def all_gather_bytes():
         if original is None:
             continue
 
-        def counting(output, *args, _original=original, **kwargs):
+        def counting(*args, _original=original, **kwargs):
+            output = kwargs["output_tensor"] if "output_tensor" in kwargs else args[0]
             seen[0] += output.numel() * output.element_size()
-            return _original(output, *args, **kwargs)
+            return _original(*args, **kwargs)
 
         patched[name] = original
         setattr(dist, name, counting)
@@ -215,8 +216,9 @@ def test_frozen_bases_shard_and_gather_low_precision_bytes_on_two_processes():
     results = run_distributed(_frozen_bases_under_fsdp2, timeout=300)
     r = results[0]
     assert results[0] == results[1]  # every number, both ranks
-    assert r[("bf16", 0.0)]["local_types"] == ["Tensor"]
-    assert r[("int8", 0.0)]["local_types"] == r[("fp8", 0.0)]["local_types"] == ["RowScaledTensor"]
+    # a bf16 base beside fp32 adapters in one unit (torch 2.7's FSDP2 dtype check) trains
+    for d in ("bf16", "int8", "fp8"):
+        assert r[(d, 0.0)]["local_types"] == ["RowScaledTensor"], r[(d, 0.0)]
     assert r[("nf4", 0.0)]["local_types"] == ["NF4Tensor"]
     bf16 = r[("bf16", 0.0)]
     ratios = {d: r[(d, 0.0)]["base_bytes"] / bf16["base_bytes"] for d in DTYPES}

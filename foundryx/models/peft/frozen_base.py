@@ -8,7 +8,9 @@ and any linear layer LoRA does not target; never the output projection) becomes 
   scales themselves quantized); it carries FSDP2's all-gather hooks.
 - ``fp8`` / ``int8``: :class:`~foundryx.models.peft.rowwise.RowScaledTensor` (a scale per
   output row), ours, with the same hooks.
-- ``bf16``: a plain bfloat16 parameter.
+- ``bf16``: the same subclass holding bfloat16 rows (scales of 1), so that the unit keeps one
+  original dtype (torch 2.7's FSDP2 refuses a bf16 base beside fp32 adapters) and the mixed
+  precision policy does not upcast it before the all-gather.
 
 FSDP2 shards and all-gathers these parameters as they are, so the low-precision bytes are
 what each rank stores and what moves. The layer dequantizes its weight to the input's dtype
@@ -91,9 +93,7 @@ def to_nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
 def to_storage(weight: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
     if dtype == "nf4":
         return to_nf4(weight, name)
-    if dtype in ("fp8", "int8"):
-        return RowScaledTensor.from_weight(weight, dtype)
-    return weight.detach().to(torch.bfloat16)
+    return RowScaledTensor.from_weight(weight, dtype)  # fp8, int8 and bf16
 
 
 class _FrozenLinearFn(torch.autograd.Function):

@@ -1,5 +1,5 @@
-"""Frozen weights stored as int8 or FP8 (e4m3) with one scale per output row, as a tensor
-subclass FSDP2 shards and all-gathers in its low-precision form.
+"""Frozen weights stored as int8 or FP8 (e4m3) with one scale per output row (or as bf16), as
+a tensor subclass FSDP2 shards and all-gathers in its low-precision form.
 
 torchao covers NF4 on CPU (``torchao.dtypes.nf4tensor.NF4Tensor``, used for ``frozen_base:
 nf4``), but its int8 and float8 tensors are built for inference kernels or for float8
@@ -23,7 +23,7 @@ import torch
 
 aten = torch.ops.aten
 
-QDTYPES = {"int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None)}
+QDTYPES = {"int8": torch.int8, "fp8": getattr(torch, "float8_e4m3fn", None), "bf16": torch.bfloat16}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # e4m3fn's largest finite value
 # A row's scale never goes below this, so an all-zero (or underflowing) row gives zeros, not
 # 0/0 = NaN (the trap of row-wise FP8 scales on near-zero rows).
@@ -31,8 +31,11 @@ MIN_SCALE = 1e-12
 
 
 def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qdata, scale)`` for a 2-D ``weight``: per output row, ``scale = amax / qmax``."""
+    """``(qdata, scale)`` for a 2-D ``weight``: per output row, ``scale = amax / qmax``
+    (bf16: the weight rounded to bfloat16, scales of 1)."""
     w = weight.detach().to(torch.float32)
+    if kind == "bf16":
+        return w.to(torch.bfloat16), torch.ones(w.shape[0], device=w.device)
     scale = (w.abs().amax(dim=1) / QMAX[kind]).clamp(min=MIN_SCALE)
     scaled = w / scale[:, None]
     if kind == "int8":
@@ -43,8 +46,11 @@ def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.
 
 
 class RowScaledTensor(torch.Tensor):
-    """A frozen 2-D weight as ``qdata`` (int8 or float8_e4m3fn, ``[out, in]``) and ``scale``
-    (float32, ``[out]``); its dtype is the dtype it dequantizes to by default."""
+    """A frozen 2-D weight as ``qdata`` (int8, float8_e4m3fn or bfloat16, ``[out, in]``) and
+    ``scale`` (float32, ``[out]``); its dtype is the dtype it dequantizes to by default (the
+    original weight's, so under FSDP2 a bf16 base beside fp32 adapters and norms keeps the
+    uniform original dtype torch 2.7's FSDP2 requires of a unit, and is not upcast by the
+    mixed-precision policy before the all-gather)."""
 
     qdata: torch.Tensor
     scale: torch.Tensor
@@ -71,7 +77,7 @@ class RowScaledTensor(torch.Tensor):
 
     @property
     def kind(self) -> str:
-        return "int8" if self.qdata.dtype == torch.int8 else "fp8"
+        return {torch.int8: "int8", torch.bfloat16: "bf16"}.get(self.qdata.dtype, "fp8")
 
     def nbytes_stored(self) -> int:
         return self.qdata.nbytes + self.scale.nbytes
