@@ -30,7 +30,7 @@ from foundryx.errors import ConfigError
 from foundryx.hub import looks_like_path, resolve_source
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
-from foundryx.models.peft.options import LoraOptions, init_device_problems
+from foundryx.models.peft.options import LoraOptions
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +71,7 @@ class HFCausalLMOptions:
     def problems(self) -> list[str]:
         """Combinations, and the config of a local folder or dict (no weights are read)."""
         path, config = self.pretrained_model_name_or_path, self.config
-        p = init_device_problems(self.peft_config, self.init_device)
-        p += frozen_base_problems(self.peft_config, self.frozen_base)
+        p = frozen_base_problems(self.peft_config, self.frozen_base)
         if (path is None) == (config is None):
             p.append("pretrained_model_name_or_path: give exactly one of "
                      "pretrained_model_name_or_path (a folder or hub name) and config (a dict "

@@ -116,6 +116,12 @@ class MPTPreTrainedModel(PreTrainedModel):
     def fsdp_wrap_fn(self, module: nn.Module) -> bool:
         return isinstance(module, MPTBlock)
 
+    # LoRA's logical target names (foundryx.models.peft): name -> (linear layer, index of a
+    # row slice of the fused Wqkv, or None for the whole layer).
+    lora_logical_targets = {"q": ("Wqkv", 0), "k": ("Wqkv", 1), "v": ("Wqkv", 2),
+                            "o": ("out_proj", None), "up": ("up_proj", None),
+                            "down": ("down_proj", None), "gate": ("gate_proj", None)}
+
     def activation_checkpointing_fn(self, module: nn.Module) -> bool:
         return isinstance(module, MPTBlock)
 

@@ -14,7 +14,7 @@ import torch
 
 from foundryx.config.types import is_int, option
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
-from foundryx.models.peft.options import LoraOptions, init_device_problems
+from foundryx.models.peft.options import LoraOptions
 
 INIT_SCHEMES = ("kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_")
 InitScheme = Literal["kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_"]
@@ -142,8 +142,7 @@ class MPTOptions:
                      f"use one of {', '.join(divisors)}")
         if self.init_config.name == "baseline_" and self.init_config.init_std is None:
             p.append("init_config.init_std: baseline_ needs init_std; set it, e.g. 0.02")
-        return (p + init_device_problems(self.peft_config, self.init_device)
-                + frozen_base_problems(self.peft_config, self.frozen_base))
+        return p + frozen_base_problems(self.peft_config, self.frozen_base)
 
 
 # Run options in the model section that are not MPT hyperparameters (not in MPTConfig).

@@ -47,10 +47,3 @@ class LoraOptions:
                     "v_proj]) or write all-linear"]
         return []
 
-
-def init_device_problems(peft_config: LoraOptions | None, init_device: str) -> list[str]:
-    """A model section's rule: LoRA is applied to weights that exist, not to meta tensors."""
-    if peft_config is None or init_device not in ("meta", "mixed"):
-        return []
-    return [f"init_device: {init_device} with peft_config is not built yet (meta parameters "
-            "would be initialised without LoRA's zero B); use init_device: cpu"]
