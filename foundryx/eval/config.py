@@ -34,12 +34,15 @@ class EvalModelSpec:
     hf: str | None = doc("a Hugging Face causal LM: local folder (also `foundryx export` "
                          "output) or hub name", default=None)
     tokenizer: str | None = doc("tokenizer folder or hub name; default: the model's", default=None)
+    adapter: str | None = doc(
+        "a PEFT LoRA adapter folder (adapter_config.json + weights, e.g. `foundryx export` "
+        "output) applied to `hf`; models with the same hf load it once", default=None)
 
 
 @dataclass
 class EvalConfig:
-    models: list[dict[str, Any]] = doc("models to evaluate: [{label, checkpoint, run_config} "
-                                       "or {label, hf}]")
+    models: list[dict[str, Any]] = doc("models to evaluate: [{label, checkpoint, run_config}, "
+                                       "{label, hf} or {label, hf, adapter}]")
     icl_tasks: str | list[dict[str, Any]] = doc("a task file (eval/yamls/tasks.yaml) or a list")
     icl_data_root: str | None = doc(
         "folder of relative dataset_uri paths; default: the task file's data_root", default=None)
@@ -91,6 +94,13 @@ def _model_problems(models: list[Any]) -> tuple[list[EvalModelSpec], list[str]]:
             spec = EvalModelSpec(**m)
             if (spec.checkpoint is None) == (spec.hf is None):
                 found.append(f"{path}: give exactly one of checkpoint (with run_config) and hf")
+            elif spec.adapter is not None and spec.hf is None:
+                found.append(f"{path}.adapter: an adapter goes on a Hugging Face base; give the "
+                             "base model as hf")
+            elif spec.adapter is not None and not (Path(spec.adapter) / "adapter_config.json").is_file():
+                found.append(f"{path}.adapter: {spec.adapter} has no adapter_config.json; give a "
+                             "PEFT adapter folder (foundryx export output or "
+                             "PeftModel.save_pretrained)")
             elif spec.checkpoint is not None and spec.run_config is None:
                 if not has_model_record(spec.checkpoint):
                     found.append(f"{path}.run_config: missing, and {spec.checkpoint} holds no "

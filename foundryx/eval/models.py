@@ -1,22 +1,27 @@
 """Models for standalone eval: a foundryx checkpoint (rebuilt by
-:func:`foundryx.checkpoint.rebuild.rebuild_model`, from its run config or its own record) or
-a Hugging Face causal LM, each as a Composer model with its tokenizer."""
+:func:`foundryx.checkpoint.rebuild.rebuild_model`, from its run config or its own record), a
+Hugging Face causal LM, or a PEFT LoRA adapter on one, each as a Composer model with its
+tokenizer. :class:`EvalModels` keeps a Hugging Face base between models that share it and
+swaps their adapters in and out (PEFT's add_adapter / set_adapter / delete_adapter), so ten
+adapters of one base cost one base load."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 import foundryx.models.mpt.modeling  # noqa: F401  (lets Auto* load exported foundryx MPTs)
 from foundryx.checkpoint.rebuild import build_tokenizer, rebuild_model, wrap_hf_model
 from foundryx.errors import CheckpointError
 from foundryx.eval.config import EvalModelSpec
+from foundryx.models.peft.lora import plain_linear_dispatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_eval_model", "model_max_len", "wrap_hf_model"]
+__all__ = ["EvalModels", "load_eval_model", "model_max_len", "wrap_hf_model"]
 
 
 def _from_checkpoint(spec: EvalModelSpec) -> tuple[Any, Any]:
@@ -28,7 +33,8 @@ def _from_checkpoint(spec: EvalModelSpec) -> tuple[Any, Any]:
     return rebuilt.model, rebuilt.tokenizer
 
 
-def _from_hf(spec: EvalModelSpec) -> tuple[Any, Any]:
+def _hf_base(spec: EvalModelSpec) -> tuple[nn.Module, Any]:
+    """The Hugging Face model ``spec.hf`` (no adapter) and its tokenizer."""
     tokenizer = build_tokenizer(spec.tokenizer or spec.hf)
     try:
         model = AutoModelForCausalLM.from_pretrained(spec.hf)
@@ -37,7 +43,98 @@ def _from_hf(spec: EvalModelSpec) -> tuple[Any, Any]:
             f"could not load Hugging Face model {spec.hf!r}: {str(e).splitlines()[0]}. Give a "
             f"local folder with config.json and weights, or a hub name with network access."
         ) from None
+    return model, tokenizer
+
+
+def _from_hf(spec: EvalModelSpec) -> tuple[Any, Any]:
+    model, tokenizer = _hf_base(spec)
     return wrap_hf_model(model, tokenizer), tokenizer
+
+
+def _adapter_config(folder: str) -> Any:
+    from peft import LoraConfig  # a heavy optional import, used only for adapters
+
+    try:
+        config = LoraConfig.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{folder}: not a PEFT LoRA adapter folder ({str(e).splitlines()[0]}); "
+                              "give a folder with adapter_config.json and "
+                              "adapter_model.safetensors (foundryx export output)") from None
+    return plain_linear_dispatch(config)
+
+
+class EvalModels:
+    """Loads the models of an eval config one after another. Hugging Face models with the same
+    ``hf`` and ``tokenizer`` share one loaded base: an ``adapter`` is added to it and made
+    active, the previous adapter removed; a model without an adapter gets the bare base."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, str | None] | None = None
+        self.base: nn.Module | None = None  # the bare Hugging Face model
+        self.peft: Any = None  # peft.PeftModel around it while an adapter is on
+        self.tokenizer: Any = None
+        self.base_loads = 0
+
+    @staticmethod
+    def order(specs: list[EvalModelSpec]) -> list[EvalModelSpec]:
+        """``specs`` with the models of one base next to each other (first appearance order,
+        the bare base first), so each base is loaded once."""
+        groups: dict[Any, list[EvalModelSpec]] = {}
+        for spec in specs:
+            key = (spec.hf, spec.tokenizer) if spec.hf else ("checkpoint", spec.label)
+            groups.setdefault(key, []).append(spec)
+        return [s for group in groups.values()
+                for s in sorted(group, key=lambda s: s.adapter is not None)]
+
+    def load(self, spec: EvalModelSpec) -> tuple[Any, Any]:
+        """``(composer_model, tokenizer)`` for ``spec``, in eval mode."""
+        if not spec.hf:
+            self.release()
+            return load_eval_model(spec)
+        key = (spec.hf, spec.tokenizer)
+        if key != self.key:
+            self.release()
+            self.base, self.tokenizer = _hf_base(spec)
+            self.key, self.base_loads = key, self.base_loads + 1
+        else:
+            log.info("model %s: reusing the loaded base %s", spec.label, spec.hf)
+        hf_model = self._with_adapter(spec)
+        model = wrap_hf_model(hf_model, self.tokenizer)
+        model.eval()
+        log.info("model %s: %s%s (%.1fM parameters)", spec.label, spec.hf,
+                 f" + adapter {spec.adapter}" if spec.adapter else "",
+                 sum(p.numel() for p in model.parameters()) / 1e6)
+        return model, self.tokenizer
+
+    def _with_adapter(self, spec: EvalModelSpec) -> nn.Module:
+        if spec.adapter is None:
+            if self.peft is not None:
+                self.base, self.peft = self.peft.unload(), None  # the adapter layers removed
+            return self.base
+        from peft import PeftModel  # a heavy optional import, used only for adapters
+        from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+        config = _adapter_config(spec.adapter)
+        name = f"eval{self.base_loads}_{len(getattr(self.peft, 'peft_config', {}))}"
+        try:
+            if self.peft is None:
+                self.peft = PeftModel.from_pretrained(self.base, spec.adapter, adapter_name=name,
+                                                      config=config)
+            else:
+                previous = self.peft.active_adapter
+                self.peft.add_adapter(name, config)
+                set_peft_model_state_dict(self.peft, load_peft_weights(spec.adapter),
+                                          adapter_name=name)
+                self.peft.set_adapter(name)
+                self.peft.delete_adapter(previous)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{spec.adapter}: cannot apply this adapter to {spec.hf} "
+                                  f"({str(e).splitlines()[0]}); was it trained on this base?"
+                                  ) from None
+        return self.peft
+
+    def release(self) -> None:
+        self.key = self.base = self.peft = self.tokenizer = None
 
 
 def load_eval_model(spec: EvalModelSpec) -> tuple[Any, Any]:

@@ -13,7 +13,7 @@ from composer.utils import dist, get_device, reproducibility
 from foundryx.errors import ConfigError
 from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
 from foundryx.eval.config import LoadedEvalConfig, load_eval_config
-from foundryx.eval.models import load_eval_model
+from foundryx.eval.models import EvalModels
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model
@@ -105,15 +105,20 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
             log.info("setup %s: wrote %s", name, ", ".join(map(str, written.values())))
     dist.barrier()
 
-    results, dumped = EvalResults(), []
-    for spec in loaded.models:
-        model, tokenizer = load_eval_model(spec)
+    results, dumped = EvalResults(), {}
+    models = EvalModels()  # models sharing a Hugging Face base load it once
+    for spec in models.order(loaded.models):
+        model, tokenizer = models.load(spec)
         device.module_to_device(model)
         task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump)
         add_model_results(results, spec.label, task_results, loaded)
-        dumped += [{"model": spec.label, **rec} for r in task_results for rec in r.dumped]
+        dumped[spec.label] = [{"model": spec.label, **rec} for r in task_results for rec in r.dumped]
         del model
         gc.collect()
+    models.release()
+    results.models = [m.label for m in loaded.models if m.label in results.scores]  # config order
+    results.scores = {m: results.scores[m] for m in results.models}
+    dumped = [rec for m in results.models for rec in dumped[m]]
     outcome = EvalOutcome(results)
     if compare_to is not None:
         outcome.comparisons = _compare(results, loaded, compare_to, ref_label, ref_file, tolerance)
