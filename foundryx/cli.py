@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from foundryx import registry
-from foundryx.config.help import config_help
+from foundryx.config.help import component_help, config_help
 from foundryx.data import partitions
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.quickstart import prepare_quickstart
@@ -31,7 +31,7 @@ def _is_rank_zero() -> bool:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.help_config:
-        print(config_help())
+        print(config_help() if args.help_config is True else component_help(args.help_config))
         return 0
     if not args.config:
         raise FoundryxError("foundryx train: give a run config, e.g. yamls/quickstart.yaml")
@@ -217,7 +217,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="run config YAML, e.g. yamls/quickstart.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. max_duration=20ba")
     t.add_argument("--dry-run", action="store_true", help="print the resolved config and derived numbers")
-    t.add_argument("--help-config", action="store_true", help="list every config key with its doc")
+    t.add_argument("--help-config", nargs="?", const=True, metavar="REGISTRY.NAME",
+                   help="list every config key with its doc; with REGISTRY.NAME (e.g. "
+                   "algorithms.ema, or a bare name), that component's options")
     t.set_defaults(fn=cmd_train)
 
     r = sub.add_parser("registry", help="inspect registries")

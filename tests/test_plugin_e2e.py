@@ -89,6 +89,11 @@ def test_registry_lists_the_plugins_four_entries(installed_plugin):
     for reg, name in ENTRIES.items():
         row = next(ln for ln in r.stdout.splitlines() if re.match(rf"{reg}\s+{name}\s", ln))
         assert "foundryx-example-plugin (foundryx_example_plugin." in row, row
+    # its options dataclass is what --help-config shows
+    r = run("-m", "foundryx.cli", "train", "--help-config", "algorithms.freeze_parameters")
+    assert r.returncode == 0, r.stderr
+    assert "options FreezeOptions" in r.stdout
+    assert "name_contains: a list [['wte']]\n    freeze parameters whose names contain" in r.stdout
 
 
 @pytest.mark.slow
