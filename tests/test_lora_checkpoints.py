@@ -1,0 +1,264 @@
+"""LoRA checkpoints, export and start-from-adapter (issue 12 part A).
+
+MPT on 2 gloo processes under FSDP2 (the base from ``load_path``): checkpoints hold only the
+adapters and their optimizer state, resume gives bitwise the losses of an uninterrupted run,
+a different base is refused naming both; the PEFT export loads with plain transformers + peft
+in a process that never imports foundryx (tests/peft_judge.py) on the Llama export of the
+base, and the merged export matches too. A tiny Hugging Face Llama (``hf_causal_lm`` from a
+pretrained folder): the same export round trip, then a run that starts from the exported
+adapter with ``model.pretrained_lora_id_or_path``; an adapter that does not fit is one message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hf_tiny import train_steps
+
+from foundryx.loggers.jsonl import read_metrics
+
+ROOT = Path(__file__).parents[1]
+JUDGE = Path(__file__).with_name("peft_judge.py")
+LOSS = "loss/train/total"
+BIN = Path(sys.executable).parent
+MPT_DIMS = {"d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 32, "vocab_size": 16384,
+            "attn_config": {"rope": True}, "norm_type": "rmsnorm",
+            "ffn_config": {"ffn_type": "swiglu"}, "no_bias": True}
+TINY = [
+    "variables.max_seq_len=32", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
+    "model.vocab_size=16384", "global_train_batch_size=4", "eval_loader=null", "parallelism={}",
+    "scheduler.t_warmup=2ba", "optimizer.lr=0.01", "max_duration=8ba", "save_interval=4ba",
+    "save_overwrite=false", "console_log_interval=100ba", "save_num_checkpoints_to_keep=-1",
+    "model.peft_config.target_modules=[Wqkv,out_proj,gate_proj,up_proj,down_proj]",
+    "model.peft_config.r=4", "model.peft_config.lora_alpha=8",
+]
+
+
+def mpt_base(path: Path, seed: int) -> Path:
+    """A random MPT's weights as a safetensors file (the base a LoRA run starts from)."""
+    from safetensors.torch import save_file
+
+    from foundryx.models.mpt.configuration import MPTConfig
+    from foundryx.models.mpt.modeling import MPTForCausalLM
+
+    torch.manual_seed(seed)
+    model = MPTForCausalLM(MPTConfig(**MPT_DIMS))
+    save_file({k: v.clone().contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def train(data: Path, out: Path, base: Path, nproc: int = 2) -> subprocess.CompletedProcess:
+    args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
+            f"loggers.jsonl.path={out}/metrics.jsonl", f"load_path={base}", *TINY]
+    cmd = [str(BIN / "composer"), "-n", str(nproc), "--stderr", str(out / "rank{rank}.err"),
+           "--stdout", str(out / "rank{rank}.out"), "train.py", "yamls/quickstart.yaml", *args]
+    out.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {row["batch"] + 1: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
+
+
+def ok(out: Path, r: subprocess.CompletedProcess) -> str:
+    ranks = "".join(p.read_text()[-3000:] for p in sorted(out.glob("rank*.err")))
+    return f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}\n{ranks}"
+
+
+def judge(base: Path, adapter: Path, merged: Path, ids: torch.Tensor, tmp: Path) -> dict:
+    """Logits of the adapter on ``base`` and of ``merged``, from a process without foundryx."""
+    torch.save(ids, tmp / "ids.pt")
+    r = subprocess.run([sys.executable, str(JUDGE), str(base), str(adapter), str(merged),
+                        str(tmp / "ids.pt"), str(tmp / "judged.pt")],
+                       capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(tmp / "judged.pt", weights_only=False)
+
+
+def trained_logits(checkpoint: Path, ids: torch.Tensor) -> torch.Tensor:
+    from foundryx.checkpoint.rebuild import rebuild_model
+
+    rebuilt = rebuild_model(checkpoint)
+    with torch.no_grad():
+        return rebuilt.model.model(input_ids=ids).logits
+
+
+def cli(*argv: str) -> int:
+    from foundryx.cli import main
+
+    return main(list(argv))
+
+
+# -- MPT, 2 processes, FSDP2 --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_mpt_lora_checkpoints_resume_exactly_and_export_to_peft(quickstart_data, tmp_path, capsys):
+    from foundryx.checkpoint.safe_dcp import read_metadata
+    from foundryx.checkpoint.weights import model_tensor_shapes
+    from foundryx.export import ExportSpec, export_checkpoint, export_weights
+    from foundryx.models.mpt.configuration import MPTConfig
+
+    base = mpt_base(tmp_path / "base.safetensors", seed=0)
+    ref, res = tmp_path / "ref", tmp_path / "res"
+    r = train(quickstart_data, ref, base)
+    assert r.returncode == 0, ok(ref, r)
+
+    # Adapter-only: the model tensors are the lora_A/lora_B weights, the files a fraction of the base.
+    ckpt4 = ref / "ckpt" / "ep0-ba4"
+    saved = model_tensor_shapes(read_metadata(ckpt4 / "dcp"))
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved), sorted(saved)[:5]
+    assert len(saved) == 2 * 5 * MPT_DIMS["n_layers"]
+    dcp_bytes = sum(p.stat().st_size for p in (ckpt4 / "dcp").iterdir())
+    assert dcp_bytes < base.stat().st_size / 4, (dcp_bytes, base.stat().st_size)
+    record = json.loads((ckpt4 / "lora_base.json").read_text())
+    assert record["adapter_only"] and record["source"] == str(base.resolve()), record
+
+    # Resume from batch 4: the same losses, bit for bit, as the uninterrupted run.
+    (res / "ckpt").mkdir(parents=True)
+    shutil.copytree(ckpt4, res / "ckpt" / "ep0-ba4")
+    r = train(quickstart_data, res, base)
+    assert r.returncode == 0, ok(res, r)
+    want = losses(ref)
+    assert sorted(want) == list(range(1, 9))
+    assert losses(res) == {b: want[b] for b in range(5, 9)}
+
+    # Another base on resume: one message naming both, exit 2, nothing written.
+    other = mpt_base(tmp_path / "other.safetensors", seed=1)
+    before = sorted(p.name for p in (res / "ckpt").iterdir())
+    code = cli("train", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
+               f"save_folder={res}/ckpt", f"loggers.jsonl.path={tmp_path}/bad/metrics.jsonl",
+               f"load_path={other}", *TINY, "max_duration=12ba")
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("foundryx: error:") == 1, err
+    assert f"trained on load_path: {base.resolve()}" in err, err
+    assert f"this run's base is load_path: {other.resolve()}" in err, err
+    assert sorted(p.name for p in (res / "ckpt").iterdir()) == before
+    assert not (tmp_path / "bad").exists()
+
+    # PEFT export for the Llama export of the base, and the merged model.
+    final = ref / "ckpt" / "ep0-ba8"
+    adapter = export_checkpoint(final, tmp_path / "adapter", progress=False)
+    merged = export_checkpoint(final, tmp_path / "merged", merged=True, progress=False)
+    from safetensors.torch import load_file
+
+    export_weights(load_file(str(base)), ExportSpec(MPTConfig(**MPT_DIMS), None, "the base"),
+                   tmp_path / "base-llama", fmt="llama", progress=False)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                                "q_proj", "up_proj", "v_proj"]
+    ids = torch.randint(0, 1024, (2, 24), generator=torch.Generator().manual_seed(3))
+    want_logits = trained_logits(final, ids)
+    got = judge(tmp_path / "base-llama", adapter, merged, ids, tmp_path)
+    assert got["base"] == "LlamaForCausalLM" and got["merged_class"] == "LlamaForCausalLM"
+    assert (got["adapter"] - want_logits).abs().max() <= 1e-5
+    assert (got["merged"] - want_logits).abs().max() <= 1e-5
+    # the adapter changed the model: the logits are not the base's
+    base_logits = judge(tmp_path / "base-llama", adapter, tmp_path / "base-llama", ids, tmp_path)["merged"]
+    assert (base_logits - want_logits).abs().max() > 1e-3
+
+
+# -- a tiny Hugging Face Llama from a pretrained folder -------------------------------------
+
+LLAMA = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+         "vocab_size": 8192}
+
+
+def llama_folder(out: Path, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**LLAMA, **overrides})).save_pretrained(out)
+    return out
+
+
+def llama_yaml(tmp: Path, data: Path, model: dict) -> Path:
+    cfg = yaml.safe_load((ROOT / "yamls/quickstart.yaml").read_text())
+    cfg["model"] = model
+    cfg["variables"].update({"data_root": str(data), "max_seq_len": 32})
+    cfg.update({"max_duration": "4ba", "save_interval": "4ba", "global_train_batch_size": 4,
+                "eval_loader": None, "save_folder": str(tmp / "ckpt"), "save_overwrite": False,
+                "console_log_interval": "100ba"})
+    cfg["scheduler"]["t_warmup"] = "1ba"
+    cfg["optimizer"]["lr"] = 0.02
+    cfg["loggers"]["jsonl"]["path"] = str(tmp / "metrics.jsonl")
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.slow
+def test_llama_lora_export_and_start_from_the_adapter(quickstart_data, tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from foundryx import builders
+    from foundryx.errors import ConfigError
+    from foundryx.export import export_checkpoint
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = llama_folder(tmp_path / "llama")
+        peft = {"target_modules": "all-linear", "r": 4, "lora_alpha": 16, "use_rslora": True}
+        section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(base),
+                   "peft_config": peft}
+        run = tmp_path / "run"
+        run.mkdir()
+        assert cli("train", str(llama_yaml(run, quickstart_data, section))) == 0, capsys.readouterr().err
+        ckpt = run / "ckpt" / "ep0-ba4"
+        record = json.loads((ckpt / "lora_base.json").read_text())
+        assert record["source_field"] == "model.pretrained_model_name_or_path", record
+        dcp = sum(p.stat().st_size for p in (ckpt / "dcp").iterdir())
+        assert dcp < (base / "model.safetensors").stat().st_size / 4
+
+        adapter = export_checkpoint(ckpt, tmp_path / "adapter", progress=False)
+        assert cli("export", str(ckpt), str(tmp_path / "merged"), "--merged", "--no-progress") == 0
+        ids = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(5))
+        want = trained_logits(ckpt, ids)
+        got = judge(base, adapter, tmp_path / "merged", ids, tmp_path)
+        assert (got["adapter"] - want).abs().max() <= 1e-5
+        assert (got["merged"] - want).abs().max() <= 1e-5
+
+        # Start from the adapter: peft_config taken from it, the trained model's logits, and
+        # training continues from there.
+        cfg = SimpleNamespace(model={"name": "hf_causal_lm", "pretrained_model_name_or_path": str(base),
+                                     "pretrained_lora_id_or_path": str(adapter)},
+                              optimizer={"name": "adamw", "lr": 1e-2})
+        model = builders.build_model(cfg, None)
+        assert cfg.model["peft_config"]["r"] == 4 and cfg.model["peft_config"]["use_rslora"]
+        with torch.no_grad():
+            assert (model.model(input_ids=ids).logits - want).abs().max() <= 1e-5
+        steps = train_steps(model, 6, opt=builders.build_optimizer(cfg, model))
+        assert steps[-1] < steps[0], steps
+
+        # A peft_config that disagrees with the adapter's config: one message, both values.
+        cfg.model["peft_config"] = {**peft, "r": 8}
+        with pytest.raises(ConfigError, match=r"model.peft_config.r is 8, the adapter's is 4"):
+            builders.build_model(cfg, None)
+
+        # An adapter that does not fit the base: the first mismatching weight and both shapes.
+        narrow = llama_folder(tmp_path / "narrow", intermediate_size=48)
+        (tmp_path / "bad").mkdir()
+        code = cli("train", str(llama_yaml(tmp_path / "bad", quickstart_data, {
+            "name": "hf_causal_lm", "pretrained_model_name_or_path": str(narrow),
+            "pretrained_lora_id_or_path": str(adapter)})))
+        err = capsys.readouterr().err
+        assert code == 2, err
+        assert "Traceback" not in err and err.count("foundryx: error:") == 1, err
+        assert ("model.pretrained_lora_id_or_path: the adapter in " in err
+                and "'base_model.model.model.layers.0.mlp.down_proj.lora_A.weight' has shape "
+                    "(4, 64) in the adapter, (4, 48) in the model" in err), err
+        assert not (tmp_path / "bad" / "ckpt").exists()
+    finally:
+        torch.set_num_threads(threads)
