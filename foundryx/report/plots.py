@@ -83,8 +83,14 @@ def throughput_plot(run: RunFolder) -> Plot:
     tps = run.find("throughput/tokens_per_sec", "throughput/device/tokens_per_sec")
     mfu = run.matching(r"mfu$")
     if tps is None and not mfu:
-        return Plot("throughput", "throughput", skipped="the run logged no tokens/s or MFU "
-                    "(add callbacks.speed_monitor: {window_size: 10})")
+        monitor = ((run.config or {}).get("callbacks") or {}).get("speed_monitor")
+        if monitor is not None:
+            window = (monitor or {}).get("window_size", "window_size")
+            why = (f"the run logged no tokens/s or MFU: speed_monitor reports once its window "
+                   f"({window} batches) is full, and the run stopped before")
+        else:
+            why = "the run logged no tokens/s or MFU (add callbacks.speed_monitor: {window_size: 10})"
+        return Plot("throughput", "throughput", skipped=why)
 
     def draw(fig: Any) -> None:
         axes = fig.subplots(1, 2 if tps and mfu else 1, squeeze=False)[0]
