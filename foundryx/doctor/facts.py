@@ -12,6 +12,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from foundryx.devices import find_device, peak_flops
+
 
 @dataclass
 class GPU:
@@ -86,21 +88,16 @@ def _flash_attn_error() -> str | None:
 
 
 def _gpus(torch) -> list[GPU]:
-    try:
-        from foundryx.devices import find_device, peak_flops
-    except ImportError:  # HOOK: part A's device table (foundryx/devices.py) not installed here
-        find_device = peak_flops = None
     if not torch.cuda.is_available():
         return []
     gpus = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         gpu = GPU(props.name, round(props.total_memory / 2**30, 1))
-        if find_device is not None:
-            entry = find_device(props.name)
-            gpu.table_key = entry.key if entry else None
-            peak = peak_flops(props.name, "bf16", warn=False)
-            gpu.peak_bf16_tflops = peak / 1e12 if peak else None
+        entry = find_device(props.name)  # the device table the speed monitor's MFU uses
+        gpu.table_key = entry.key if entry else None
+        peak = peak_flops(props.name, "bf16", warn=False)
+        gpu.peak_bf16_tflops = peak / 1e12 if peak else None
         gpus.append(gpu)
     return gpus
 
