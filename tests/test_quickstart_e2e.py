@@ -56,6 +56,31 @@ def test_quickstart_loss_falls_and_checkpoint_written(quickstart_data, tmp_path)
     eval_rows = [r for r in read_metrics(tmp_path / "metrics.jsonl")
                  if "metrics/eval/LanguageCrossEntropy" in r]
     assert eval_rows and eval_rows[-1]["metrics/eval/LanguageCrossEntropy"] < first
+    out = r.stdout + r.stderr  # `make train`'s output: a page (test_quickstart_console_page)
+    assert len(out.splitlines()) < 60, out
+    assert re.search(r"^done: quickstart: 200 batches in .*, loss \d+\.\d+ -> \d+\.\d+$", out, re.M), out
+
+
+def test_quickstart_console_page(quickstart_data, tmp_path):
+    """`make train` prints under 60 lines: a line per interval, two eval tables, the summary and
+    the next commands, no known-harmless warnings. The run is make train's with every interval
+    (200 batches, a line per 20, eval and save per 100) scaled by 1/10: the same lines."""
+    r = train(quickstart_data, tmp_path, "max_duration=20ba", "console_log_interval=2ba",
+              "eval_interval=10ba", "save_interval=10ba", compile_default=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    lines = out.splitlines()
+    assert len(lines) < 60, out
+    assert [int(m[1]) for m in re.finditer(r"^batch +(\d+)/20  loss ", out, re.M)] == list(range(2, 21, 2))
+    assert out.count("eval at batch") == 2 and "Train time/" not in out
+    for noise in ("TypedStorage is deprecated", "torch.distributed is disabled", "No CUDA runtime"):
+        assert noise not in out
+    assert re.search(r"^done: quickstart: 20 batches in .*, loss \d+\.\d+ -> \d+\.\d+$", out, re.M), out
+    (ckpt, _), *_ = complete_checkpoints(tmp_path / "ckpt")
+    assert f"  checkpoint  {ckpt}" in lines and f"  metrics     {tmp_path}/metrics.jsonl" in lines
+    assert f"  foundryx export {tmp_path}/ckpt {tmp_path}/hf" in lines
+    assert f"  foundryx report {tmp_path}" in lines
+    assert f"  foundryx eval eval/yamls/quickstart.yaml models='[{{label: quickstart, checkpoint: {tmp_path}/ckpt}}]'" in lines
 
 
 def test_quickstart_two_processes_gloo(quickstart_data, tmp_path):
