@@ -45,7 +45,7 @@ class ComposerMPTCausalLM(HuggingFaceModel):
             eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
             shift_labels=True,
         )
-        self.n_matmul_params = _matmul_params(model)
+        self.n_matmul_params = matmul_params(model)
         self.uses_sequence_id = options.uses_sequence_id
 
     def forward(self, batch: Mapping[str, Any]):
@@ -124,7 +124,9 @@ def _labels(batch: Mapping[str, Any]) -> torch.Tensor:
     return ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
 
 
-def _matmul_params(model: MPTForCausalLM) -> int:
+def matmul_params(model: MPTForCausalLM) -> int:
+    """Parameters used in matmuls: all but the lookup tables (position table, and the input
+    embedding when the output projection is separate; a tied one is the output projection)."""
     lookups = [model.transformer.wpe] if model.transformer.wpe is not None else []
     if model.lm_head is not None:
         lookups.append(model.transformer.wte)

@@ -1,0 +1,44 @@
+"""``foundryx plan CONFIG [key=value ...]``: the command line of the planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GPUS, GiB
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="per-device memory and throughput of a run before launch: "
+                       "does it fit, and what to change when it does not")
+    p.add_argument("config", help="run config YAML (its model, precision, sharding, microbatch, "
+                   "peft_config, frozen_base, optimizer)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
+    p.add_argument("--gpus", type=int, default=None, help="devices per node (default: 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    p.add_argument("--gpu", default=None, help=f"the device: {', '.join(GPUS)} (default: "
+                   f"{DEFAULT_GPU}; a config with device: cpu plans for this machine's memory)")
+    p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB or 79.1GiB "
+                   "(default: the --gpu's)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                   help=f"model FLOPs utilisation for the throughput estimate (default {DEFAULT_MFU})")
+    p.add_argument("--search", choices=("microbatch",), default=None,
+                   help="microbatch: print the largest microbatch that fits")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(fn=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from foundryx.plan.planner import make_plan, render  # torch + transformers: only for a plan
+
+    plan = make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,
+                     gpu_memory=args.gpu_memory, mfu=args.mfu)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    elif args.search == "microbatch":
+        mb = plan.largest_microbatch
+        print(f"largest microbatch that fits on {plan.device} "
+              f"({plan.capacity / GiB:,.2f} GiB): {mb or 'none (even 1 does not fit)'}")
+    else:
+        print(render(plan))
+    return 0 if plan.fits else 1

@@ -1,0 +1,162 @@
+"""Per-device memory of a training run, term by term.
+
+Everything is arithmetic on the parameter census (census.py) and the run's settings (Setup);
+each term's docstring line below is what ``foundryx plan`` prints beside it. The static terms
+follow the ZeRO paper's accounting (Rajbhandari et al., 2020): a trainable parameter under
+bf16 mixed precision costs 2 + 2 bytes of bf16 weight and gradient plus 12 bytes of fp32 master
+weight and Adam moments, i.e. 16 bytes; FSDP2 keeps the fp32 weight and gradient as the sharded
+copies (4 + 4 + 8, the same 16 bytes), which is how the terms are named here. Sharding divides
+the optimizer state (stage 1), then the gradients (2), then the weights (3) by the degree.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from foundryx.models.layers.loss import chunk_tokens
+from foundryx.plan.census import Census
+
+GiB = 2**30
+
+# Bytes per element of frozen linear weights, by frozen_base dtype, scales included:
+# fp8 / int8: one fp32 scale per output row (amortised over the row here via `row_scale`);
+# nf4 (QLoRA, torchao's NF4Tensor): 4 bits + an int8 scale per 64-element block + an fp32
+# factor per 256 scales.
+QUANT_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
+ROW_SCALE_BYTES = {"fp8": 4, "int8": 4}
+
+# Per-device overheads on accelerators (stated, not measured here): the CUDA / ROCm context
+# with cuBLAS / hipBLASLt and NCCL / RCCL workspaces, and the caching allocator's reserved-above-
+# allocated share.
+CONTEXT_BYTES = {"cuda": 1 * GiB, "rocm": 1 * GiB, "cpu": 0}
+FRAGMENTATION = {"cuda": 0.10, "rocm": 0.10, "cpu": 0.0}
+
+TERM_DOCS = {
+    "frozen_weights": "frozen base weights (LoRA), in their storage dtype",
+    "trainable_weights": "trainable weights as stored (fp32 master copies under mixed precision)",
+    "gradients": "gradients of the trainable weights",
+    "optimizer_state": "optimizer state (AdamW: 2 moments per trainable parameter)",
+    "activations": "activations kept for backward, at their peak (start of backward)",
+    "backward_working_set": "one block's activation gradients during backward",
+    "logits_and_loss": "vocabulary logits and their gradient (fused loss: one chunk)",
+    "fsdp_buffers": "FSDP2 all-gather (this block and the prefetched next) and reduce-scatter",
+    "offload_buffers": "frozen weights brought back from CPU (this block and the next)",
+    "cast_buffers": "one weight cast to the compute dtype at a time",
+    "fragmentation": "caching-allocator margin: reserved above allocated (10% on GPUs)",
+    "context": "CUDA / ROCm context and library workspaces (1 GiB assumed)",
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run's settings that decide memory (from the run config and the command line)."""
+
+    world_size: int
+    shard_degree: int  # ranks one copy of the weights is split over
+    zero_stage: int  # 3: FSDP2 (weights, gradients, optimizer sharded); 0: replicated (DDP)
+    microbatch: int
+    seq_len: int
+    precision: str = "amp_bf16"  # fp32 | amp_bf16 | amp_fp16 | amp_fp8
+    mixed_precision: str = "DEFAULT"  # FSDP2: DEFAULT | PURE | FULL
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    ac_every: int = 1
+    optimizer_states: int = 2  # fp32 states per trainable parameter
+    fsdp_cpu_offload: bool = False
+    device_kind: str = "cuda"  # cuda | rocm | cpu
+    lora_params: int = 0  # trainable adapter parameters; 0: full fine-tuning
+    lora_params_per_block: int = 0
+    lora_dropout_inputs: int = 0  # input features of the adapted layers of one block, when lora_dropout > 0
+    frozen_dtype: str | None = None  # frozen_base.dtype; None: the trainable dtype
+    offload_fraction: float = 0.0
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_params > 0
+
+    @property
+    def compute_bytes(self) -> int:
+        if self.precision == "fp32" or self.mixed_precision == "FULL":
+            return 4
+        return 2
+
+    @property
+    def master_bytes(self) -> int:
+        """Stored weights (and so gradients and optimizer state) per element."""
+        return 2 if self.mixed_precision == "PURE" and self.precision != "fp32" else 4
+
+
+def terms(c: Census, s: Setup) -> dict[str, int]:
+    """Bytes per device, by term; zero terms are kept (the table shows every line)."""
+    sh = c.shape
+    ce, pb = s.compute_bytes, s.master_bytes
+    deg = max(s.shard_degree, 1)
+    w_div = deg if s.zero_stage >= 3 else 1
+    g_div = deg if s.zero_stage >= 2 else 1
+    o_div = deg if s.zero_stage >= 1 else 1
+    on_device = 0.0 if s.fsdp_cpu_offload else 1.0
+
+    trainable = s.lora_params if s.lora else c.total
+    t: dict[str, float] = dict.fromkeys(TERM_DOCS, 0.0)
+    if s.lora:
+        lin = _frozen_linear_bytes(c, s)
+        t["frozen_weights"] = (lin * (1 - s.offload_fraction) + c.other * pb) / w_div * on_device
+    t["trainable_weights"] = trainable * pb / w_div * on_device
+    t["gradients"] = trainable * pb / g_div * on_device
+    t["optimizer_state"] = trainable * pb * s.optimizer_states / o_div * on_device
+
+    b, q = s.microbatch, s.seq_len
+    kv = sh.kv_heads * (sh.d_model // sh.n_heads)
+    ffn = (4 if sh.gated_ffn else 2) * sh.ffn_hidden
+    block_elems = b * q * (6 * sh.d_model + 2 * kv + ffn + s.lora_dropout_inputs)
+    block = block_elems * ce + b * sh.n_heads * q * 4  # + the attention's fp32 logsumexp
+    if s.activation_checkpointing:
+        kept = sh.n_layers // max(s.ac_every, 1)
+        acts = kept * b * q * sh.d_model * ce + (sh.n_layers - kept) * block + block
+    else:
+        acts = sh.n_layers * block
+    t["activations"] = acts + 3 * b * q * sh.d_model * ce  # + embedding output, final norm
+    t["backward_working_set"] = block
+    if sh.fused_loss:
+        t["logits_and_loss"] = min(b * q, chunk_tokens(sh.vocab_size)) * sh.vocab_size * 4 * 2
+    else:
+        t["logits_and_loss"] = b * q * sh.vocab_size * (ce + 4 + 4)
+
+    if s.zero_stage >= 3 and deg > 1:
+        gathered = _block_gather_bytes(c, s)
+        blocks = 2 if s.reshard_after_forward else sh.n_layers
+        per_block_trainable = s.lora_params_per_block if s.lora else c.per_block
+        t["fsdp_buffers"] = blocks * gathered + per_block_trainable * pb
+    if s.lora and s.offload_fraction > 0:
+        t["offload_buffers"] = 2 * _frozen_linear_bytes(c, s) / sh.n_layers / w_div
+    if ce != pb or (s.lora and s.frozen_dtype not in (None, "bf16")):
+        t["cast_buffers"] = c.largest_linear * ce
+    allocated = sum(t.values())  # what the caching allocator holds (the context is not in it)
+    t["fragmentation"] = allocated * FRAGMENTATION[s.device_kind]
+    t["context"] = CONTEXT_BYTES[s.device_kind]
+    return {k: int(math.ceil(v)) for k, v in t.items()}
+
+
+def _frozen_linear_bytes(c: Census, s: Setup) -> float:
+    """The blocks' frozen linear weights in their storage dtype, scales included."""
+    if s.frozen_dtype is None:
+        return c.block_linear * s.master_bytes
+    rows = sum(out for out, _ in c.linears.values())
+    return c.block_linear * QUANT_BYTES[s.frozen_dtype] + rows * ROW_SCALE_BYTES.get(s.frozen_dtype, 0)
+
+
+def _block_gather_bytes(c: Census, s: Setup) -> float:
+    """One block's weights as all-gathered: the compute dtype, or a frozen base's own bytes."""
+    if not s.lora or s.frozen_dtype is None:
+        return c.per_block * s.compute_bytes
+    linear = _frozen_linear_bytes(c, s) / c.shape.n_layers
+    rest = c.per_block - c.block_linear / c.shape.n_layers
+    return linear + rest * s.compute_bytes
+
+
+def by_stage(c: Census, s: Setup, degree: int) -> dict[str, int]:
+    """Total bytes per device under ZeRO stages 0-3 at ``degree`` (what each step buys)."""
+    names = {0: "none", 1: "optimizer", 2: "+gradients", 3: "+weights"}
+    return {names[z]: sum(terms(c, replace(s, zero_stage=z, shard_degree=degree)).values())
+            for z in range(4)}

@@ -1,0 +1,103 @@
+"""A run config (and the planner's command line) read as the Setup that decides memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from foundryx.config.load import LoadedConfig
+from foundryx.errors import ConfigError
+from foundryx.models.peft.lora import apply_lora, inner_model
+from foundryx.plan.census import Census, build_meta, take_census
+from foundryx.plan.memory import Setup
+
+# Optimizer state per trainable parameter, in stored-weight elements, by optimizers key.
+OPTIMIZER_STATES = {"adamw": 2, "decoupled_adamw": 2, "adam": 2, "lion": 1, "decoupled_lionw": 1}
+MOMENTUM_OPTIMIZERS = ("sgd", "decoupled_sgdw")  # 1 state with momentum, else 0
+
+
+@dataclass
+class Planned:
+    """What the planner knows of one run: its census, settings and a note per assumption."""
+
+    census: Census
+    setup: Setup
+    notes: list[str]
+
+
+def optimizer_states(section: dict[str, Any], notes: list[str]) -> int:
+    name = str(section.get("name", "")).lower()
+    if name in OPTIMIZER_STATES:
+        return OPTIMIZER_STATES[name]
+    if name in MOMENTUM_OPTIMIZERS:
+        return 1 if float(section.get("momentum", 0) or 0) > 0 else 0
+    notes.append(f"optimizer {name!r}: state size unknown to the planner; assumed AdamW's "
+                 "(2 states per trainable parameter)")
+    return 2
+
+
+def _lora_counts(model: nn.Module, opts: Any, n_layers: int) -> tuple[int, int, int]:
+    """(trainable adapter parameters, per block, adapted input features of one block when
+    lora_dropout > 0): LoRA applied to the meta model, counted."""
+    if getattr(opts, "peft_config", None) is None:
+        return 0, 0, 0
+    apply_lora(model, opts.peft_config)
+    inner = inner_model(model)
+    trainable = sum(p.numel() for p in inner.parameters() if p.requires_grad)
+    per_block = trainable // n_layers
+    dropout_inputs = 0
+    if opts.peft_config.lora_dropout > 0:
+        dropout_inputs = sum(m.in_features for n, m in inner.named_modules()
+                             if n.endswith("lora_A.default") and hasattr(m, "in_features"))
+        dropout_inputs //= n_layers
+    return trainable, per_block, dropout_inputs
+
+
+def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
+               device_kind: str) -> Planned:
+    """Census and Setup of the run ``loaded`` on ``world_size`` devices."""
+    cfg, derived = loaded.cfg, loaded.derived
+    notes: list[str] = []
+    model, shape, opts = build_meta(dict(cfg.model))
+    census = take_census(model, shape)
+    lora, lora_block, dropout_inputs = _lora_counts(model, opts, shape.n_layers)
+    par = cfg.parallelism
+    if par is None:
+        degree, stage = 1, 0
+        if world_size > 1:
+            notes.append("no parallelism section: every rank holds a full replica (DDP)")
+    else:
+        default = world_size if par.sharding_strategy == "FULL_SHARD" else gpus_per_node
+        degree = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else default
+        stage = 3
+    frozen = getattr(opts, "frozen_base", None)
+    seq = cfg.max_seq_len or getattr(opts, "max_seq_len", None)
+    if not seq:
+        raise ConfigError(["max_seq_len: the planner needs the sequence length; set max_seq_len"])
+    ac = cfg.activation_checkpointing
+    mp = par.mixed_precision if par is not None and isinstance(par.mixed_precision, str) else "DEFAULT"
+    setup = Setup(
+        world_size=world_size,
+        shard_degree=degree,
+        zero_stage=stage,
+        microbatch=derived.device_train_microbatch_size,
+        seq_len=seq,
+        precision=cfg.precision,
+        mixed_precision=mp,
+        reshard_after_forward=bool(par.reshard_after_forward) if par is not None else True,
+        activation_checkpointing=ac.enabled,
+        ac_every=getattr(ac, "every", 1) or 1,
+        optimizer_states=optimizer_states(dict(cfg.optimizer), notes),
+        fsdp_cpu_offload=bool(par.cpu_offload) if par is not None else False,
+        device_kind=device_kind,
+        lora_params=lora,
+        lora_params_per_block=lora_block,
+        lora_dropout_inputs=dropout_inputs,
+        frozen_dtype=getattr(frozen, "dtype", None) if frozen is not None else None,
+        offload_fraction=float(getattr(frozen, "offload_fraction", 0.0) or 0.0) if frozen else 0.0,
+    )
+    if setup.frozen_dtype is not None and not setup.lora:
+        notes.append("frozen_base without peft_config: nothing is frozen, so it changes nothing")
+    return Planned(census, setup, notes)

@@ -1,0 +1,179 @@
+"""foundryx plan: the memory terms, the ZeRO arithmetic to the byte, the counts against real
+models, suggestions that re-plan to what they promise, and bad input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from foundryx.cli import main
+from foundryx.errors import ConfigError
+from foundryx.plan.census import build_meta, take_census
+from foundryx.plan.gpus import GiB, parse_memory
+from foundryx.plan.memory import terms
+from foundryx.plan.planner import flops_per_token, make_plan
+
+ROOT = Path(__file__).parents[1]
+
+MPT = {"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4, "n_layers": 3, "max_seq_len": 64,
+       "vocab_size": 256, "expansion_ratio": 4, "attn_config": {"rope": True},
+       "ffn_config": {"ffn_type": "swiglu"}, "norm_type": "rmsnorm", "no_bias": True}
+LLAMA = {"name": "hf_causal_lm", "pretrained": False, "config": {
+    "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    "max_position_embeddings": 64}}
+
+
+def _write(tmp_path: Path, model: dict, **top) -> Path:
+    import yaml
+
+    cfg = {
+        "max_seq_len": 64, "model": model,
+        "tokenizer": {"name": "hf", "path": "not/needed/to/plan"},
+        "train_loader": {"name": "text", "dataset": {"local": "on/the/cluster", "split": "train",
+                                                     "max_seq_len": 64}},
+        "max_duration": "10ba", "global_train_batch_size": 8, "device_train_microbatch_size": 2,
+        "optimizer": {"name": "decoupled_adamw", "lr": 1e-3}, "precision": "amp_bf16",
+        "device": "gpu", **top,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_census_counts_what_the_real_model_holds():
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+    model, shape, _ = build_meta(MPT)
+    census = take_census(model, shape)
+    real = ComposerMPTCausalLM(options=None, **{k: v for k, v in MPT.items() if k != "name"})
+    assert census.total == sum(p.numel() for p in real.parameters())
+    assert census.matmul == real.n_matmul_params
+    batch = {"input_ids": torch.zeros(2, 64, dtype=torch.long)}
+    assert flops_per_token(census, 64) * 2 * 64 == real.flops_per_batch(batch)
+
+
+def test_zero_stages_to_the_byte(tmp_path):
+    """bf16 mixed precision: 16 bytes per trainable parameter (2 + 2 + 12 in the ZeRO paper's
+    terms; FSDP2's fp32 weight 4 + gradient 4 + Adam 8), divided stage by stage."""
+    path = _write(tmp_path, MPT, parallelism={"sharding_strategy": "FULL_SHARD"})
+    plan = make_plan(path, gpus=4, gpu="h100")
+    p, s = plan.census.total, plan.setup
+    assert (s.zero_stage, s.shard_degree) == (3, 4)
+    static = {z: sum(terms(plan.census, replace(s, zero_stage=z)).get(k) for k in
+                     ("trainable_weights", "gradients", "optimizer_state")) for z in range(4)}
+    assert static[0] == 16 * p
+    assert static[1] == 4 * p + 4 * p + -(-8 * p // 4)
+    assert static[2] == 4 * p + -(-(4 * p) // 4) + -(-8 * p // 4)
+    assert static[3] == -(-4 * p // 4) * 2 + -(-8 * p // 4)
+    assert abs(static[3] - 16 * p / 4) <= 3
+    assert plan.by_sharding["none"] > plan.by_sharding["optimizer"] > plan.by_sharding["+gradients"]
+    assert plan.by_sharding["+weights"] == plan.per_device_bytes
+
+
+def test_lora_counts_match_the_adapted_model(tmp_path):
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+    from foundryx.models.peft.lora import apply_lora
+    from foundryx.models.peft.options import LoraOptions
+
+    lora = {"target_modules": ["Wqkv", "down_proj"], "r": 4}
+    plan = make_plan(_write(tmp_path, {**MPT, "peft_config": lora}), gpu="h100")
+    real = ComposerMPTCausalLM(options=None, **{k: v for k, v in MPT.items() if k != "name"})
+    apply_lora(real, LoraOptions(**lora))
+    trainable = sum(p.numel() for p in real.parameters() if p.requires_grad)
+    assert plan.setup.lora_params == trainable
+    assert plan.terms["optimizer_state"] == 8 * trainable
+    full = make_plan(_write(tmp_path, MPT), gpu="h100")
+    assert plan.terms["optimizer_state"] < full.terms["optimizer_state"] / 10
+
+
+def test_activation_checkpointing_and_microbatch_move_activations(tmp_path):
+    base = make_plan(_write(tmp_path, LLAMA), gpu="h100")
+    ac = make_plan(_write(tmp_path, LLAMA, activation_checkpointing=True), gpu="h100")
+    assert ac.terms["activations"] < base.terms["activations"]
+    double = make_plan(_write(tmp_path, LLAMA, device_train_microbatch_size=4), gpu="h100")
+    assert double.terms["activations"] > 1.9 * base.terms["activations"]
+    assert double.terms["logits_and_loss"] == 2 * base.terms["logits_and_loss"]
+
+
+def test_suggestions_replan_to_what_they_promise(tmp_path):
+    """Each suggestion's overrides, applied to the config, give the total it printed."""
+    path = _write(tmp_path, LLAMA, device_train_microbatch_size=8)
+    roomy = make_plan(path, gpu="h100")
+    fixed = roomy.terms["context"]
+    memory = f"{fixed + int(0.7 * (roomy.per_device_bytes - fixed))}B"  # 70% of what it needs
+    tight = make_plan(path, gpu="h100", gpu_memory=memory)
+    assert not tight.fits and tight.suggestions
+    for sug in tight.suggestions:
+        assert sug.per_device_bytes <= tight.capacity
+        if sug.overrides.startswith("--"):
+            continue
+        again = make_plan(path, sug.overrides.split(), gpu="h100", gpu_memory=memory)
+        assert again.per_device_bytes == sug.per_device_bytes, sug
+        assert again.fits
+    mb = tight.largest_microbatch
+    assert 0 < mb < 8
+    assert make_plan(path, [f"device_train_microbatch_size={mb}"], gpu="h100",
+                     gpu_memory=memory).fits
+    assert not make_plan(path, [f"global_train_batch_size={8 * (mb + 1)}",
+                                f"device_train_microbatch_size={mb + 1}"],
+                         gpu="h100", gpu_memory=memory).fits
+
+
+def test_large_model_standard_arithmetic():
+    """Llama 3.1 70B full fine-tuning, bf16 + AdamW, FSDP2 over 64 H100s: the static terms are
+    16 bytes per parameter / 64, and the planner says it does not fit on 8."""
+    cfg = ROOT / "yamls" / "shapes" / "llama-3.1-70b"
+    model, shape, _ = build_meta({"name": "hf_causal_lm", "pretrained_model_name_or_path": str(cfg)})
+    census = take_census(model, shape)
+    assert 70.5e9 < census.total < 70.6e9
+
+
+def test_cli_json_and_exit_codes(tmp_path, capsys):
+    path = _write(tmp_path, MPT, parallelism={"sharding_strategy": "FULL_SHARD"})
+    assert main(["plan", str(path), "--gpus", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is True and out["per_device_bytes"] == sum(out["terms"].values())
+    assert set(out["by_sharding"]) == {"none", "optimizer", "+gradients", "+weights"}
+    assert main(["plan", str(path), "--gpu-memory", "1MB"]) == 1
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT" in text and "total" in text
+    assert main(["plan", str(path), "--search", "microbatch"]) == 0
+    assert "largest microbatch that fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--gpu", "h10"], "unknown GPU 'h10' (did you mean 'h100'"),
+    (["--gpu-memory", "80 gigs"], "cannot read '80 gigs'"),
+])
+def test_bad_device_arguments(tmp_path, capsys, args, expected):
+    path = _write(tmp_path, MPT)
+    assert main(["plan", str(path), *args]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_hub_name_offline_says_use_a_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = _write(tmp_path, {"name": "hf_causal_lm",
+                             "pretrained_model_name_or_path": "nobody/not-cached-model"})
+    assert main(["plan", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not in the Hugging Face cache" in err and "--local-dir" in err
+
+
+def test_missing_sequence_length_is_named(tmp_path):
+    path = _write(tmp_path, {**LLAMA})
+    text = path.read_text().replace("max_seq_len: 64\n", "", 1)
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        make_plan(path, gpu="h100")
+
+
+def test_memory_units():
+    assert parse_memory("80GB") == 80 * 10**9
+    assert parse_memory("79.1 GiB") == int(79.1 * GiB)
