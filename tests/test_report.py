@@ -106,3 +106,14 @@ def test_missing_or_empty_run_folder_is_one_message(case, tmp_path, capsys):
             "empty metrics": "holds no losses or metrics", "no losses": "holds no losses"}[case]
     assert want in err
     assert not (folder / "report").exists()  # nothing written
+
+
+def test_a_speed_monitor_whose_window_never_filled_is_named(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"batch": b, "loss/train/total": 3.0 - b}) + "\n" for b in range(3)))
+    (tmp_path / "run" / "run.json").write_text(json.dumps({"hyperparameters": {
+        "foundryx/config": {"callbacks": {"speed_monitor": {"window_size": 10}}}}}))
+    md = make_report(tmp_path / "run").read_text()
+    assert ("- throughput: not plotted: the run logged no tokens/s or MFU: speed_monitor reports "
+            "once its window (10 batches) is full, and the run stopped before") in md
