@@ -262,3 +262,42 @@ def test_llama_lora_export_and_start_from_the_adapter(quickstart_data, tmp_path,
         assert not (tmp_path / "bad" / "ckpt").exists()
     finally:
         torch.set_num_threads(threads)
+
+
+# -- fast: the name and weight mappings ----------------------------------------------------
+
+def test_wqkv_adapter_splits_exactly_into_q_k_v_and_names_round_trip():
+    """The Llama export of an MPT adapter on the fused Wqkv (grouped-query: k and v narrower
+    than q): the three adapters' updates, stacked, are the fused one's; PEFT names round-trip."""
+    from hf_tiny import LLAMA_STYLE, MPT_TINY
+
+    from foundryx.export.lora import adapter_weights, to_llama
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+    from foundryx.models.peft.adapters import from_peft_key, to_peft_key
+    from foundryx.models.peft.lora import apply_lora
+    from foundryx.models.peft.options import LoraOptions
+
+    torch.manual_seed(0)
+    attn = {**LLAMA_STYLE["attn_config"], "kv_n_heads": 2}
+    model = apply_lora(ComposerMPTCausalLM(**{**MPT_TINY, **LLAMA_STYLE, "attn_config": attn}),
+                       LoraOptions(target_modules=["Wqkv", "out_proj", "down_proj"], r=4)).model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    weights = adapter_weights(model)
+    mapped = to_llama(model.config, weights)
+    assert len(mapped) == len(weights) + 2 * 2 * MPT_TINY["n_layers"]  # Wqkv's pair -> 3 pairs
+    for i in range(MPT_TINY["n_layers"]):
+        fused = f"transformer.blocks.{i}.attn.Wqkv.lora_%s.default.weight"
+        delta = weights[fused % "B"] @ weights[fused % "A"]
+        split = f"model.layers.{i}.self_attn.%s_proj.lora_%s.default.weight"
+        parts = [mapped[split % (p, "B")] @ mapped[split % (p, "A")] for p in "qkv"]
+        assert [x.shape[0] for x in parts] == [32, 16, 16]
+        assert torch.allclose(torch.cat(parts), delta, rtol=0, atol=1e-6)
+        assert torch.equal(mapped[f"model.layers.{i}.self_attn.o_proj.lora_A.default.weight"],
+                           weights[f"transformer.blocks.{i}.attn.out_proj.lora_A.default.weight"])
+    for key in weights:
+        peft_name = to_peft_key(key)
+        assert peft_name.startswith("base_model.model.transformer.") and ".default." not in peft_name
+        assert from_peft_key(peft_name) == key
