@@ -30,7 +30,7 @@ TINY = [
     "variables.max_seq_len=32", "model.d_model=32", "model.n_heads=2", "model.n_layers=2",
     "model.init_device=meta", "global_train_batch_size=4", "eval_loader=null", "parallelism={}",
     "scheduler.t_warmup=2ba", "optimizer.lr=0.01", "max_duration=12ba", "save_interval=4ba",
-    "console_log_interval=100ba", "callbacks.speed_monitor.window_size=1",
+    "save_overwrite=false", "console_log_interval=100ba", "callbacks.speed_monitor.window_size=1",
 ]
 
 
@@ -42,7 +42,7 @@ def command(data: Path, out: Path, url: str, *extra: str) -> list[str]:
 
 
 def environment(s3, cache: Path, **more: str) -> dict[str, str]:
-    return {**os.environ, **s3.env, "FOUNDRYX_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1", **more}
+    return {**os.environ, **s3.env, "FOUNDRYX_CHECKPOINT_CACHE": str(cache), "PYTHONUNBUFFERED": "1", **more}
 
 
 def logs(out: Path, r=None) -> str:
@@ -65,7 +65,7 @@ def folders(s3, bucket: str, prefix: str = "run/") -> dict[str, set[str]]:
 @pytest.mark.slow
 def test_bucket_save_kill_mid_upload_resume_export_eval(s3, quickstart_data, tmp_path, monkeypatch):
     # 1. An uninterrupted run on 2 processes saves to bucket A, keeping the newest 2.
-    bucket_a = s3.bucket()
+    bucket_a = s3.bucket("ckpt-e2e-a")
     out_a = tmp_path / "a"
     out_a.mkdir()
     r = subprocess.run(command(quickstart_data, out_a, f"s3://{bucket_a}/run",
@@ -80,20 +80,20 @@ def test_bucket_save_kill_mid_upload_resume_export_eval(s3, quickstart_data, tmp
         assert MANIFEST in files and any(f.startswith("dcp/__1_") for f in files), (name, files)
     assert f"checkpoint removed: s3://{bucket_a}/run/ep0-ba4 (save_num_checkpoints_to_keep=2)" in said
     assert "uploading to s3://" in said and "checkpoint uploaded" in said
-    staging = tmp_path / "cache-a" / "checkpoints" / bucket_a / "run"
+    staging = tmp_path / "cache-a" / "staging" / bucket_a / "run"
     assert not [p for p in staging.glob("ep*")] if staging.exists() else True  # nothing left staged
     reference = losses(out_a)
     assert sorted(reference) == list(range(1, 13))
 
     # 2. The same run into bucket B, killed (SIGKILL, every process) while ep0-ba8 uploads.
-    bucket_b = s3.bucket()
+    bucket_b = s3.bucket("ckpt-e2e-b")
     out_k = tmp_path / "k"
     out_k.mkdir()
     proc = subprocess.Popen(command(quickstart_data, out_k, f"s3://{bucket_b}/run"), cwd=ROOT,
                             env=environment(s3, tmp_path / "cache-k",
                                             FOUNDRYX_TEST_UPLOAD_PAUSE="ep0-ba8"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while "ep0-ba8" not in folders(s3, bucket_b) and proc.poll() is None:
         assert time.monotonic() < deadline, logs(out_k)[-3000:]
         time.sleep(0.2)
@@ -127,7 +127,7 @@ def test_bucket_save_kill_mid_upload_resume_export_eval(s3, quickstart_data, tmp
     from foundryx.eval.models import load_eval_model
     from foundryx.export import export_checkpoint
 
-    monkeypatch.setenv("FOUNDRYX_CACHE_DIR", str(tmp_path / "cache-x"))
+    monkeypatch.setenv("FOUNDRYX_CHECKPOINT_CACHE", str(tmp_path / "cache-x"))
     exported = export_checkpoint(f"s3://{bucket_a}/run", tmp_path / "hf", progress=False)
     assert (exported / "config.json").is_file() and list(exported.glob("*.safetensors"))
     model, tokenizer = load_eval_model(EvalModelSpec(label="remote", checkpoint=f"s3://{bucket_a}/run"))
@@ -156,8 +156,8 @@ def _checkpoint_in_bucket(s3, bucket: str, tmp: Path, name: str, files: dict[str
 
 
 def test_only_checkpoints_with_every_file_count_and_downloads_are_verified(s3, tmp_path, monkeypatch):
-    monkeypatch.setenv("FOUNDRYX_CACHE_DIR", str(tmp_path / "cache"))
-    bucket = s3.bucket()
+    monkeypatch.setenv("FOUNDRYX_CHECKPOINT_CACHE", str(tmp_path / "cache"))
+    bucket = s3.bucket("ckpt-listing")
     _checkpoint_in_bucket(s3, bucket, tmp_path, "ep0-ba4", {"a.bin": b"a" * 100, "dcp/b": b"b" * 10})
     _checkpoint_in_bucket(s3, bucket, tmp_path, "ep0-ba12", {"a.bin": b"c" * 100})
     c = s3.client()
@@ -177,7 +177,7 @@ def test_only_checkpoints_with_every_file_count_and_downloads_are_verified(s3, t
 
 
 def test_bucket_endpoint_and_credentials_are_checked(s3, monkeypatch):
-    assert check_access(f"s3://{s3.bucket()}/run") is None
+    assert check_access(f"s3://{s3.bucket('ckpt-access')}/run") is None
     assert "bucket 'no-such-bucket' does not exist" in check_access("s3://no-such-bucket/run")
     monkeypatch.setenv("S3_ENDPOINT_URL", "http://127.0.0.1:9")
     assert "cannot reach the object store at http://127.0.0.1:9" in check_access("s3://b/run")
@@ -192,7 +192,7 @@ def test_bucket_endpoint_and_credentials_are_checked(s3, monkeypatch):
 def test_missing_bucket_stops_the_run_before_training(s3, quickstart_data, tmp_path, capsys, monkeypatch):
     from foundryx.cli import main
 
-    monkeypatch.setenv("FOUNDRYX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FOUNDRYX_CHECKPOINT_CACHE", str(tmp_path / "cache"))
     rc = main(["train", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}", *TINY,
                "save_folder=s3://no-such-bucket/run", f"loggers.jsonl.path={tmp_path}/m.jsonl"])
     err = capsys.readouterr().err
@@ -216,3 +216,34 @@ def test_upload_failing_past_its_retries_is_one_message_naming_the_object(s3, tm
     assert "uploading s3://gone-bucket/run/ep0-ba8/dcp/__0_0.distcp failed 3 times" in text, text
     assert "NoSuchBucket" in text and "s3://gone-bucket/run/ep0-ba4 is still the newest" in text
     assert json.dumps(text).count("\\n") == 0  # one line
+
+
+def test_one_run_per_remote_save_folder(s3, caplog):
+    import dataclasses
+
+    from foundryx.checkpoint.remote_lock import BucketLock
+
+    remote = RemoteFolder(s3.bucket("ckpt-lock"), "run")
+    first = BucketLock(client(), remote, "first")
+    first.acquire()
+    second = BucketLock(client(), remote, "second")
+    second.owner = dataclasses.replace(second.owner, pid=first.owner.pid + 1)  # another live run
+    second.owner = dataclasses.replace(second.owner, host="other-node")
+    with pytest.raises(CheckpointError, match=r"in use by another run \(host .*pid .*run first"):
+        second.acquire()
+    first.release()
+    assert s3.keys(remote.bucket) == []
+    second.acquire()  # free again
+    assert s3.keys(remote.bucket) == ["run/.lock"]
+    # A lock whose pid is gone on this host is taken over, with one line saying so.
+    gone = BucketLock(client(), RemoteFolder(remote.bucket, "run2"), "gone")
+    gone.owner = dataclasses.replace(gone.owner, pid=2**22 + 7)
+    gone.acquire()
+    gone._stop.set()  # killed: no heartbeat, no release
+    third = BucketLock(client(), RemoteFolder(remote.bucket, "run2"), "third")
+    with caplog.at_level("WARNING", logger="foundryx"):
+        third.acquire()
+    assert f"pid {2**22 + 7} is not running" in caplog.text
+    assert json.loads(s3.client().get_object(Bucket=remote.bucket, Key="run2/.lock")["Body"].read())["run_name"] == "third"
+    second.release()
+    third.release()

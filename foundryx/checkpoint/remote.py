@@ -15,7 +15,8 @@ deleted when the next run on the save_folder starts (see :func:`tidy`).
 
 The S3 client is boto3's, configured like Composer's and mosaicml-streaming's: the endpoint
 from ``S3_ENDPOINT_URL`` (any S3-compatible store), credentials from the standard AWS chain.
-Local copies live under ``$FOUNDRYX_CACHE_DIR`` (default ``~/.cache/foundryx``), see
+Local copies live under ``$FOUNDRYX_CHECKPOINT_CACHE`` (default
+``~/.cache/foundryx/checkpoints``), see
 :func:`cache_folder`.
 """
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 SCHEMES = ("s3://",)
 PROBE = ".foundryx-write-probe"
+CACHE_ENV = "FOUNDRYX_CHECKPOINT_CACHE"
 
 
 def is_remote(path: str | os.PathLike | None) -> bool:
@@ -70,11 +72,12 @@ class RemoteFolder:
         return key[len(self.prefix) + 1:] if self.prefix else key
 
 
-def cache_folder(url: str, kind: str = "checkpoints") -> Path:
-    """The local folder for copies of ``url``: ``$FOUNDRYX_CACHE_DIR/<kind>/<bucket>/<prefix>``
-    (default cache ``~/.cache/foundryx``): on the node's own disk, never shared between runs
-    of different save_folders."""
-    root = Path(os.environ.get("FOUNDRYX_CACHE_DIR") or Path.home() / ".cache" / "foundryx")
+def cache_folder(url: str, kind: str = "staging") -> Path:
+    """The local folder for ``url``'s checkpoints: ``<cache>/<kind>/<bucket>/<prefix>``, where
+    the cache is ``$FOUNDRYX_CHECKPOINT_CACHE`` (default ``~/.cache/foundryx/checkpoints``) and
+    ``kind`` is ``staging`` (a training run's saves in flight, and its resume download) or
+    ``downloads`` (``load_path``, ``foundryx export``, ``foundryx eval``)."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "foundryx" / "checkpoints")
     r = RemoteFolder.parse(url)
     return root / kind / r.bucket / (r.prefix or "_root")
 
@@ -272,6 +275,6 @@ def fetch(url: str, into: Path | None = None) -> Path:
                 f"lists){'; ' + incomplete[0] if incomplete else ''}; give a checkpoint folder "
                 "or a save_folder that has one")
         remote, (name, manifest) = r, complete[0]
-    into = into or cache_folder(remote.url)
+    into = into or cache_folder(remote.url, "downloads")
     into.mkdir(parents=True, exist_ok=True)
     return download(s3, remote, name, manifest, into)

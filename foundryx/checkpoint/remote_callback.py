@@ -7,7 +7,7 @@ storage (``s3://bucket/run``); see docs/storage.md.
   complete remote checkpoint is downloaded once per node (local rank 0, every sha256 checked)
   into the local staging folder and loaded from there like a local checkpoint.
 - Saving: the checkpoint is written and committed in the local staging folder
-  (``$FOUNDRYX_CACHE_DIR/checkpoints/<bucket>/<path>``), then each rank uploads its files in a
+  (``$FOUNDRYX_CHECKPOINT_CACHE/staging/<bucket>/<path>``), then each rank uploads its files in a
   thread while training continues; rank 0 uploads the manifest last (upload.py). At most one
   checkpoint is in flight: the next save first waits for the previous upload.
 - At the end of training the run waits for the pending upload, with a progress line.
@@ -38,6 +38,7 @@ from foundryx.checkpoint.remote import (
     is_remote,
     tidy,
 )
+from foundryx.checkpoint.remote_lock import BucketLock
 from foundryx.checkpoint.save import my_files
 from foundryx.checkpoint.upload import Upload
 from foundryx.errors import CheckpointError
@@ -73,6 +74,7 @@ class RemoteCheckpointer(Checkpointer):
         self._complete: list[tuple[str, Manifest]] = []
         self._upload: Upload | None = None
         self._newest: str | None = None  # the newest complete remote checkpoint, for messages
+        self._bucket_lock: BucketLock | None = None
 
     def _client(self) -> Any:
         if self._s3 is None:
@@ -83,6 +85,15 @@ class RemoteCheckpointer(Checkpointer):
     def _take_lock(self, root: Path) -> None:
         if self.remote is not None:
             _first_problem(check_access(self.url) if dist.get_local_rank() == 0 else None)
+            problem = None
+            if dist.get_global_rank() == 0:
+                lock = BucketLock(self._client(), self.remote, self.run_name)
+                try:
+                    lock.acquire()
+                    self._bucket_lock = lock
+                except CheckpointError as e:
+                    problem = str(e)
+            _first_problem(problem)
             if dist.get_global_rank() == 0:
                 log.info("save_folder %s: checkpoints are written to %s (this node's disk) first "
                          "and uploaded in the background", self.url, root)
@@ -166,7 +177,7 @@ class RemoteCheckpointer(Checkpointer):
         local, problem = None, None
         if dist.get_local_rank() == 0:
             try:
-                local = str(fetch(path, cache_folder(path, "load")))
+                local = str(fetch(path))
             except CheckpointError as e:
                 problem = str(e)
         _first_problem(problem)
@@ -230,4 +241,7 @@ class RemoteCheckpointer(Checkpointer):
             log.warning("checkpoint %s was not uploaded completely (the run is stopping); %s "
                         "holds no manifest for it, so autoresume does not take it", up.name,
                         self.url)
+        if self._bucket_lock is not None:
+            self._bucket_lock.release()
+            self._bucket_lock = None
         super().close(state, logger)
