@@ -220,3 +220,26 @@ def test_bad_remote_is_one_message_before_training(s3, quickstart_data, tmp_path
         r = in_process(capsys, "data", "convert", "--input", str(src), "--out", url,
                        "--tokenizer", str(quickstart_data / "tokenizer"), "--max-seq-len", "8")
         assert f"cannot write to {url}: bucket 'no-such-bucket' does not exist" in one_message(r)
+
+
+def test_remote_config_problems_name_the_key():
+    from config_checks import section_problems
+
+    def problems(loader, dataset):
+        return section_problems("dataloaders", loader, {"dataset": dataset})
+
+    assert problems("text", {"remote": "ftp://b/x", "max_seq_len": 8}) == [
+        "dataset.remote: 'ftp://b/x' has the scheme 'ftp', which mosaicml-streaming does not read; "
+        "use one of s3://, gs://, oci://, azure://, azure-dl://, hf://, dbfs://, sftp://, alipan://"]
+    assert problems("text", {"local": "s3://b/x", "max_seq_len": 8})[0].startswith(
+        "dataset.local: 's3://b/x' is object storage; write it as remote: s3://b/x")
+    assert problems("text", {"remote": "s3://b/x", "max_seq_len": 8}) == []  # checked at build
+    mixed = {"max_seq_len": 8, "remote": "s3://b/x",
+             "streams": {"web": {"remote": "s3:/b/web"}, "code": {"remote": "s3://b/code"}}}
+    assert problems("text", mixed) == [
+        "dataset.remote: give either remote (one dataset) or streams, not both",
+        "dataset.streams.web.remote: expected the URL of an MDS dataset in object storage, e.g. "
+        "s3://bucket/path, got 's3:/b/web'; a local folder goes in local:"]
+    assert problems("finetuning", {"remote": "s3://b/chat", "path": "x.jsonl",
+                                   "max_seq_len": 8}) == [
+        "dataset.path: give either path or remote (an MDS dataset in object storage), not both"]

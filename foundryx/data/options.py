@@ -50,7 +50,8 @@ def mds_folder_problems(local: Any, split: Any, prefix: str, max_seq_len: Any = 
         return [f"{prefix}local: {local!r} is object storage; write it as remote: {local} "
                 f"(local: is then the cache folder, or leave it out for a default)"]
     if not isinstance(local, str) or not local:
-        return [f"{prefix}local: expected the folder of MDS shards, got {local!r}; {CONVERT_FIX}"]
+        return [f"{prefix}local: expected the folder of MDS shards (or remote: s3://bucket/path "
+                f"for a dataset in object storage), got {local!r}; {CONVERT_FIX}"]
     root = Path(local).expanduser()
     folder = root / split if isinstance(split, str) and split else root
     key = f"{prefix}split" if folder != root else f"{prefix}local"
