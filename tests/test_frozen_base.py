@@ -192,8 +192,9 @@ def _frozen_bases_under_fsdp2() -> dict:
     for dtype in DTYPES:
         for offload in (0.0, 0.5) if dtype == "int8" else (0.0,):
             model = lora_model(dtype, offload)
-            parallelize(model, ParallelismConfig(), precision="amp_bf16",
-                        device=torch.device("cpu"))
+            # fp32: FSDP2 gathers the adapters, norms and embedding in fp32 and the bases
+            # in their own bytes (a plain bf16 weight would be upcast to fp32 first)
+            parallelize(model, ParallelismConfig(), device=torch.device("cpu"))
             opt = adapters_opt(model)  # after sharding, as foundryx builds it
             params = dict(model.named_parameters())
             assert {id(p) for g in opt.param_groups for p in g["params"]} == \
@@ -203,7 +204,7 @@ def _frozen_bases_under_fsdp2() -> dict:
             local = {n: type(p._local_tensor).__name__ for n, p in base.items()}
             with all_gather_bytes() as seen:
                 losses = train_steps(model, 1, opt=opt)
-            losses += train_steps(model, 7, opt=opt)
+            losses += train_steps(model, 5, opt=opt)
             out[(dtype, offload)] = {
                 "local_types": sorted(set(local.values())), "n_base": len(base),
                 "base_bytes": sum(stored_bytes(p) for p in base.values()),
@@ -213,7 +214,7 @@ def _frozen_bases_under_fsdp2() -> dict:
 
 @pytest.mark.slow
 def test_frozen_bases_shard_and_gather_low_precision_bytes_on_two_processes():
-    results = run_distributed(_frozen_bases_under_fsdp2, timeout=300)
+    results = run_distributed(_frozen_bases_under_fsdp2, timeout=600)
     r = results[0]
     assert results[0] == results[1]  # every number, both ranks
     # a bf16 base beside fp32 adapters in one unit (torch 2.7's FSDP2 dtype check) trains
