@@ -105,8 +105,12 @@ class HangWatchdog(Callback):
     def _beat(self, first: bool = False) -> None:
         self._last = time.monotonic()
         # faulthandler's own timer: dumps this rank's stacks even if the GIL is never released
-        faulthandler.dump_traceback_later(self._timeout + self.options.grace_s + 5 * self.options.poll_s,
-                                          exit=True, file=sys.stderr)
+        try:
+            faulthandler.dump_traceback_later(
+                self._timeout + self.options.grace_s + 5 * self.options.poll_s, exit=True,
+                file=sys.stderr)
+        except (ValueError, OSError, AttributeError):  # a stderr without a file descriptor
+            pass
         if self._store is not None:
             try:
                 self._store.set(f"{_PREFIX}/rank{self._rank}", f"{self._batch} {time.time():.3f}")

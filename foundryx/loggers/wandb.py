@@ -22,6 +22,7 @@ and writes it there. ``WANDB_MODE=offline`` writes the run under ``dir/wandb`` f
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +94,7 @@ class WandBLogger(LoggerDestination):
             log.info("wandb: resumed from batch %d but %s has no W&B run id; starting a new W&B run",
                      int(state.timestamp.batch), id_file)
         if run_id is None:
-            run_id = wandb.util.generate_id()
+            run_id = uuid.uuid4().hex[:12]  # W&B ids: letters and digits, unique per project
             id_file.write_text(run_id + "\n")
         name = o.name or state.run_name
         kwargs: dict[str, Any] = {
