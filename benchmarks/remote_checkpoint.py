@@ -1,0 +1,177 @@
+"""What a checkpoint upload to a bucket costs the training loop: background vs synchronous.
+
+A training loop (an MLP's forward/backward/step on CPU, fixed size) runs STEPS steps, three
+ways per round, the order rotating round by round:
+
+- ``base``: no checkpoint;
+- ``sync``: at step STEPS/4 the staged checkpoint is uploaded and the loop waits for it;
+- ``background``: at step STEPS/4 the upload starts in foundryx's uploader thread
+  (foundryx.checkpoint.upload.Upload, rank 0's path: files, wait for every file, manifest,
+  retention) and the loop goes on; the run then waits for it, outside the timed loop.
+
+Training time lost to a save = loop time - base loop time of the same round. Target (issue 14):
+background loss < 10% of the synchronous upload time of the same checkpoint. The bucket is
+moto's S3 server in its own process on localhost (``moto_server``), so the upload's cost on the
+loop is real client work (hashing, HTTP, copies) without a network in the way.
+
+    python benchmarks/remote_checkpoint.py [--mb 256] [--rounds 5] [--steps 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+
+from foundryx.checkpoint.layout import Manifest  # noqa: E402
+from foundryx.checkpoint.remote import RemoteFolder, client  # noqa: E402
+from foundryx.checkpoint.upload import Upload  # noqa: E402
+from foundryx.checkpoint.verify import file_digest  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage(folder: Path, mb: int, files: int = 4) -> dict:
+    """A staged checkpoint of ``mb`` MB in ``files`` files, with its manifest."""
+    folder.mkdir(parents=True)
+    for i in range(files):
+        (folder / f"dcp/__{i}_0.distcp").parent.mkdir(exist_ok=True)
+        (folder / f"dcp/__{i}_0.distcp").write_bytes(os.urandom(mb * 2**20 // files))
+    digests = {str(p.relative_to(folder)): file_digest(p) for p in folder.rglob("*") if p.is_file()}
+    Manifest(batch=1, epoch=0, world_size=1, run_name="bench", model_class="MLP",
+             model_signature="-", num_params=0, files=digests).write(folder)
+    return digests
+
+
+def loop(steps: int, at: int, on_save) -> float:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, 512)
+    start = time.perf_counter()
+    for step in range(steps):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == at:
+            on_save()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=120)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.update({"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
+                       "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"})
+    try:
+        for _ in range(100):
+            try:
+                client().create_bucket(Bucket="bench")
+                break
+            except Exception:
+                time.sleep(0.1)
+        remote = RemoteFolder("bench", "run")
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp) / "staged"
+            digests = stage(folder, args.mb)
+            files = sorted(digests)
+            s3 = client()
+            counter = iter(range(10**6))
+            results: dict[str, list[float]] = {"base": [], "sync": [], "background": []}
+            uploads: list[float] = []
+            lost_bg: list[float] = []
+            lost_sync: list[float] = []
+            overran: list[int] = []
+
+            def staged_copy() -> Path:
+                """A hard-linked copy of the staged checkpoint (the upload deletes its folder)."""
+                copy = Path(tmp) / f"copy{next(counter)}"
+                shutil.copytree(folder, copy, copy_function=os.link)
+                return copy
+
+            def upload(copy: Path, wait: bool) -> Upload:
+                up = Upload(s3, remote, f"ep0-ba{next(counter)}", copy, files, manifest=digests,
+                            keep=1)
+                t = time.perf_counter()
+                up.start()
+                if wait:
+                    up.join()
+                    if up.error:
+                        raise up.error
+                    uploads.append(time.perf_counter() - t)
+                return up
+
+            sides = ["base", "sync", "background"]
+            loop(20, -1, lambda: None)  # warm-up
+            for r in range(args.rounds):
+                order = sides[r % 3:] + sides[:r % 3]
+                times = {}
+                for side in order:
+                    pending: list[Upload] = []
+                    if side == "base":
+                        times[side] = loop(args.steps, -1, lambda: None)
+                    elif side == "sync":
+                        copy = staged_copy()
+                        times[side] = loop(args.steps, args.steps // 4,
+                                           lambda copy=copy: upload(copy, True))
+                    else:
+                        copy = staged_copy()
+                        times[side] = loop(args.steps, args.steps // 4,
+                                           lambda copy=copy, pending=pending:
+                                           pending.append(upload(copy, False)))
+                        if pending[0].running():
+                            overran.append(r + 1)  # the upload outlived the loop: raise --steps
+                        pending[0].join()
+                        if pending[0].error:
+                            raise pending[0].error
+                    results[side].append(times[side])
+                lost_sync.append(times["sync"] - times["base"])
+                lost_bg.append(times["background"] - times["base"])
+                print(f"round {r + 1} ({', '.join(order)}): base {times['base']:.2f} s, "
+                      f"sync {times['sync']:.2f} s (upload {uploads[-1]:.2f} s), "
+                      f"background {times['background']:.2f} s", flush=True)
+            ratios = [b / u for b, u in zip(lost_bg, uploads)]
+            mb_s = [args.mb / u for u in uploads]
+            print(f"\ncheckpoint {args.mb} MB in {len(files)} files; {args.rounds} rounds of "
+                  f"{args.steps} steps")
+            print(f"synchronous upload: median {statistics.median(uploads):.2f} s "
+                  f"({min(uploads):.2f}-{max(uploads):.2f}; {statistics.median(mb_s):.0f} MB/s)")
+            print(f"training time lost, sync: median {statistics.median(lost_sync):.2f} s "
+                  f"({min(lost_sync):.2f}-{max(lost_sync):.2f})")
+            print(f"training time lost, background: median {statistics.median(lost_bg):.2f} s "
+                  f"({min(lost_bg):.2f}-{max(lost_bg):.2f})")
+            if overran:
+                print(f"rounds {overran}: the background upload outlived the loop (its tail was "
+                      "not measured against training); use more --steps")
+            print(f"background loss / sync upload time: median {statistics.median(ratios):.3f} "
+                  f"({min(ratios):.3f}-{max(ratios):.3f}); target < 0.10")
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
