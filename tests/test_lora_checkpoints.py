@@ -193,6 +193,7 @@ def llama_yaml(tmp: Path, data: Path, model: dict) -> Path:
     cfg["scheduler"]["t_warmup"] = "1ba"
     cfg["optimizer"]["lr"] = 0.02
     cfg["loggers"]["jsonl"]["path"] = str(tmp / "metrics.jsonl")
+    cfg["callbacks"]["hf_export"] = {"save_folder": str(tmp / "hf")}
     path = tmp / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -223,6 +224,14 @@ def test_llama_lora_export_and_start_from_the_adapter(quickstart_data, tmp_path,
         assert dcp < (base / "model.safetensors").stat().st_size / 4
 
         adapter = export_checkpoint(ckpt, tmp_path / "adapter", progress=False)
+        # the hf_export callback wrote the same adapter at the end of training
+        from safetensors.torch import load_file
+
+        during = load_file(str(run / "hf" / "ba4" / "adapter_model.safetensors"))
+        exported = load_file(str(adapter / "adapter_model.safetensors"))
+        assert sorted(during) == sorted(exported) and len(exported) == 2 * 7 * 2
+        assert all(torch.equal(during[k], exported[k]) for k in exported)
+        assert json.loads((run / "hf" / "ba4" / "adapter_config.json").read_text())["r"] == 4
         assert cli("export", str(ckpt), str(tmp_path / "merged"), "--merged", "--no-progress") == 0
         ids = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(5))
         want = trained_logits(ckpt, ids)

@@ -9,7 +9,8 @@ YAML::
         format: auto                    # auto | llama | mpt (see docs/hf.md)
 
 Every rank takes part in gathering the weights (FSDP2 shards them); rank 0 converts and
-writes, the others wait, and an export error stops every rank with the same message.
+writes, the others wait, and an export error stops every rank with the same message. A LoRA
+run's exports are PEFT adapter folders (see docs/finetuning.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 
 from foundryx.errors import ConfigError, ExportError
-from foundryx.export.core import DTYPES, FORMATS, ExportSpec, choose_format, export_weights
+from foundryx.export.core import (
+    DTYPES,
+    FORMATS,
+    ExportSpec,
+    check_dtype,
+    choose_format,
+    export_weights,
+)
+from foundryx.export.lora import options_of, write_adapter
+from foundryx.models.peft.adapters import has_lora
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +97,16 @@ class HFExport(Callback):
             spec = ExportSpec(model.config, getattr(_composer_model(state), "tokenizer", None),
                               "the training model")
             try:
-                export_weights(weights, spec, out, fmt=self.format, dtype=self.dtype,
-                               overwrite=self.overwrite, progress=False,
-                               source=f"the model at batch {batch}")
+                if has_lora(model):  # a LoRA run: its adapter, as a PEFT folder
+                    inner = {k.removeprefix("model."): v for k, v in weights.items()}
+                    write_adapter(model, options_of(model), spec.tokenizer, out,
+                                  fmt=choose_format(model.config, self.format), base=None,
+                                  dtype=check_dtype(self.dtype), overwrite=self.overwrite,
+                                  source=f"the model at batch {batch}", weights=inner)
+                else:
+                    export_weights(weights, spec, out, fmt=self.format, dtype=self.dtype,
+                                   overwrite=self.overwrite, progress=False,
+                                   source=f"the model at batch {batch}")
             except Exception as e:  # every rank must learn of it, or they wait forever
                 error = f"{type(e).__name__}: {e}"
         errors = [error]

@@ -14,6 +14,7 @@ writes the plain model as an ordinary export.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,11 @@ _LLAMA_LAYERS = [
 _WQKV = re.compile(r"^transformer\.blocks\.(\d+)\.attn\.Wqkv$")
 
 
-def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{inner-model name: tensor}`` of the LoRA weights of a Hugging Face model; ExportError
-    for adapters that are not PEFT's plain LoRA layers."""
-    out = {k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+def adapter_weights(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{inner-model name: tensor}`` of the LoRA weights of a Hugging Face model (or of its
+    state dict); ExportError for adapters that are not PEFT's plain LoRA layers."""
+    state = model if isinstance(model, dict) else model.state_dict()
+    out = {k: v for k, v in state.items() if is_adapter_key(k)}
     odd = [k for k in out if not _LORA.match(k)]
     if odd:
         raise ExportError(f"{odd[0]}: not a PEFT LoRA weight (<layer>.lora_A.{ADAPTER}.weight); "
@@ -85,12 +87,29 @@ def targets_of(weights: dict[str, torch.Tensor]) -> list[str]:
     return sorted({_LORA.match(k).group("layer").rsplit(".", 1)[-1] for k in weights})
 
 
+def options_of(model: nn.Module) -> LoraOptions:
+    """The LoRA options of a model with injected PEFT LoRA layers, read from its layers."""
+    from peft.tuners.lora import LoraLayer  # a heavy optional import, used only here
+
+    layers = {name.rsplit(".", 1)[-1]: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    if not layers:
+        raise ExportError("the model has no PEFT LoRA layers to export")
+    layer = next(iter(layers.values()))
+    r, alpha = layer.r[ADAPTER], layer.lora_alpha[ADAPTER]
+    dropout = layer.lora_dropout[ADAPTER]
+    return LoraOptions(target_modules=sorted(layers), r=r, lora_alpha=alpha,
+                       lora_dropout=dropout.p if isinstance(dropout, nn.Dropout) else 0.0,
+                       use_rslora=not math.isclose(layer.scaling[ADAPTER], alpha / r))
+
+
 def write_adapter(model: nn.Module, options: LoraOptions, tokenizer: Any, out: str | Path, *,
                   fmt: str, base: str | None, dtype: torch.dtype | None = None,
-                  overwrite: bool = False, source: str = "") -> Path:
-    """Write the adapters of ``model`` (a Hugging Face model with injected LoRA layers) as a
-    PEFT adapter folder ``out`` for the base of export format ``fmt``."""
-    weights = adapter_weights(model)
+                  overwrite: bool = False, source: str = "",
+                  weights: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the adapters of ``model`` (a Hugging Face model with injected LoRA layers; or
+    ``weights``, its gathered state dict, with ``model`` giving the config) as a PEFT adapter
+    folder ``out`` for the base of export format ``fmt``."""
+    weights = adapter_weights(model if weights is None else weights)
     if fmt == "llama":
         weights = to_llama(model.config, weights)
     tensors = {to_peft_key(k): v.detach().to("cpu", dtype or v.dtype) for k, v in weights.items()}
