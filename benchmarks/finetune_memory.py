@@ -1,0 +1,145 @@
+"""Per-rank peak memory and tokens/s of fine-tuning a 124M-parameter MPT on CPU: full
+fine-tuning vs LoRA vs LoRA over a bf16, int8, FP8 or NF4 frozen base (``model.frozen_base``)
+vs NF4 with ``offload_fraction: 0.5``, on 1 and 2 processes (FSDP2 over gloo), each
+configuration in a fresh process (``torchrun``), the order alternated between rounds.
+
+    .venv/bin/python benchmarks/finetune_memory.py [--rounds 1] [--steps 3] [--procs 1 2]
+
+Memory is the rise of the process's peak RSS (``VmHWM``) over its RSS before the model was
+built, measured over the training steps only: the peak is reset (``/proc/self/clear_refs``)
+after the model is built, quantized and sharded, so the build's one-off full-precision copy is
+not counted, while everything training holds is (weights, gradients, optimizer state, FSDP2's
+all-gather buffers, activations). glibc is told to serve large blocks with mmap and is trimmed
+before the reset, so freed tensors leave RSS. On CPU torch has no allocator statistics (no
+``max_memory_allocated``), so RSS is the measure; it includes non-tensor memory (a few MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIGS = {  # name: (peft?, frozen_base dtype, offload_fraction)
+    "full": (False, None, 0.0),
+    "lora": (True, None, 0.0),
+    "lora-bf16": (True, "bf16", 0.0),
+    "lora-int8": (True, "int8", 0.0),
+    "lora-fp8": (True, "fp8", 0.0),
+    "lora-nf4": (True, "nf4", 0.0),
+    "lora-nf4-offload0.5": (True, "nf4", 0.5),
+}
+MODEL = {"d_model": 768, "n_heads": 12, "n_layers": 12, "max_seq_len": 256, "vocab_size": 50368,
+         "attn_config": {"rope": True}, "norm_type": "rmsnorm", "no_bias": True,
+         "ffn_config": {"ffn_type": "swiglu"}}
+SEQ, BATCH = 128, 1  # per rank
+
+
+def rss_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def worker(name: str, steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torchao.dtypes.nf4tensor  # noqa: F401  (imported by every configuration alike)
+
+    from foundryx.config.schema import ParallelismConfig
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+    from foundryx.models.peft.frozen_base import apply_frozen_base
+    from foundryx.models.peft.frozen_options import FrozenBaseOptions
+    from foundryx.models.peft.lora import apply_lora
+    from foundryx.models.peft.options import LoraOptions
+    from foundryx.parallel import parallelize
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc_trim(0)
+    before = rss_mb("VmRSS")
+    peft, dtype, offload = CONFIGS[name]
+    torch.manual_seed(0)
+    model = ComposerMPTCausalLM(**MODEL)
+    n_params = sum(p.numel() for p in model.parameters())
+    if peft:
+        apply_lora(model, LoraOptions(target_modules="all-linear", r=16, lora_alpha=32))
+    if dtype:
+        apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload))
+    # FULL: no casting, so each weight is all-gathered in its own dtype (a bf16 base in bf16)
+    parallelize(model, ParallelismConfig(mixed_precision="FULL"), device=torch.device("cpu"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    gen = torch.Generator().manual_seed(dist.get_rank() if world > 1 else 0)
+    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=gen)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    libc.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    peak = rss_mb("VmHWM") - before
+    timed = times[1:] or times
+    result = {"config": name, "procs": world, "params": n_params,
+              "peak_mb": round(peak, 1), "loss": round(loss.item(), 4),
+              "tokens_per_s": round(world * BATCH * SEQ / (sum(timed) / len(timed)), 1)}
+    if world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, result)
+        result["peak_mb_per_rank"] = [r["peak_mb"] for r in everyone]
+        result["peak_mb"] = max(result["peak_mb_per_rank"])
+        dist.destroy_process_group()
+        if int(os.environ["RANK"]):
+            return
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_one(name: str, procs: int, steps: int) -> dict:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(max(1, 2 // procs))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={procs}", __file__, "--worker", name, "--steps", str(steps)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise SystemExit(f"{name} on {procs} process(es) failed:\n{out.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--procs", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--out", default=None, help="append each result as a JSON line here")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.steps)
+    for r in range(args.rounds):
+        order = args.configs if r % 2 == 0 else args.configs[::-1]  # alternate the sides
+        for procs in args.procs:
+            for name in order:
+                result = run_one(name, procs, args.steps)
+                result["round"] = r
+                print(json.dumps(result), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
