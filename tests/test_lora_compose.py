@@ -96,6 +96,33 @@ def test_logical_targets_train_under_activation_checkpointing_with_the_same_grad
     assert all(torch.equal(base[n], p) for n, p in model.named_parameters() if n in base)
 
 
+def test_hf_lora_under_activation_checkpointing_has_the_plain_gradients():
+    """hf_causal_lm's training forward runs without a KV cache: under activation checkpointing
+    the recomputed forward used to append to the cache again and fail on the shapes."""
+    from hf_tiny import HF_CONFIGS
+
+    def grads(ac: bool) -> dict:
+        section = {"name": "hf_causal_lm", "pretrained": False,
+                   "config": {"model_type": "llama", **HF_CONFIGS["llama"]},
+                   "peft_config": {"target_modules": "all-linear", "r": 4}}
+        torch.manual_seed(0)
+        model = builders.build_model(SimpleNamespace(model=section), None)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        parallelize(model, None, activation_checkpointing=ActivationCheckpointingConfig(enabled=ac),
+                    device=torch.device("cpu"))
+        batch = token_batch()
+        model.loss(model(batch), batch).backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and plain
+    for n in plain:
+        torch.testing.assert_close(checkpointed[n], plain[n], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(("targets", "needle"), [
     (["Wqkv", "q"], "model.peft_config.target_modules: q and Wqkv both adapt Wqkv; name either "
                     "the whole layer or its slices"),

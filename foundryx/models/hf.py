@@ -130,7 +130,9 @@ class ComposerHFCausalLM(HuggingFaceModel):
             log.warning("hf_causal_lm: the batches carry sequence_id (packed examples), which "
                         "Hugging Face models do not take: packed examples attend to each other; "
                         "set packing_ratio: null in the loader to keep them apart")
-        return super().forward(batch)
+        # No KV cache in a training/eval forward: none is reused, and under activation
+        # checkpointing the recomputed forward would append to it again (shapes differ).
+        return super().forward({**batch, "use_cache": False})
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         """Training FLOPs of a batch: ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``,
