@@ -24,6 +24,7 @@ from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.plan.prelaunch import check_fits
 from foundryx.run_summary import RunFacts, summary
 from foundryx.runtime import pick_device, setup_logging
 
@@ -45,7 +46,10 @@ def train(loaded: LoadedConfig):
     cfg, derived = loaded.cfg, loaded.derived
     setup_logging(cfg.python_log_level)
     known_warnings.install()
-    device = get_device(pick_device(cfg.device))
+    picked = pick_device(cfg.device)
+    if picked == "gpu" and cfg.plan_check:
+        check_fits(loaded)  # before anything is built on the GPU: stop a run that cannot fit
+    device = get_device(picked)
     if derived.world_size > 1 and not dist.is_initialized():
         dist.initialize_dist(device, timeout=cfg.dist_timeout)
     reproducibility.seed_all(cfg.seed)

@@ -177,3 +177,37 @@ def test_missing_sequence_length_is_named(tmp_path):
 def test_memory_units():
     assert parse_memory("80GB") == 80 * 10**9
     assert parse_memory("79.1 GiB") == int(79.1 * GiB)
+
+
+def test_train_stops_before_building_when_the_run_cannot_fit(quickstart_data, monkeypatch, caplog):
+    """On a GPU, foundryx train plans first: a run that cannot fit stops with the plan's
+    suggestions before a model or a dataloader is built; plan_check: false skips the check."""
+    from foundryx import builders, train
+    from foundryx.plan import prelaunch
+
+    from foundryx.plan.planner import plan_loaded
+
+    overrides = [f"variables.data_root={quickstart_data}"]
+    loaded = train.load_run_config(ROOT / "yamls" / "quickstart.yaml", overrides)
+    need = plan_loaded(loaded, 1, "h100", "cuda", None, 80 * GiB)
+    fixed = need.terms["context"]
+    small = fixed + int(0.9 * (need.per_device_bytes - fixed))  # 90% of what it needs
+    expected = plan_loaded(loaded, 1, "h100", "cuda", None, small).suggestions
+    assert expected
+    monkeypatch.setattr(train, "pick_device", lambda requested: "gpu")
+    monkeypatch.setattr(prelaunch, "gpu_facts", lambda: ("NVIDIA H100 80GB HBM3", small, "cuda"))
+
+    def never(*args, **kwargs):
+        raise AssertionError("built before the plan check")
+
+    monkeypatch.setattr(builders, "build_model", never)
+    monkeypatch.setattr(builders, "build_dataloader", never)
+    with pytest.raises(ConfigError) as e:
+        train.train(loaded)
+    text = str(e.value)
+    assert "needs an estimated" in text and "plan_check: false" in text
+    assert f"fix: {expected[0].change}" in text
+    loaded = train.load_run_config(ROOT / "yamls" / "quickstart.yaml", overrides + ["plan_check=false"])
+    monkeypatch.setattr(train, "get_device", never)
+    with pytest.raises(AssertionError, match="built before the plan check"):
+        train.train(loaded)  # no check: it goes on to the GPU (and the stub stops it)

@@ -159,6 +159,9 @@ class TrainConfig:
     )
     dist_timeout: float = doc("seconds to wait for all ranks to start", default=600.0)
     seed: int = doc("random seed of weights, data order and dropout", default=17)
+    plan_check: bool = doc(
+        "on a GPU, estimate per-device memory first (foundryx plan) and stop with its "
+        "suggestions when the run cannot fit", default=True)
 
     # -- checkpoints --------------------------------------------------------------------
     run_name: str | None = doc("name of the run (checkpoint and logger names)", default=None)

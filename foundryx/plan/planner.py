@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foundryx.config.load import load_config
+from foundryx.config.load import LoadedConfig, load_config
 from foundryx.devices import peak_flops
 from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
@@ -90,30 +90,40 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     notes: list[str] = []
     per_node = gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     world = per_node * nodes
-    loaded = load_config(config, overrides, world_size=world, component_sections=("model", "optimizer"))
-    on_cpu = loaded.cfg.device == "cpu" and gpu is None
-    if on_cpu:
-        device, kind = "cpu", "cpu"
+    loaded = load_config(config, overrides, world_size=world,
+                         component_sections=("model", "optimizer"))
+    if loaded.cfg.device == "cpu" and gpu is None:
         capacity = parse_memory(gpu_memory) if gpu_memory else _cpu_memory() // per_node
-        peak = None
         notes.append("device: cpu (the config's device); capacity: this machine's memory / "
                      "processes per node; no MFU on CPU")
-    else:
-        if gpu is None:
-            notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
-        spec = find_gpu(gpu or DEFAULT_GPU)
-        device, kind = spec.key, spec.kind
-        capacity = parse_memory(gpu_memory) if gpu_memory else spec.memory
-        peak = peak_flops(spec.device_name, loaded.cfg.precision, warn=False)
+        return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes)
+    if gpu is None:
+        notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
+    spec = find_gpu(gpu or DEFAULT_GPU)
+    capacity = parse_memory(gpu_memory) if gpu_memory else spec.memory
+    return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
+                       notes)
+
+
+def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
+                device_name: str | None, capacity: int, mfu: float = DEFAULT_MFU,
+                notes: list[str] | None = None) -> Plan:
+    """Plan an already loaded run config on its world size of ``device`` (``kind``: cuda, rocm
+    or cpu; ``device_name`` as torch names it, for the peak FLOP/s) of ``capacity`` bytes."""
+    notes = list(notes or [])
+    peak = None
+    if device_name is not None:
+        peak = peak_flops(device_name, loaded.cfg.precision, warn=False)
         if peak is None:
-            notes.append(f"no peak FLOP/s for {spec.key} at {loaded.cfg.precision}: no "
+            notes.append(f"no peak FLOP/s for {device} at {loaded.cfg.precision}: no "
                          "throughput estimate")
-    planned = plan_setup(loaded, world, per_node, kind)
+    planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind)
     c, s = planned.census, planned.setup
+    t = terms(c, s)
     return Plan(
-        census=c, setup=s, device=device, capacity=capacity, terms=terms(c, s),
-        by_sharding=by_stage(c, s, max(s.shard_degree, world)),
-        suggestions=[] if sum(terms(c, s).values()) <= capacity else suggestions(c, s, capacity),
+        census=c, setup=s, device=device, capacity=capacity, terms=t,
+        by_sharding=by_stage(c, s, max(s.shard_degree, s.world_size)),
+        suggestions=[] if sum(t.values()) <= capacity else suggestions(c, s, capacity),
         largest_microbatch=largest_microbatch(c, s, capacity),
         flops_per_token=flops_per_token(c, s.seq_len), peak_flops=peak, mfu=mfu,
         notes=notes + planned.notes,
