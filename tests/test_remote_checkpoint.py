@@ -71,7 +71,7 @@ def test_bucket_save_kill_mid_upload_resume_export_eval(s3, quickstart_data, tmp
     r = subprocess.run(command(quickstart_data, out_a, f"s3://{bucket_a}/run",
                                "save_num_checkpoints_to_keep=2"),
                        cwd=ROOT, env=environment(s3, tmp_path / "cache-a"), capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=1500)
     said = logs(out_a, r)
     assert r.returncode == 0, said[-4000:]
     remote = folders(s3, bucket_a)
@@ -111,7 +111,7 @@ def test_bucket_save_kill_mid_upload_resume_export_eval(s3, quickstart_data, tmp
     out_r.mkdir()
     r = subprocess.run(command(quickstart_data, out_r, f"s3://{bucket_b}/run"), cwd=ROOT,
                        env=environment(s3, tmp_path / "cache-r"), capture_output=True, text=True,
-                       timeout=600)
+                       timeout=1500)
     said = logs(out_r, r)
     assert r.returncode == 0, said[-4000:]
     assert "removed 1 unfinished upload(s)" in said and "ep0-ba4" in said
