@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # The variables every S3 client (boto3, mosaicml-streaming, Composer) reads. Fake credentials:
 # moto accepts any, and a test must never find real ones in the user's ~/.aws.
@@ -23,10 +23,12 @@ S3_TEST_ENV = {
 }
 
 
+_BUCKETS = itertools.count()  # one count per session: every test's buckets are new
+
+
 @dataclass
 class S3Server:
     endpoint_url: str
-    _names: itertools.count = field(default_factory=itertools.count)
 
     @property
     def env(self) -> dict[str, str]:
@@ -46,7 +48,7 @@ class S3Server:
 
     def bucket(self, prefix: str = "test") -> str:
         """Create a new, empty bucket and return its name."""
-        name = f"{prefix}-{os.getpid()}-{next(self._names)}"
+        name = f"{prefix}-{os.getpid()}-{next(_BUCKETS)}"
         self.client().create_bucket(Bucket=name)
         return name
 
