@@ -11,17 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 
-def _no_torchao() -> None:
-    """PEFT asks its torchao dispatcher about every linear layer, which raises ImportError when
-    the installed torchao is older than PEFT wants (foundryx's pins are); these bases are plain
-    fp32 linear layers, which that dispatcher would not take anyway."""
-    import peft.tuners.lora.torchao as dispatch
-
-    dispatch.is_torchao_available = lambda: False
-
-
 def main(base: str, adapter: str, merged: str, ids_path: str, out: str) -> None:
-    _no_torchao()
     ids = torch.load(ids_path, weights_only=True)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
     plain = AutoModelForCausalLM.from_pretrained(merged).eval()

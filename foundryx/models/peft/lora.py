@@ -152,10 +152,11 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
 
 def plain_linear_dispatch(config: Any) -> Any:
     """``config`` (a peft ``LoraConfig``) with ``nn.Linear`` mapped straight to PEFT's own
-    ``lora.Linear``. PEFT otherwise asks its torchao dispatcher about every linear layer, and
-    that raises ImportError when the installed torchao is older than PEFT wants (peft 0.21
-    wants >= 0.16; foundryx pins 0.11 / 0.14). foundryx's frozen bases are plain linear layers
-    (low-precision ones are handled by foundryx.models.peft.frozen_base), so nothing is lost."""
+    ``lora.Linear``, skipping PEFT's dispatchers (torchao, bitsandbytes, ...): at injection
+    every base layer is a plain ``nn.Linear`` (low-precision storage is applied afterwards by
+    foundryx.models.peft.frozen_base), and injection then does not depend on which optional
+    quantization packages are installed (PEFT 0.21 raises ImportError for a torchao older than
+    0.16)."""
     from peft.tuners.lora.layer import Linear  # a heavy optional import, used only here
 
     config._register_custom_module({nn.Linear: Linear})
