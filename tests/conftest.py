@@ -39,11 +39,7 @@ SHARED = ROOT.parent / "shared"
 # ---------------------------------------------------------------------------------------
 MODERN_LEG_SLOW_FILES = {
     "test_triton_attention.py",
-    "test_concurrent_datasets.py",
     "test_export_e2e.py",
-    "test_quickstart_e2e.py",
-    "test_plugin_model.py",
-    "test_eval_quickstart.py",
     "test_icl_invariance.py",
 }
 
