@@ -44,15 +44,19 @@ def command(data: Path, out: Path, *extra: str) -> list[str]:
 
 def start(data: Path, out: Path, *extra: str, **env: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("rank*.*"):
-        old.unlink()
+    for old in [*out.glob("rank*.*"), out / "launcher.log"]:
+        old.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FOUNDRYX_TEST_PIDS": str(out), **env}
-    return subprocess.Popen(command(data, out, *extra), cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # the launcher's streams (rank 0 prints there) go to a file, not a pipe: a helper process
+    # a rank leaves behind for a moment must not hold the test up
+    with (out / "launcher.log").open("w") as log:
+        return subprocess.Popen(command(data, out, *extra), cwd=ROOT, env=env, text=True,
+                                stdout=log, stderr=subprocess.STDOUT)
 
 
 def finish(p: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[int, str]:
-    said, _ = p.communicate(timeout=timeout)
+    p.wait(timeout=timeout)
+    said = (out / "launcher.log").read_text() if (out / "launcher.log").exists() else ""
     return p.returncode, said + "".join(f.read_text() for f in sorted(out.glob("rank*.*")))
 
 
