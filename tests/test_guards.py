@@ -129,6 +129,7 @@ def _signal_on_rank1() -> tuple[int | None, int, list[str]]:
     return pre.stopped_at, int(trainer.state.timestamp.batch), pre.options.signals
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_a_nan_on_one_skips_on_both_and_a_signal_on_one_stops_both():
     """Rank 0's own loss is finite: it skips because rank 1's is not. The weights stay equal."""
     (s0, c0, w0), (s1, c1, w1) = run_distributed(_nan_on_rank1, timeout=600)
