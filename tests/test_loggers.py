@@ -53,4 +53,4 @@ def test_only_rank_zero_logs_unless_asked(cls, monkeypatch):
     loud.init(State(), None)
     quiet.log_metrics({"x": 1.0}, step=0)
     loud.log_metrics({"x": 1.0}, step=0)
-    assert quiet._pending == [] and loud._pending == [("metrics" if cls is WandBLogger else "scalars", {"x": 1.0}, 0)]
+    assert quiet._pending == [] and loud._pending == [("metrics", {"x": 1.0}, 0)]

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from composer.core import State
-from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
+
+from foundryx.loggers.deferred import DeferredDestination, scalars
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +41,20 @@ class TensorBoardOptions:
         "doc": "only rank 0 writes; false: every rank writes to log_dir/rank<N>"})
 
 
-class TensorBoardLogger(LoggerDestination):
+class TensorBoardLogger(DeferredDestination):
     """See the module docstring."""
 
     def __init__(self, options: TensorBoardOptions | None = None, **fields: Any):
+        super().__init__()
         self.options = options if options is not None else TensorBoardOptions(**fields)
         self.writer: Any = None
         self.log_dir: Path | None = None
-        self._enabled = False
-        self._pending: list[tuple[str, Any, int | None]] = []
 
-    def init(self, state: State, logger: Logger) -> None:
-        self._enabled = not self.options.rank_zero_only or dist.get_global_rank() == 0
+    @property
+    def opened(self) -> bool:
+        return self.writer is not None
 
-    def fit_start(self, state: State, logger: Logger) -> None:
-        self._start(state)
-
-    def eval_start(self, state: State, logger: Logger) -> None:
-        self._start(state)
-
-    def _start(self, state: State) -> None:
-        if not self._enabled or self.writer is not None:
-            return
+    def _open(self, state: State) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when used
 
         folder = Path(self.options.log_dir.format(run_name=state.run_name))
@@ -71,34 +64,14 @@ class TensorBoardLogger(LoggerDestination):
         self.writer = SummaryWriter(str(folder), flush_secs=self.options.flush_secs,
                                     purge_step=start if start > 0 else None)
         self.log_dir = folder
-        for kind, data, step in self._pending:
-            self._write(kind, data, step)
-        self._pending = []
-
-    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        self._log("text", hyperparameters, None)
-
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        self._log("scalars", metrics, step)
-
-    def _log(self, kind: str, data: dict[str, Any], step: int | None) -> None:
-        if not self._enabled:
-            return
-        if self.writer is None:
-            self._pending.append((kind, dict(data), step))
-        else:
-            self._write(kind, data, step)
 
     def _write(self, kind: str, data: dict[str, Any], step: int | None) -> None:
-        if kind == "text":
+        if kind == "hyperparameters":
             text = "\n".join(f"    {k}: {v}" for k, v in sorted(data.items()))  # markdown code
             self.writer.add_text("hyperparameters", text, global_step=step or 0)
             return
-        for k, v in data.items():
-            if hasattr(v, "numel") and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.writer.add_scalar(k, v, global_step=step)
+        for k, v in scalars(data).items():
+            self.writer.add_scalar(k, v, global_step=step)
 
     def post_close(self) -> None:
         if self.writer is not None:

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from composer.core import State
-from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
+
+from foundryx.loggers.deferred import DeferredDestination, scalars
 
 log = logging.getLogger(__name__)
 ID_FILE = "wandb-run-id"
@@ -55,32 +56,22 @@ class WandBOptions:
     init_kwargs: dict[str, Any] = _doc("further wandb.init arguments", default_factory=dict)
 
 
-class WandBLogger(LoggerDestination):
+class WandBLogger(DeferredDestination):
     """See the module docstring."""
 
     def __init__(self, options: WandBOptions | None = None, **fields: Any):
+        super().__init__()
         self.options = options if options is not None else WandBOptions(**fields)
         self.run: Any = None
         self.run_id: str | None = None
         self.resumed = False
-        self._state: State | None = None
-        self._pending: list[tuple[str, Any, int | None]] = []
-        self._enabled = False
 
-    def init(self, state: State, logger: Logger) -> None:
-        self._state = state
-        self._enabled = not self.options.rank_zero_only or dist.get_global_rank() == 0
+    # the W&B run starts after loading: the first fit_start or eval_start
+    @property
+    def opened(self) -> bool:
+        return self.run is not None
 
-    # the W&B run starts after loading: the first event that follows it
-    def fit_start(self, state: State, logger: Logger) -> None:
-        self._start(state)
-
-    def eval_start(self, state: State, logger: Logger) -> None:
-        self._start(state)
-
-    def _start(self, state: State) -> None:
-        if not self._enabled or self.run is not None:
-            return
+    def _open(self, state: State) -> None:
         import wandb  # heavy; only for runs that use this logger
 
         o = self.options
@@ -107,33 +98,12 @@ class WandBLogger(LoggerDestination):
         self.run_id, self.resumed = run_id, resuming and self.run is not None
         if resuming:
             log.info("wandb: continuing W&B run %s from batch %d", run_id, int(state.timestamp.batch))
-        for kind, data, step in self._pending:
-            self._send(kind, data, step)
-        self._pending = []
 
-    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        self._log("config", hyperparameters, None)
-
-    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        self._log("metrics", metrics, step)
-
-    def _log(self, kind: str, data: dict[str, Any], step: int | None) -> None:
-        if not self._enabled:
-            return
-        if self.run is None:
-            self._pending.append((kind, dict(data), step))
-        else:
-            self._send(kind, data, step)
-
-    def _send(self, kind: str, data: dict[str, Any], step: int | None) -> None:
-        if kind == "config":
+    def _write(self, kind: str, data: dict[str, Any], step: int | None) -> None:
+        if kind == "hyperparameters":
             self.run.config.update(data, allow_val_change=True)
             return
-        row = {}
-        for k, v in data.items():
-            v = v.item() if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1 else v
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                row[k] = v  # NaN and inf too: W&B shows them, and they say when a run diverged
+        row = scalars(data)  # NaN and inf too: W&B shows them, and they say when a run diverged
         if row:
             self.run.log(row, step=step)
 
