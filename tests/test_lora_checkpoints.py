@@ -310,3 +310,53 @@ def test_wqkv_adapter_splits_exactly_into_q_k_v_and_names_round_trip():
         peft_name = to_peft_key(key)
         assert peft_name.startswith("base_model.model.transformer.") and ".default." not in peft_name
         assert from_peft_key(peft_name) == key
+
+
+def test_slice_adapters_export_to_llama_and_merge_with_the_trained_logits():
+    """MPT's logical q/v targets: on the Llama export of the base, each slice's pair is that
+    projection's PEFT adapter, and the merged model gives the same logits (fp32, <= 1e-5)."""
+    from hf_tiny import LLAMA_STYLE, MPT_TINY
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import LlamaForCausalLM
+
+    from foundryx.errors import ExportError
+    from foundryx.export.llama import llama_config, llama_state_dict
+    from foundryx.export.lora import adapter_weights, merge_adapters, to_llama, write_adapter
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+    from foundryx.models.peft.adapters import base_key, is_adapter_key
+    from foundryx.models.peft.lora import apply_lora
+    from foundryx.models.peft.options import LoraOptions
+
+    torch.manual_seed(0)
+    attn = {**LLAMA_STYLE["attn_config"], "kv_n_heads": 2}
+    options = LoraOptions(target_modules=["q", "v", "o"], r=4, lora_alpha=8)
+    model = apply_lora(ComposerMPTCausalLM(**{**MPT_TINY, **LLAMA_STYLE, "attn_config": attn}),
+                       options).model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    ids = torch.randint(0, MPT_TINY["vocab_size"], (2, 16))
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+
+    weights = adapter_weights(model)
+    assert any(".Wqkv.lora_A.q." in k for k in weights) and not any(".k." in k for k in weights)
+    base_state = {base_key(k): v for k, v in model.state_dict().items() if not is_adapter_key(k)}
+    llama = LlamaForCausalLM(llama_config(model.config)).eval()
+    llama.load_state_dict(llama_state_dict(model.config, base_state))
+    mapped = to_llama(model.config, weights)
+    targets = sorted({k.split(".")[-4] for k in mapped})
+    assert targets == ["o_proj", "q_proj", "v_proj"]
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=targets), llama)
+    missing = llama.load_state_dict(mapped, strict=False)
+    assert not [k for k in missing.missing_keys if is_adapter_key(k)]
+    with torch.no_grad():
+        assert torch.allclose(llama(input_ids=ids).logits, trained, rtol=0, atol=1e-5)
+
+    with pytest.raises(ExportError, match="--format llama"):
+        write_adapter(model, options, None, "/nonexistent/never-written", fmt="mpt", base=None)
+    merged = merge_adapters(model)
+    assert not [n for n, _ in merged.named_parameters() if is_adapter_key(n)]
+    with torch.no_grad():
+        assert torch.allclose(merged(input_ids=ids).logits, trained, rtol=0, atol=1e-5)

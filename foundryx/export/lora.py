@@ -32,6 +32,7 @@ from foundryx.models.peft.adapters import (
     to_peft_key,
     write_adapter_folder,
 )
+from foundryx.models.peft.fused import FusedLoraLinear
 from foundryx.models.peft.options import LoraOptions
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ _LLAMA_LAYERS = [
     (r"^transformer\.blocks\.(\d+)\.ffn\.(gate|up|down)_proj$", r"model.layers.\1.mlp.\2_proj"),
 ]
 _WQKV = re.compile(r"^transformer\.blocks\.(\d+)\.attn\.Wqkv$")
+# MPT's logical q/k/v targets: one adapter pair per slice of the fused Wqkv (FusedLoraLinear)
+_SLICE = re.compile(r"^(?P<layer>.+\.Wqkv)\.(?P<ab>lora_[AB])\.(?P<slice>[qkv])\.weight$")
 
 
 def adapter_weights(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -50,11 +53,11 @@ def adapter_weights(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, tor
     state dict); ExportError for adapters that are not PEFT's plain LoRA layers."""
     state = model if isinstance(model, dict) else model.state_dict()
     out = {k: v for k, v in state.items() if is_adapter_key(k)}
-    odd = [k for k in out if not _LORA.match(k)]
+    odd = [k for k in out if not (_LORA.match(k) or _SLICE.match(k))]
     if odd:
-        raise ExportError(f"{odd[0]}: not a PEFT LoRA weight (<layer>.lora_A.{ADAPTER}.weight); "
-                          "foundryx exports adapters of whole linear layers only (MPT's q/k/v "
-                          "slice targets: export with --merged)")
+        raise ExportError(f"{odd[0]}: not a LoRA weight foundryx can export "
+                          f"(<layer>.lora_A.{ADAPTER}.weight, or an MPT Wqkv slice's "
+                          "<layer>.Wqkv.lora_A.<q|k|v>.weight); export with --merged")
     return out
 
 
@@ -63,6 +66,12 @@ def to_llama(cfg: MPTConfig, weights: dict[str, torch.Tensor]) -> dict[str, torc
     d, kv = cfg.d_model, cfg.kv_n_heads * cfg.head_dim
     out: dict[str, torch.Tensor] = {}
     for key, tensor in weights.items():
+        sliced = _SLICE.match(key)
+        if sliced:  # a q/k/v slice's own adapter is exactly that projection's adapter
+            i = _WQKV.match(sliced.group("layer")).group(1)
+            proj = f"model.layers.{i}.self_attn.{sliced.group('slice')}_proj"
+            out[f"{proj}.{sliced.group('ab')}.{ADAPTER}.weight"] = tensor
+            continue
         m = _LORA.match(key)
         layer, ab = m.group("layer"), m.group("ab")
         qkv = _WQKV.match(layer)
@@ -84,7 +93,8 @@ def to_llama(cfg: MPTConfig, weights: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 def targets_of(weights: dict[str, torch.Tensor]) -> list[str]:
-    return sorted({_LORA.match(k).group("layer").rsplit(".", 1)[-1] for k in weights})
+    return sorted({(_LORA.match(k) or _SLICE.match(k)).group("layer").rsplit(".", 1)[-1]
+                   for k in weights})
 
 
 def options_of(model: nn.Module) -> LoraOptions:
@@ -112,6 +122,10 @@ def write_adapter(model: nn.Module, options: LoraOptions, tokenizer: Any, out: s
     weights = adapter_weights(model if weights is None else weights)
     if fmt == "llama":
         weights = to_llama(model.config, weights)
+    elif any(_SLICE.match(k) for k in weights):
+        raise ExportError("MPT's q/k/v slice adapters have PEFT names only on the Llama export of "
+                          "the base (q_proj, k_proj, v_proj): export with --format llama, or "
+                          "--merged for the model with the adapters folded in")
     tensors = {to_peft_key(k): v.detach().to("cpu", dtype or v.dtype) for k, v in weights.items()}
     config = peft_config_dict(options, targets_of(weights), base)
 
@@ -131,13 +145,18 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     in its place (in place; returns ``model``, now a plain Hugging Face model)."""
     from peft.tuners.lora import LoraLayer  # a heavy optional import, used only here
 
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    layers = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, (LoraLayer, FusedLoraLinear))]
     for name, layer in layers:
         with torch.no_grad():
-            layer.merge()
+            if isinstance(layer, FusedLoraLinear):
+                base = layer.merge()
+            else:
+                layer.merge()
+                base = layer.get_base_layer()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.get_base_layer())
+        setattr(parent, child, base)
     left = [n for n, _ in model.named_parameters() if is_adapter_key(n)]
     if left:
         raise ExportError(f"{left[0]}: cannot merge this adapter (not a PEFT LoRA layer)")

@@ -93,5 +93,17 @@ class FusedLoraLinear(nn.Module):
                 parts[i] = parts[i] + self.lora_B[s](self.lora_A[s](h)) * self.scaling
         return torch.cat(parts, dim=-1)
 
+    @torch.no_grad()
+    def merge(self) -> nn.Linear:
+        """The base layer with each adapter folded into its slice's rows (``W_s += scaling B_s
+        A_s``, in place), as PEFT's merge does for a whole layer."""
+        weight, start = self.base_layer.weight, 0
+        for s, size in zip(self.slice_names, self.slice_sizes):
+            if s in self.lora_A:
+                delta = self.lora_B[s].weight @ self.lora_A[s].weight * self.scaling
+                weight[start:start + size] += delta.to(weight.dtype)
+            start += size
+        return self.base_layer
+
     def extra_repr(self) -> str:
         return f"slices={dict(zip(self.slice_names, self.slice_sizes))}, adapted={list(self.lora_A)}"
