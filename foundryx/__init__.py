@@ -1,3 +1,8 @@
 """foundryx: a plugin-based LLM training framework on Composer."""
 
+from foundryx import known_warnings
+
 __version__ = "0.1.0"
+
+# Before anything imports transformers (and through it torchao): see known_warnings.
+known_warnings.install_import_filters()

@@ -52,6 +52,38 @@ KNOWN_PRINTS: tuple[Known, ...] = (
 KNOWN_PRINT_LOGGERS = ("torch.utils.cpp_extension",)
 
 
+# Log lines that third-party packages write while being imported, before any foundryx code
+# runs: filtered from `import foundryx` on (foundryx/__init__.py calls install_import_filters).
+KNOWN_IMPORT_LOGS: tuple[tuple[str, Known], ...] = (
+    ("torchao", Known(r"Skipping import of cpp extensions due to incompatible torch version",
+                      UserWarning,
+                      "torchao's compiled kernels are built for one torch release; foundryx uses "
+                      "only its NF4 tensor subclass (pure Python, tested on torch 2.7 and 2.14). "
+                      "transformers imports torchao whenever it is installed, so every run "
+                      "would print it")),
+)
+
+
+class _DropKnownImportLogs(logging.Filter):
+    def __init__(self, patterns: list[str]):
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(p.match(record.getMessage()) for p in self.patterns)
+
+
+def install_import_filters() -> None:
+    """Drop the :data:`KNOWN_IMPORT_LOGS` lines (not when ``FOUNDRYX_ALL_WARNINGS=1``)."""
+    if os.environ.get("FOUNDRYX_ALL_WARNINGS") == "1":
+        return
+    for name in {n for n, _ in KNOWN_IMPORT_LOGS}:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownImportLogs) for f in logger.filters):
+            logger.addFilter(_DropKnownImportLogs([k.message for n, k in KNOWN_IMPORT_LOGS
+                                                   if n == name]))
+
+
 class _DropKnownPrints(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(re.match(k.message, record.getMessage()) for k in KNOWN_PRINTS)
