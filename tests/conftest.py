@@ -41,6 +41,10 @@ MODERN_LEG_SLOW_FILES = {
     "test_triton_attention.py",
     "test_export_e2e.py",
     "test_icl_invariance.py",
+    "test_guards_e2e.py",
+    "test_remote_checkpoint.py",
+    "test_quickstart_e2e.py",
+    "test_plugin_model.py",
 }
 
 
