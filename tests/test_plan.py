@@ -184,7 +184,6 @@ def test_train_stops_before_building_when_the_run_cannot_fit(quickstart_data, mo
     suggestions before a model or a dataloader is built; plan_check: false skips the check."""
     from foundryx import builders, train
     from foundryx.plan import prelaunch
-
     from foundryx.plan.planner import plan_loaded
 
     overrides = [f"variables.data_root={quickstart_data}"]
