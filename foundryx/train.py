@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
@@ -20,6 +21,7 @@ from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.data.workers import worker_death_error
 from foundryx.doctor.facts import environment
+from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
@@ -39,6 +41,44 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None,
     """``load_config`` with every check of a run config, the ICL tasks' included (what
     ``foundryx train`` and ``--dry-run`` report)."""
     return load_config(path, overrides, world_size, checks=RUN_CONFIG_CHECKS)
+
+
+def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, list[str]]:
+    """What ``foundryx train --dry-run`` shows, and the problems that would stop the run.
+
+    The text is the resolved config, the derived numbers and the plan (the per-device memory
+    on this machine's GPU, or on the default GPU where there is none). It is shown even when
+    sections have problems that do not stop it from being resolved, e.g. a data folder that
+    exists only on the cluster: those sections are then left unchecked for the text, and
+    their problems are returned with every other. A config that cannot be resolved at all
+    raises its ConfigError, as ``foundryx train`` would."""
+    from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
+    from foundryx.plan.planner import plan_here, render
+
+    problems: list[str] = []
+    try:
+        loaded = load_run_config(path, overrides)
+    except ConfigError as e:
+        problems = e.problems
+        bad = {p.split(":", 1)[0].split(".", 1)[0] for p in problems}
+        sections = [s for s in (*COMPONENT_SECTIONS, *NAMED_SECTIONS) if s not in bad]
+        try:
+            loaded = load_config(path, overrides, component_sections=sections)
+        except ConfigError:
+            raise e from None
+    parts = [f"# resolved config of {loaded.source}", loaded.to_yaml(), "# derived numbers",
+             loaded.derived.table(), "# plan (`foundryx plan` for other devices)"]
+    try:
+        plan = plan_here(loaded)
+        parts.append(render(plan))
+        here_on_gpu = plan.device != "cpu" and torch.cuda.is_available()
+        if not plan.fits and here_on_gpu and loaded.cfg.plan_check:  # train would stop there
+            problems.append(f"plan_check: the run needs an estimated {plan.per_device_bytes / 2**30:.1f} "
+                            f"GiB per device and the {plan.device} has {plan.capacity / 2**30:.1f} "
+                            "GiB; see the plan's suggestions above")
+    except FoundryxError as e:  # a model the planner does not size, a hub name not cached, ...
+        parts.append(f"no plan: {e}")
+    return "\n".join(parts), problems
 
 
 def train(loaded: LoadedConfig):
@@ -161,8 +201,13 @@ def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: A
             trainer.eval()
         trainer.fit()
     except (RuntimeError, ConnectionError, EOFError) as e:  # see foundryx.data.workers
-        error = worker_death_error(e, trainer.state, save_folder=cfg.save_folder,
-                                   autoresume=bool(checkpointer and checkpointer.autoresume))
+        def translate(err: BaseException) -> Any:
+            return worker_death_error(err, trainer.state, save_folder=cfg.save_folder,
+                                      autoresume=bool(checkpointer and checkpointer.autoresume))
+        try:
+            error = translate(e)
+        except RuntimeError as late:  # torch's SIGCHLD handler fired as translation began
+            error = translate(late)
         if error is None:
             raise
         raise error from e

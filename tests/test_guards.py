@@ -139,6 +139,35 @@ def test_two_ranks_agree_a_nan_on_one_skips_on_both_and_a_signal_on_one_stops_bo
     assert at0 == at1 == 3 and end0 == end1 == 3, "both ranks stop after the batch of the signal"
 
 
+def test_a_signal_after_a_preemption_stop_does_not_kill_the_process_and_a_plain_run_restores():
+    """Slurm signals every task: a rank that stopped for a signal may get its own copy while it
+    saves, closes or exits. It is noted, not fatal; a run that was never signalled gives the
+    previous handlers back at the end."""
+    class SignalAt(Callback):
+        def batch_start(self, state, logger):
+            if int(state.timestamp.batch) + 1 == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    before = signal.getsignal(signal.SIGTERM)
+    pre = Preemption()
+    trainer = tiny_trainer([SignalAt(), pre], batches=6)
+    try:
+        trainer.fit()
+        trainer.close()
+        assert pre.stopped_at == 2
+        os.kill(os.getpid(), signal.SIGTERM)  # the late copy: with the default handler, death
+        assert pre.received == signal.SIGUSR1
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+    plain = Preemption()
+    trainer = tiny_trainer([plain], batches=2)
+    trainer.fit()
+    trainer.close()
+    assert plain.stopped_at is None and signal.getsignal(signal.SIGTERM) == before
+
+
 def test_options_are_checked_with_their_yaml_path(quickstart_data):
     from foundryx.errors import ConfigError
     from foundryx.train import load_run_config

@@ -171,6 +171,49 @@ def test_names_the_loader_that_has_workers_not_the_one_being_read():
     assert "Checkpoints are in ck, but autoresume is off" in both
 
 
+def test_torchs_handler_firing_late_is_still_one_message(monkeypatch):
+    """torch 2.14: the main process hears of the death as a broken connection, and torch's
+    SIGCHLD handler raises its own RuntimeError a moment later, in whatever frame runs then:
+    as the translation begins, or after it (while the message is printed)."""
+    import multiprocessing
+
+    from foundryx import train as train_module
+
+    def torchs_handler(signum, frame):
+        raise RuntimeError("DataLoader worker (pid 1234) is killed by signal: Killed. ")
+
+    calls = []
+    real = train_module.worker_death_error
+
+    def fires_at_entry(err, *args, **kwargs):
+        calls.append(type(err).__name__)
+        if len(calls) == 1:
+            torchs_handler(signal.SIGCHLD, None)
+        return real(err, *args, **kwargs)
+
+    class Trainer:
+        state = fake_state(1, 0)
+
+        def fit(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(train_module, "worker_death_error", fires_at_entry)
+    cfg = SimpleNamespace(save_folder=None)
+    previous = signal.signal(signal.SIGCHLD, torchs_handler)
+    try:
+        with pytest.raises(RunError, match=r"\(pid 1234\) was killed by signal SIGKILL"):
+            train_module.fit(Trainer(), cfg, eval_first=False, checkpointer=None)
+        assert calls == ["ConnectionResetError", "RuntimeError"]
+        # the handler is quiet now: another child's exit raises nothing
+        child = multiprocessing.get_context("fork").Process(target=_suicide)
+        child.start()
+        child.join()
+        time.sleep(0.2)
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 def test_cli_prints_a_run_error_on_every_rank(monkeypatch, capsys):
     """A RunError is known only to the rank that saw it; a FoundryxError is rank 0's to say."""
     from foundryx import cli

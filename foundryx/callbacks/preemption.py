@@ -12,7 +12,9 @@ notes the signal. After each batch the ranks agree in one small all-reduce wheth
 them got one (a signal may reach one rank first), so every rank stops after the same batch.
 The run then stops as if that batch were the last: the Checkpointer saves it (the end of
 training is always saved), the end-of-training eval is skipped, and the process exits 0 with
-one log line saying why. Autoresume continues from that checkpoint and loses nothing.
+one log line saying why. Autoresume continues from that checkpoint and loses nothing. Once the
+run is stopping for a signal, the handlers stay until the process exits, so the signal reaching
+a rank late (while it saves, closes its loggers or exits) does not kill it.
 Without a ``save_folder`` the run stops without a checkpoint (said when training starts).
 """
 
@@ -93,6 +95,11 @@ class Preemption(Callback):
         self._restore()
 
     def _restore(self) -> None:
+        # A run stopping for a signal keeps the handlers until the process exits: the same
+        # signal reaches the other ranks a moment later (Slurm signals every task), maybe while
+        # this one is still uploading, closing loggers or exiting, and must not kill it there.
+        if self.stopped_at is not None:
+            return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}

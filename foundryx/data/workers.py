@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,21 @@ def _whose(state: Any) -> list[tuple[str, Any]]:
     return [(name, loaders.get(name))]
 
 
+def _quiet_sigchld() -> None:
+    """Stop torch's SIGCHLD handler from raising again while the run ends.
+
+    torch's handler raises ``RuntimeError: DataLoader worker ... is killed`` in whatever Python
+    frame the main thread is running when the signal is handled. When the main process first
+    learns of the death another way (a broken connection while a batch was handed over), the
+    handler can fire a moment later, inside this translation or while the message is printed,
+    and its traceback would replace the message. CPython looks the handler up when it runs a
+    pending signal, so the default (SIGCHLD: do nothing) set here also silences one already
+    pending. Only the main thread may set handlers; the run is ending, so no loader needs it.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
 def worker_death_error(err: BaseException, state: Any, *, save_folder: str | None,
                        autoresume: bool) -> RunError | None:
     """A :class:`RunError` for a dataloader worker death reported by ``err`` during a run with
@@ -142,6 +158,7 @@ def worker_death_error(err: BaseException, state: Any, *, save_folder: str | Non
     death = parse_worker_death(err)
     if death is None:
         return None
+    _quiet_sigchld()
     from composer.utils import dist
 
     candidates = _whose(state)

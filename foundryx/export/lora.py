@@ -148,12 +148,18 @@ def merge_adapters(model: nn.Module) -> nn.Module:
     layers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, (LoraLayer, FusedLoraLinear))]
     for name, layer in layers:
+        # merged in float64, rounded once to the weight's dtype: in fp32, W + BA alone would
+        # round differently from the trained model's W x + B (A x) by more than the export's
+        # promise (logits within 1e-5) once adapters are large
+        dtype = next(layer.parameters()).dtype
         with torch.no_grad():
+            layer.to(torch.float64)
             if isinstance(layer, FusedLoraLinear):
                 base = layer.merge()
             else:
                 layer.merge()
                 base = layer.get_base_layer()
+            base.to(dtype)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, base)
