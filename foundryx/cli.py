@@ -20,7 +20,7 @@ from foundryx.data import partitions
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.quickstart import prepare_quickstart
 from foundryx.data.tokenizers import build_hf_tokenizer
-from foundryx.errors import FoundryxError
+from foundryx.errors import ConfigError, FoundryxError
 from foundryx.plan.command import add_parser as add_plan_parser
 from foundryx.runtime import setup_logging
 
@@ -37,14 +37,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise FoundryxError("foundryx train: give a run config, e.g. yamls/quickstart.yaml")
     from foundryx import train as training  # torch + Composer: only when a run is loaded
 
-    loaded = training.load_run_config(args.config, args.overrides)
-    if args.dry_run:
-        print(f"# resolved config of {loaded.source}")
-        print(loaded.to_yaml())
-        print("# derived numbers")
-        print(loaded.derived.table())
+    if args.dry_run:  # the config, derived numbers and plan, then the problems (exit 2)
+        text, problems = training.dry_run(args.config, args.overrides)
+        print(text, flush=True)
+        if problems:
+            raise ConfigError(problems, source=str(args.config))
         return 0
-    training.train(loaded)
+    training.train(training.load_run_config(args.config, args.overrides))
     return 0
 
 
@@ -216,7 +215,8 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a run config (same as `composer train.py`)")
     t.add_argument("config", nargs="?", help="run config YAML, e.g. yamls/quickstart.yaml")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. max_duration=20ba")
-    t.add_argument("--dry-run", action="store_true", help="print the resolved config and derived numbers")
+    t.add_argument("--dry-run", action="store_true", help="print the resolved config, the derived "
+                   "numbers and the plan, then the problems (exit 2 when there are any)")
     t.add_argument("--help-config", nargs="?", const=True, metavar="REGISTRY.NAME",
                    help="list every config key with its doc; with REGISTRY.NAME (e.g. "
                    "algorithms.ema, or a bare name), that component's options")

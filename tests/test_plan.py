@@ -58,19 +58,22 @@ def test_census_counts_what_the_real_model_holds():
 
 
 def test_zero_stages_to_the_byte(tmp_path):
-    """bf16 mixed precision: 16 bytes per trainable parameter (2 + 2 + 12 in the ZeRO paper's
-    terms; FSDP2's fp32 weight 4 + gradient 4 + Adam 8), divided stage by stage."""
-    path = _write(tmp_path, MPT, parallelism={"sharding_strategy": "FULL_SHARD"})
+    """bf16 mixed precision and AdamW: 2 bytes per bf16 weight and gradient and 12 bytes of
+    fp32 master weight and Adam moments per trainable parameter (16), the 12 sharded at stage
+    1, the gradients too at stage 2, everything at stage 3 (FSDP2's fp32 weight 4 + gradient 4
+    + Adam 8, the same 16 / N)."""
+    path = _write(tmp_path, MPT, parallelism={"sharding_strategy": "FULL_SHARD"},
+                  global_train_batch_size=16)  # 2 microbatches per step: gradients held throughout
     plan = make_plan(path, gpus=4, gpu="h100")
     p, s = plan.census.total, plan.setup
-    assert (s.zero_stage, s.shard_degree) == (3, 4)
-    static = {z: sum(terms(plan.census, replace(s, zero_stage=z)).get(k) for k in
+    assert (s.zero_stage, s.shard_degree, s.grad_accum) == (3, 4, 2)
+    assert p % 4 == 0  # so each division below is exact: the planner's bytes, not a bound
+    static = {z: sum(terms(plan.census, replace(s, zero_stage=z))[k] for k in
                      ("trainable_weights", "gradients", "optimizer_state")) for z in range(4)}
-    assert static[0] == 16 * p
-    assert static[1] == 4 * p + 4 * p + -(-8 * p // 4)
-    assert static[2] == 4 * p + -(-(4 * p) // 4) + -(-8 * p // 4)
-    assert static[3] == -(-4 * p // 4) * 2 + -(-8 * p // 4)
-    assert abs(static[3] - 16 * p / 4) <= 3
+    assert static == {0: 16 * p, 1: 2 * p + 2 * p + 12 * p // 4, 2: 2 * p + 14 * p // 4,
+                      3: 16 * p // 4}
+    stage1 = terms(plan.census, replace(s, zero_stage=1))
+    assert (stage1["gradients"], stage1["optimizer_state"]) == (2 * p, 8 * p // 4)
     assert plan.by_sharding["none"] > plan.by_sharding["optimizer"] > plan.by_sharding["+gradients"]
     assert plan.by_sharding["+weights"] == plan.per_device_bytes
 
@@ -210,3 +213,65 @@ def test_train_stops_before_building_when_the_run_cannot_fit(quickstart_data, mo
     monkeypatch.setattr(train, "get_device", never)
     with pytest.raises(AssertionError, match="built before the plan check"):
         train.train(loaded)  # no check: it goes on to the GPU (and the stub stops it)
+
+
+def test_activations_match_what_autograd_saves(tmp_path):
+    """The activation term is the bytes of the tensors autograd keeps for backward in a real
+    MPT forward pass (fp32 on CPU), the fused loss's own saved gradients aside."""
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+    path = _write(tmp_path, MPT, precision="fp32", device="cpu")
+    plan = make_plan(path, gpu="cpu")
+    model = ComposerMPTCausalLM(options=None, **{k: v for k, v in MPT.items() if k != "name"})
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    ids = torch.zeros(2, 64, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(model(batch), batch)
+    vocab, d = MPT["vocab_size"], MPT["d_model"]
+    loss_saved = vocab * d * 4 + 2 * 63 * d * 4  # the fused loss's weight and input gradients
+    kept = sum(saved.values()) - loss_saved
+    assert abs(plan.terms["activations"] - kept) <= 0.05 * kept, (plan.terms["activations"], kept)
+
+
+def test_cpu_device_has_no_gpu_overheads(tmp_path):
+    path = _write(tmp_path, MPT)
+    cpu = make_plan(path, gpu="cpu", gpu_memory="1GiB")
+    gpu = make_plan(path, gpu="h100")
+    assert cpu.device == "cpu" and cpu.capacity == GiB and cpu.peak_flops is None
+    assert cpu.terms["context"] == 9 * 2**20 and cpu.terms["fragmentation"] == 0
+    assert gpu.terms["context"] == GiB and gpu.terms["fragmentation"] > 0
+
+
+def test_gradients_and_activations_peak_apart_unless_accumulating(tmp_path):
+    """Without gradient accumulation the activations are freed as gradients are made, so the
+    total is less than the sum of both; with it the gradients are held through the forward."""
+    one = make_plan(_write(tmp_path, MPT, global_train_batch_size=2), gpu="h100")
+    assert one.setup.grad_accum == 1 and one.terms["not_held_together"] < 0
+    accum = make_plan(_write(tmp_path, MPT, global_train_batch_size=4), gpu="h100")
+    assert accum.setup.grad_accum == 2
+    t = accum.terms
+    assert accum.per_device_bytes - one.per_device_bytes >= t["gradients"] - 1
+
+
+def test_dry_run_prints_config_numbers_and_plan_then_problems(tmp_path, capsys):
+    """The README's `foundryx train --dry-run yamls/mpt-1b.yaml` on a fresh clone (no data
+    folder): the resolved config, the derived numbers and the plan, then the two missing-folder
+    problems, exit 2."""
+    missing = tmp_path / "no-data-here"
+    assert main(["train", "--dry-run", str(ROOT / "yamls" / "mpt-1b.yaml"),
+                 f"variables.data_local={missing}"]) == 2
+    captured = capsys.readouterr()
+    out, err = captured.out, captured.err
+    assert out.index("# resolved config") < out.index("# derived numbers") < out.index("foundryx plan:")
+    assert "grad_accum" in out and "per device" in out and "total" in out
+    assert err.count("does not exist") == 2 and "train_loader.dataset.local" in err
+    assert "Traceback" not in err

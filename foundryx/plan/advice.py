@@ -23,15 +23,22 @@ def total(c: Census, s: Setup) -> int:
     return sum(terms(c, s).values())
 
 
+def with_microbatch(s: Setup, mb: int) -> Setup:
+    """``s`` at microbatch ``mb``, the per-device batch kept (more or fewer microbatches per step;
+    a microbatch above the per-device batch is one microbatch)."""
+    batch = s.microbatch * s.grad_accum
+    return replace(s, microbatch=mb, grad_accum=max(1, -(-batch // mb)))
+
+
 def largest_microbatch(c: Census, s: Setup, capacity: int, upper: int = 4096) -> int:
-    """The largest microbatch (1..upper) whose total fits ``capacity``; 0 when none does.
-    Memory grows with the microbatch, so a bisection finds it."""
-    if total(c, replace(s, microbatch=1)) > capacity:
+    """The largest microbatch (1..upper) whose total fits ``capacity``, at the run's per-device
+    batch; 0 when none does. Memory grows with the microbatch, so a bisection finds it."""
+    if total(c, with_microbatch(s, 1)) > capacity:
         return 0
     lo, hi = 1, upper
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if total(c, replace(s, microbatch=mid)) <= capacity:
+        if total(c, with_microbatch(s, mid)) <= capacity:
             lo = mid
         else:
             hi = mid - 1
@@ -51,10 +58,14 @@ def _candidates(c: Census, s: Setup, capacity: int) -> list[Candidate]:
          replace(s, zero_stage=3, shard_degree=world)
          if world > 1 and (s.zero_stage < 3 or s.shard_degree < world) else None),
     ]
-    mb = largest_microbatch(c, s, capacity, upper=max(s.microbatch - 1, 1))
+    # the largest smaller microbatch that fits and divides the per-device batch (as the
+    # config requires)
+    batch = s.microbatch * s.grad_accum
+    mb = next((m for m in range(s.microbatch - 1, 0, -1)
+               if batch % m == 0 and total(c, with_microbatch(s, m)) <= capacity), 0)
     out.append((f"microbatch {mb} instead of {s.microbatch}, more gradient accumulation",
                 f"device_train_microbatch_size={mb}", "lower device utilisation per step",
-                replace(s, microbatch=mb) if 0 < mb < s.microbatch else None))
+                with_microbatch(s, mb) if mb else None))
     out.append(("activation checkpointing of every block", "activation_checkpointing=true",
                 "about a third more compute (the forward runs twice)",
                 replace(s, activation_checkpointing=True, ac_every=1)

@@ -38,6 +38,7 @@ class Shape:
     gated_ffn: bool  # SwiGLU-style: gate and up projections
     vocab_size: int
     fused_loss: bool  # the loss is fused with the output projection (no whole logits)
+    rotary: bool = True  # RoPE: the rotated q and k are new tensors, kept for attention
 
 
 @dataclass
@@ -63,7 +64,8 @@ def _mpt_model(opts: MPTOptions) -> tuple[nn.Module, Shape]:
     with torch.device("meta"):
         model = MPTForCausalLM(cfg)
     shape = Shape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_n_heads, cfg.ffn_hidden_size,
-                  cfg.ffn.ffn_type == "swiglu", cfg.vocab_size, fused_loss=True)
+                  cfg.ffn.ffn_type == "swiglu", cfg.vocab_size, fused_loss=True,
+                  rotary=bool(cfg.attn.rope))
     return model, shape
 
 
@@ -78,7 +80,9 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     kv_heads = getattr(c, "num_key_value_heads", None) or n_heads
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d_model
     gated = any("gate" in n for n in linear_modules(model))
-    shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size, fused_loss=False)
+    rotary = getattr(c, "rope_theta", None) is not None or getattr(c, "rotary_dim", None) is not None
+    shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size, fused_loss=False,
+                  rotary=rotary)
     return model, shape
 
 

@@ -17,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, default=None, help="devices per node (default: 1)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
     p.add_argument("--gpu", default=None, help=f"the device: {', '.join(GPUS)} (default: "
-                   f"{DEFAULT_GPU}; a config with device: cpu plans for this machine's memory)")
+                   f"{DEFAULT_GPU}); cpu: a CPU process (no GPU context or allocator margin), of "
+                   "this machine's memory / --gpus unless --gpu-memory, also the default for a "
+                   "config with device: cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB or 79.1GiB "
                    "(default: the --gpu's)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,

@@ -4,9 +4,10 @@ Everything is arithmetic on the parameter census (census.py) and the run's setti
 each term's docstring line below is what ``foundryx plan`` prints beside it. The static terms
 follow the ZeRO paper's accounting (Rajbhandari et al., 2020): a trainable parameter under
 bf16 mixed precision costs 2 + 2 bytes of bf16 weight and gradient plus 12 bytes of fp32 master
-weight and Adam moments, i.e. 16 bytes; FSDP2 keeps the fp32 weight and gradient as the sharded
-copies (4 + 4 + 8, the same 16 bytes), which is how the terms are named here. Sharding divides
-the optimizer state (stage 1), then the gradients (2), then the weights (3) by the degree.
+weight and Adam moments, i.e. 16 bytes. Stage 1 shards the 12 bytes (2 + 2 + 12 / N), stage 2
+the gradients too (2 + 14 / N), stage 3 everything (16 / N). Unsharded (DDP under autocast)
+and FSDP2 keep the fp32 weight and gradient as the stored copies (4 + 4 + 8, the same 16
+bytes), which is how the terms are named for stages 0 and 3.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ ROW_SCALE_BYTES = {"fp8": 4, "int8": 4}
 
 # Per-device overheads on accelerators (stated, not measured here): the CUDA / ROCm context
 # with cuBLAS / hipBLASLt and NCCL / RCCL workspaces, and the caching allocator's reserved-above-
-# allocated share.
-CONTEXT_BYTES = {"cuda": 1 * GiB, "rocm": 1 * GiB, "cpu": 0}
+# allocated share. A CPU process has neither, but its compute libraries' buffers and thread
+# arenas grow its memory when training starts: benchmarks/plan_accuracy.py's `tiny` case (a
+# 1-block, d_model 64 MPT) measures 8.6 MiB (1 process) and 9.1 MiB (2) above its tensors.
+CONTEXT_BYTES = {"cuda": 1 * GiB, "rocm": 1 * GiB, "cpu": 9 * 2**20}
 FRAGMENTATION = {"cuda": 0.10, "rocm": 0.10, "cpu": 0.0}
 
 TERM_DOCS = {
@@ -43,8 +46,10 @@ TERM_DOCS = {
     "fsdp_buffers": "FSDP2 all-gather (this block and the prefetched next) and reduce-scatter",
     "offload_buffers": "frozen weights brought back from CPU (this block and the next)",
     "cast_buffers": "one weight cast to the compute dtype at a time",
+    "not_held_together": "gradients and activations not held at once (the peak is the larger "
+                         "of the end of forward, the start and the end of backward)",
     "fragmentation": "caching-allocator margin: reserved above allocated (10% on GPUs)",
-    "context": "CUDA / ROCm context and library workspaces (1 GiB assumed)",
+    "context": "CUDA / ROCm context and library workspaces (1 GiB assumed; CPU: 9 MiB measured)",
 }
 
 
@@ -57,6 +62,7 @@ class Setup:
     zero_stage: int  # 3: FSDP2 (weights, gradients, optimizer sharded); 0: replicated (DDP)
     microbatch: int
     seq_len: int
+    grad_accum: int = 1  # microbatches per step: > 1 keeps every gradient through the forward passes
     precision: str = "amp_bf16"  # fp32 | amp_bf16 | amp_fp16 | amp_fp8
     mixed_precision: str = "DEFAULT"  # FSDP2: DEFAULT | PURE | FULL
     reshard_after_forward: bool = True
@@ -102,26 +108,45 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     if s.lora:
         lin = _frozen_linear_bytes(c, s)
         t["frozen_weights"] = (lin * (1 - s.offload_fraction) + c.other * pb) / w_div * on_device
-    t["trainable_weights"] = trainable * pb / w_div * on_device
-    t["gradients"] = trainable * pb / g_div * on_device
+    if s.zero_stage in (1, 2):
+        # ZeRO-1/2 (DeepSpeed's layout): a replicated working copy in the compute dtype; the
+        # fp32 master weights are sharded with the optimizer state, the gradients (compute
+        # dtype) too at stage 2: 2 + 2 + 12 / N bytes per parameter, then 2 + 14 / N
+        master = trainable * pb / deg if pb > ce else 0
+        t["trainable_weights"] = (trainable * min(ce, pb) + master) * on_device
+        t["gradients"] = trainable * min(ce, pb) / g_div * on_device
+    else:  # replicated (DDP) or FSDP2: the stored (master) weights and their gradients
+        t["trainable_weights"] = trainable * pb / w_div * on_device
+        t["gradients"] = trainable * pb / g_div * on_device
     t["optimizer_state"] = trainable * pb * s.optimizer_states / o_div * on_device
 
-    b, q = s.microbatch, s.seq_len
-    kv = sh.kv_heads * (sh.d_model // sh.n_heads)
-    ffn = (4 if sh.gated_ffn else 2) * sh.ffn_hidden
-    block_elems = b * q * (6 * sh.d_model + 2 * kv + ffn + s.lora_dropout_inputs)
-    block = block_elems * ce + b * sh.n_heads * q * 4  # + the attention's fp32 logsumexp
-    if s.activation_checkpointing:
-        kept = sh.n_layers // max(s.ac_every, 1)
-        acts = kept * b * q * sh.d_model * ce + (sh.n_layers - kept) * block + block
-    else:
-        acts = sh.n_layers * block
-    t["activations"] = acts + 3 * b * q * sh.d_model * ce  # + embedding output, final norm
+    b, q, d = s.microbatch, s.seq_len, sh.d_model
+    acts, block = _activations(sh, s)
+    t["activations"] = acts
     t["backward_working_set"] = block
+    # the output projection's weight gradient, when it trains (full fine-tuning): the fused
+    # loss accumulates it in fp32 during the forward pass and saves it for backward
+    out_grad = 0.0 if s.lora else sh.vocab_size * d * 4
     if sh.fused_loss:
-        t["logits_and_loss"] = min(b * q, chunk_tokens(sh.vocab_size)) * sh.vocab_size * 4 * 2
+        # one chunk's fp32 logits (turned into their gradient in place) and torch.logsumexp's
+        # temporary of the same size, or, when the saved weight gradient is made, one chunk
+        # and two copies of it; plus the input gradient and its saved copy
+        chunk = min(b * q, chunk_tokens(sh.vocab_size)) * sh.vocab_size * 4
+        t["logits_and_loss"] = max(2 * chunk + out_grad, chunk + 2 * out_grad) + 2 * b * q * d * ce
     else:
         t["logits_and_loss"] = b * q * sh.vocab_size * (ce + 4 + 4)
+    # Gradients and activations are not all held at once: the activations are freed block by
+    # block in backward as the gradients are made. The peak is the larger of the end of the
+    # forward pass (every activation and the loss's buffers, no gradient yet), the start of
+    # backward (the activations, one block's working set and the output projection's
+    # gradient) and its end (every gradient and one block's working set); what the sum of the
+    # terms above counts twice is taken off here. With gradient accumulation the gradients of
+    # the earlier microbatches are held through every forward pass after the first.
+    counted = t["gradients"] + acts + block + t["logits_and_loss"]
+    held = t["gradients"] if s.grad_accum > 1 else 0
+    start = acts + block + (t["logits_and_loss"] if not sh.fused_loss else 2 * out_grad)
+    peak = held + max(acts + t["logits_and_loss"], start, t["gradients"] - held + block)
+    t["not_held_together"] = -(counted - peak)
 
     if s.zero_stage >= 3 and deg > 1:
         gathered = _block_gather_bytes(c, s)
@@ -136,6 +161,31 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     t["fragmentation"] = allocated * FRAGMENTATION[s.device_kind]
     t["context"] = CONTEXT_BYTES[s.device_kind]
     return {k: int(math.ceil(v)) for k, v in t.items()}
+
+
+def _activations(sh, s: Setup) -> tuple[float, float]:
+    """(activations held at the end of the forward pass, one block's activations).
+
+    Per token, one block keeps (counted from the tensors autograd saves, tested): each of its
+    two norms its input, the normalized input and the output (3 d each); q, k and v (d + 2 kv;
+    slices of one output keep it whole); with RoPE the rotated q and k (d + kv); the
+    attention's output (d) and its fp32 log-sum-exp per head; the FFN's up and gate outputs,
+    the activation and the product (4 f gated, 2 f otherwise); LoRA dropout's inputs. With
+    activation checkpointing a checkpointed block keeps only its input, and one block is
+    recomputed in backward. Outside the blocks: the embedding output and the final norm's
+    three tensors."""
+    b, q, d, ce = s.microbatch, s.seq_len, sh.d_model, s.compute_bytes
+    kv = sh.kv_heads * (d // sh.n_heads)
+    ffn = (4 if sh.gated_ffn else 2) * sh.ffn_hidden
+    rope = d + kv if sh.rotary else 0
+    per_token = 6 * d + (d + 2 * kv) + rope + d + ffn + s.lora_dropout_inputs
+    block = b * q * per_token * ce + b * sh.n_heads * q * 4
+    if s.activation_checkpointing:
+        kept = sh.n_layers // max(s.ac_every, 1)
+        acts = kept * b * q * d * ce + (sh.n_layers - kept) * block + block
+    else:
+        acts = sh.n_layers * block
+    return acts + 4 * b * q * d * ce, block
 
 
 def _frozen_linear_bytes(c: Census, s: Setup) -> float:

@@ -92,10 +92,13 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     world = per_node * nodes
     loaded = load_config(config, overrides, world_size=world,
                          component_sections=("model", "optimizer"))
-    if loaded.cfg.device == "cpu" and gpu is None:
+    if (gpu or "").lower() == "cpu" or (loaded.cfg.device == "cpu" and gpu is None):
+        # A CPU process: no CUDA / ROCm context and no caching allocator, so neither term.
         capacity = parse_memory(gpu_memory) if gpu_memory else _cpu_memory() // per_node
-        notes.append("device: cpu (the config's device); capacity: this machine's memory / "
-                     "processes per node; no MFU on CPU")
+        why = "--gpu cpu" if gpu else "the config's device"
+        where = "--gpu-memory" if gpu_memory else "this machine's memory / processes per node"
+        notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
+                     f"{where}; no MFU on CPU")
         return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes)
     if gpu is None:
         notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
@@ -128,6 +131,30 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         flops_per_token=flops_per_token(c, s.seq_len), peak_flops=peak, mfu=mfu,
         notes=notes + planned.notes,
     )
+
+
+def plan_here(loaded: LoadedConfig, mfu: float = DEFAULT_MFU) -> Plan:
+    """Plan a loaded run where it would run: this machine's GPU (its name and the memory torch
+    reports) when there is one and the config does not ask for the CPU; a CPU process for
+    ``device: cpu``; else the default GPU, with a note (``foundryx plan --gpu`` picks another)."""
+    import torch  # here: make_plan users need no CUDA query
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if loaded.cfg.device == "cpu":
+        note = "device: cpu (the config's device): no GPU context or allocator margin; " \
+               "capacity: this machine's memory / processes per node"
+        return plan_loaded(loaded, per_node, "cpu", "cpu", None, _cpu_memory() // per_node, mfu,
+                           [note])
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        capacity = torch.cuda.get_device_properties(0).total_memory
+        return plan_loaded(loaded, per_node, name, "rocm" if torch.version.hip else "cuda", name,
+                           capacity, mfu)
+    spec = find_gpu(DEFAULT_GPU)
+    note = (f"no GPU on this machine: planned for one {spec.key} per process "
+            "(`foundryx plan CONFIG --gpu NAME --gpus N` plans for another)")
+    return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, spec.memory, mfu,
+                       [note])
 
 
 def _cpu_memory() -> int:
