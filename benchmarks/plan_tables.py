@@ -1,83 +1,156 @@
-"""The planner's tables for Llama 3.1 8B, 70B and 405B fine-tuning on one node of 8 GPUs
-(docs/finetuning.md prints them): per-device memory by method, whether it fits, the largest
-microbatch that fits and the estimated throughput.
+"""The planner's step-by-step tables (docs/finetuning.md prints them): Llama-3.1-405B on one node
+of 8 H100-80GB, Llama-3-70B on 8 A100-80GB and Llama-3.1-8B on one 24 GB GPU, from full
+fine-tuning without sharding, through ZeRO stages 1-3, LoRA, an FP8 base and the base sharded
+over the GPUs, to the whole plan with activations and buffers and the offload fraction that
+leaves headroom.
 
-    python benchmarks/plan_tables.py [--gpu h100] [--gpus 8] [--seq 4096]
+    python benchmarks/plan_tables.py [--seq 4096] [--headroom 0.10]
 
-Shapes from yamls/shapes/ (config.json only; no weights). Every row: FSDP2 over all GPUs,
-bf16 mixed precision, AdamW, activation checkpointing, microbatch 1.
+No hub access and no weights: each model's shape is a Hugging Face config.json this script
+writes (Llama 3.1 8B and 405B as in yamls/shapes/; Llama 3 70B is Llama 3.1 70B's shape with its
+8k context and no rope scaling: the same parameters). Every row: bf16 mixed precision (amp_bf16,
+fp32 stored weights), AdamW, microbatch 1 x --seq tokens, activation checkpointing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
-from foundryx.plan.gpus import GiB
-from foundryx.plan.planner import make_plan
+from foundryx.plan.gpus import GiB, parse_memory
+from foundryx.plan.memory import terms
+from foundryx.plan.planner import Plan, make_plan
 
 ROOT = Path(__file__).parents[1]
-MODELS = ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")
 LORA = {"target_modules": "all-linear", "r": 16, "lora_alpha": 32}
-METHODS = (
-    ("full fine-tuning", {}),
-    ("LoRA r=16, fp32 base", {"peft_config": LORA}),
-    ("LoRA, bf16 base", {"peft_config": LORA, "frozen_base": {"dtype": "bf16"}}),
-    ("LoRA, fp8 base", {"peft_config": LORA, "frozen_base": {"dtype": "fp8"}}),
-    ("LoRA, nf4 base", {"peft_config": LORA, "frozen_base": {"dtype": "nf4"}}),
-    ("LoRA, fp8 base, offload 0.5", {"peft_config": LORA,
-                                     "frozen_base": {"dtype": "fp8", "offload_fraction": 0.5}}),
+FP8 = {"dtype": "fp8"}
+BF16 = {"dtype": "bf16"}
+# (title, shape folder, changes to its config.json, --gpu, --gpu-memory, GPUs)
+NODES = (
+    ("Llama-3.1-405B on one node of 8 x H100-80GB", "llama-3.1-405b", {}, "h100", None, 8),
+    ("Llama-3-70B on 8 x A100-80GB", "llama-3.1-70b",
+     {"max_position_embeddings": 8192, "rope_scaling": None}, "a100-80gb", None, 8),
+    ("Llama-3.1-8B on one 24 GB GPU", "llama-3.1-8b", {}, "h100", "24GB", 1),
 )
 
 
-def run_config(folder: Path, shape: str, model_extra: dict, seq: int, gpus: int) -> Path:
+def write_shape(folder: Path, shape: str, changes: dict) -> Path:
+    """The shape's config.json (plus ``changes``) in a folder of its own."""
+    config = json.loads((ROOT / "yamls" / "shapes" / shape / "config.json").read_text())
+    config.update(changes)
+    out = folder / f"{shape}{'-changed' if changes else ''}"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def run_config(folder: Path, shape: Path, model_extra: dict, seq: int, gpus: int,
+               sharded: bool) -> Path:
     cfg = {
         "max_seq_len": seq,
         "model": {"name": "hf_causal_lm", "pretrained": False,
-                  "pretrained_model_name_or_path": str(ROOT / "yamls" / "shapes" / shape),
-                  **model_extra},
+                  "pretrained_model_name_or_path": str(shape), **model_extra},
         "tokenizer": {"name": "hf", "path": "on/the/cluster"},
         "train_loader": {"name": "text", "dataset": {"local": "on/the/cluster", "split": "train",
                                                      "max_seq_len": seq}},
         "max_duration": "1000ba", "global_train_batch_size": gpus,
         "device_train_microbatch_size": 1,
         "optimizer": {"name": "decoupled_adamw", "lr": 1e-4}, "precision": "amp_bf16",
-        "device": "gpu", "parallelism": {"sharding_strategy": "FULL_SHARD"},
-        "activation_checkpointing": True,
+        "device": "gpu", "activation_checkpointing": True,
+        **({"parallelism": {"sharding_strategy": "FULL_SHARD"}} if sharded else {}),
     }
-    path = folder / f"{shape}-{abs(hash(str(model_extra)))}.yaml"
+    path = folder / f"run-{abs(hash((str(shape), str(model_extra), sharded)))}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
+def static(t: dict[str, int]) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer state) per GPU."""
+    return t["frozen_weights"] + t["trainable_weights"], t["gradients"], t["optimizer_state"]
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:,.1f}"
+
+
+def table(title: str, shape: Path, gpu: str, memory: str | None, gpus: int, seq: int,
+          headroom: float, folder: Path) -> None:
+    def plan(extra: dict, sharded: bool, overrides: list[str] | None = None) -> Plan:
+        return make_plan(run_config(folder, shape, extra, seq, gpus, sharded), overrides,
+                         gpus=gpus, gpu=gpu, gpu_memory=memory)
+
+    full = plan({}, sharded=False)
+    cap = full.capacity
+    print(f"\n{title}: {full.census.total / 1e9:,.1f}B parameters, {gpus} x "
+          f"{memory or gpu} ({gib(cap)} GiB each as torch reports it), sequence {seq}, "
+          "microbatch 1, bf16 mixed precision, AdamW, activation checkpointing\n")
+    print("| step | weights | gradients | optimizer state | weights + gradients + optimizer "
+          "| activations, loss, buffers | total per GPU | fits |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def static_row(step: str, t: dict[str, int]) -> None:
+        w, g, o = static(t)
+        fits = "no" if w + g + o > cap else "this part fits"
+        print(f"| {step} | {gib(w)} | {gib(g)} | {gib(o)} | {gib(w + g + o)} | | | {fits} |")
+
+    static_row("1. full fine-tuning, no sharding (each GPU a replica)", full.terms)
+    if gpus > 1:
+        for z, what in ((1, "optimizer state and fp32 master weights sharded (ZeRO-1)"),
+                        (2, "+ gradients sharded (ZeRO-2)")):
+            static_row(f"{z + 1}. {what}", terms(full.census, replace(
+                full.setup, zero_stage=z, shard_degree=gpus)))
+        static_row("4. + weights sharded (ZeRO-3: FSDP2 over all GPUs)", plan({}, True).terms)
+    else:
+        print("| 2-4. ZeRO stages 1-3 | one GPU: nothing to shard over | | | | | | |")
+    static_row("5. LoRA r=16 on all linear layers, bf16 base, not sharded",
+               plan({"peft_config": LORA, "frozen_base": BF16}, False).terms)
+    fp8 = {"peft_config": LORA, "frozen_base": FP8}
+    static_row("6. FP8 base (per-row scales), not sharded", plan(fp8, False).terms)
+    last = plan(fp8, gpus > 1)
+    if gpus > 1:
+        static_row(f"7. FP8 base sharded over {gpus} GPUs (FSDP2)", last.terms)
+    w, g, o = static(last.terms)
+    rest = last.per_device_bytes - (w + g + o)
+    print(f"| 8. + activations (checkpointed), loss, FSDP2 and cast buffers, 10% allocator "
+          f"margin, 1 GiB context: the whole plan | {gib(w)} | {gib(g)} | {gib(o)} | "
+          f"{gib(w + g + o)} | {gib(rest)} | {gib(last.per_device_bytes)} | "
+          f"{'yes' if last.fits else 'no'} ({gib(cap - last.per_device_bytes)} GiB headroom) |")
+    want = headroom * cap
+    for pct in range(0, 100, 5):
+        frac = pct / 100
+        p = plan({**fp8, "frozen_base": {**FP8, "offload_fraction": frac}}, gpus > 1) if pct else last
+        if cap - p.per_device_bytes >= want:
+            w, g, o = static(p.terms)
+            rest = p.per_device_bytes - (w + g + o)
+            step = (f"9. offload fraction {frac:g} of the FP8 base to host memory: the smallest "
+                    f"(in steps of 0.05) that leaves {headroom:.0%} headroom")
+            if not pct:
+                step = f"9. no offload needed: already {headroom:.0%} headroom"
+            print(f"| {step} | {gib(w)} | {gib(g)} | {gib(o)} | {gib(w + g + o)} | {gib(rest)} | "
+                  f"{gib(p.per_device_bytes)} | yes ({gib(cap - p.per_device_bytes)} GiB "
+                  f"headroom; largest microbatch {p.largest_microbatch}) |")
+            break
+    else:
+        print(f"| 9. no offload fraction up to 0.95 leaves {headroom:.0%} headroom | | | | | | | no |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", default="h100")
-    ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--headroom", type=float, default=0.10)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        for shape in MODELS:
-            print(f"\n{shape}, {args.gpus} x {args.gpu}, sequence {args.seq}, FSDP2, bf16, "
-                  "AdamW, activation checkpointing, microbatch 1\n")
-            print("| method | per GPU | fits | largest microbatch | weights | optimizer + grads "
-                  "| activations + logits | tokens/s (40% MFU) |")
-            print("|---|---|---|---|---|---|---|---|")
-            for label, extra in METHODS:
-                p = make_plan(run_config(Path(tmp), shape, extra, args.seq, args.gpus),
-                              gpus=args.gpus, gpu=args.gpu)
-                t = p.terms
-                weights = t["frozen_weights"] + t["trainable_weights"]
-                opt = t["optimizer_state"] + t["gradients"]
-                act = t["activations"] + t["logits_and_loss"] + t["backward_working_set"]
-                tps = p.tokens_per_s
-                print(f"| {label} | {p.per_device_bytes / GiB:,.1f} GiB | "
-                      f"{'yes' if p.fits else 'no'} | {p.largest_microbatch or '-'} | "
-                      f"{weights / GiB:,.1f} | {opt / GiB:,.1f} | {act / GiB:,.1f} | "
-                      f"{f'{tps:,.0f}' if tps else '-'} |")
+        folder = Path(tmp)
+        for title, shape, changes, gpu, memory, gpus in NODES:
+            if memory:
+                parse_memory(memory)
+            table(title, write_shape(folder, shape, changes), gpu, memory, gpus, args.seq,
+                  args.headroom, folder)
 
 
 if __name__ == "__main__":
