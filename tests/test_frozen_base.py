@@ -77,6 +77,72 @@ def test_storage_bytes_error_and_no_nan_from_zero_rows():
         rs @ torch.ones(256)  # never silently a dense matmul
 
 
+def peak_allocated(fn) -> int:
+    """Peak bytes held by the tensors ``fn`` allocates (CPU allocator events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    now = peak = 0
+    for e in events:
+        now += e.nbytes()
+        peak = max(peak, now)
+    return peak
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
+    """A frozen layer's transient is its dense weight, not several: the out-of-place
+    ``qdata.float() * scale`` held two float32 copies, torchao's NF4 decoding about five."""
+    from foundryx.models.peft.frozen_base import dequantize, offload_layers
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 4096, bias=False)  # an FFN weight of the benchmark's size
+    q = LowPrecisionLinear(layer, dtype, "w")
+    dense = 4096 * 1024 * 4  # NF4 decodes in chunks of 4096 blocks: 2 MB over this
+    assert peak_allocated(lambda: dequantize(q.weight, torch.float32)) <= 1.15 * dense
+    if dtype == "nf4":  # the same values as torchao's own decoding, bit for bit
+        for out in (torch.float32, torch.bfloat16):
+            assert torch.equal(dequantize(q.weight, out), q.weight.get_original_weight().to(out))
+    # offloaded, the layer copies its low-precision bytes, not more: torchao's NF4 clone()
+    # dequantizes and quantizes again (about 10x the dense weight, and slow)
+    want = dequantize(q.weight, torch.float32)
+    offload_layers([q], 1.0)
+    cpu = torch.device("cpu")
+    copy = stored_bytes(q.offload.host)  # the layer's low-precision bytes, copied
+    assert peak_allocated(lambda: q.dense_weight(torch.float32, cpu)) <= 1.15 * dense + copy
+    assert torch.equal(q.dense_weight(torch.float32, cpu), want)
+
+
+def test_fused_loss_keeps_no_gradient_for_a_frozen_output_projection():
+    """Under LoRA the tied embedding (the output projection) is frozen: the fused loss must
+    not compute and hold its vocab x d_model gradient (it did: 2 x 32 MB per step in
+    benchmarks/finetune_memory.py)."""
+    from foundryx.models.layers.loss import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 9, 16, generator=g, requires_grad=True)
+    w = torch.randn(300, 16, generator=g)
+    y = torch.randint(0, 300, (2, 9), generator=g)
+    loss = linear_cross_entropy(h, w, y, None, chunk=4)
+    assert loss.grad_fn.saved_tensors[1] is None
+    (grad_h,) = torch.autograd.grad(loss, h)
+    w.requires_grad_(True)
+    want = torch.autograd.grad(linear_cross_entropy(h, w, y, None, chunk=4), h)[0]
+    assert torch.equal(grad_h, want)
+    model = lora_model("int8")  # and a LoRA model's training step does the same
+    model.train()
+    batch = token_batch(2, 16)
+    loss = model.loss(model(batch), batch)
+    node = loss.grad_fn
+    while node is not None and "LinearCrossEntropy" not in type(node).__name__:
+        node = node.next_functions[0][0] if node.next_functions else None
+    assert node is not None and node.saved_tensors[1] is None
+
+
 # -- config -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("frozen", "peft", "needle"), [

@@ -45,7 +45,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, labels, scale, chunk):  # noqa: D102
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-        want_grad = any(ctx.needs_input_grad[:2])
+        # the gradient of each input only if it needs one: under LoRA the (tied) output
+        # projection is frozen, and a vocab x d_model gradient of it would be pure waste
+        want_grad_h, want_grad_w = ctx.needs_input_grad[:2]
+        want_grad = want_grad_h or want_grad_w
         acc = torch.promote_types(dtype, torch.float32)  # softmax and sums: fp32 or better
         with torch.autocast(device, enabled=False):
             x_all = h.reshape(-1, h.shape[-1]).to(dtype)
@@ -53,8 +56,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             y_all = labels.reshape(-1)
             n_valid = (y_all != IGNORE_INDEX).sum()
             total = torch.zeros((), dtype=acc, device=h.device)
-            grad_x = torch.empty_like(x_all) if want_grad else None
-            grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_grad else None
+            grad_x = torch.empty_like(x_all) if want_grad_h else None
+            grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_grad_w else None
             for start in range(0, x_all.shape[0], chunk):
                 x, y = x_all[start:start + chunk], y_all[start:start + chunk]
                 logits = (x @ w.T).to(acc)
@@ -71,20 +74,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if scale is not None:
                         g.mul_(scale)
                     g = g.to(dtype)
-                    grad_x[start:start + chunk] = g @ w
-                    if g.dtype == acc:
+                    if want_grad_h:
+                        grad_x[start:start + chunk] = g @ w
+                    if want_grad_w and g.dtype == acc:
                         grad_w.addmm_(g.T, x)
-                    else:
+                    elif want_grad_w:
                         grad_w += (g.T @ x).to(acc)
         loss = total / n_valid  # nan when every label is ignored, as F.cross_entropy gives
         if want_grad:
             denom = n_valid.clamp(min=1).to(acc)
-            ctx.save_for_backward((grad_x.view(h.shape) / denom.to(grad_x.dtype)).to(h.dtype),
-                                  (grad_w / denom).to(weight.dtype))
+            ctx.save_for_backward(
+                (grad_x.view(h.shape) / denom.to(grad_x.dtype)).to(h.dtype) if want_grad_h else None,
+                (grad_w / denom).to(weight.dtype) if want_grad_w else None)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):  # noqa: D102
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype), grad_w * grad_loss.to(grad_w.dtype),
+        return (None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype),
+                None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype),
                 None, None, None)

@@ -52,10 +52,35 @@ def _nf4_tensor_type() -> type:
 
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages."""
+    """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages,
+    allocating little more than that copy."""
     if isinstance(weight, RowScaledTensor):
         return weight.dequantize(dtype)
+    if hasattr(weight, "quantized_scalers") and weight.is_contiguous():  # torchao's NF4Tensor
+        return nf4_dense(weight, dtype)
     return weight.to(dtype)  # NF4Tensor dequantizes on .to(dtype); bf16 casts
+
+
+NF4_CHUNK_BLOCKS = 4096  # blocks of 64 weights decoded at a time by nf4_dense
+
+
+def nf4_dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torchao's NF4 dequantization (``NF4Tensor.get_original_weight().to(dtype)``, the same
+    values bit for bit) written into one preallocated ``dtype`` tensor a few thousand blocks
+    at a time. torchao's decodes the whole weight at once through int64 indices and several
+    full-size float intermediates: about 5x a float32 copy of the weight at its peak, the
+    transient peak of every NF4 layer, forward and backward."""
+    blocks = weight.numel() // weight.block_size
+    scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
+                                        weight.scaler_block_size)  # one per block (small)
+    packed = weight.quantized_data.view(blocks, weight.block_size // 2)  # two codes a byte
+    out = torch.empty(blocks, weight.block_size // 2, 2, dtype=dtype, device=weight.device)
+    for start in range(0, blocks, NF4_CHUNK_BLOCKS):
+        codes = packed[start:start + NF4_CHUNK_BLOCKS]
+        scale = scalers[start:start + NF4_CHUNK_BLOCKS, None]
+        out[start:start + NF4_CHUNK_BLOCKS, :, 0] = weight.nf4[(codes >> 4).long()] * scale
+        out[start:start + NF4_CHUNK_BLOCKS, :, 1] = weight.nf4[(codes & 0b1111).long()] * scale
+    return out.view(weight.shape)
 
 
 def stored_bytes(weight: torch.Tensor) -> int:
@@ -163,8 +188,12 @@ class _Offloaded:
             event = torch.cuda.Event()
             event.record(stream)
             return w, event
-        # On CPU "the device" is host memory too: still a real copy, dropped after use.
-        return (self.host.clone() if device == self.host.device else self.host.to(device)), None
+        # On CPU "the device" is host memory too: still a real copy, dropped after use. Copied
+        # into an empty tensor of the same layout, not clone()d: torchao's NF4Tensor.clone()
+        # dequantizes the whole weight and quantizes it again (~10x its fp32 size, and slow).
+        if device == self.host.device:
+            return torch.empty_like(self.host).copy_(self.host), None
+        return self.host.to(device), None
 
     def prefetch(self, device: torch.device) -> None:
         if self.pending is None:

@@ -72,8 +72,15 @@ class RowScaledTensor(torch.Tensor):
         return cls(qdata, scale, dtype=weight.dtype)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        w = self.qdata.to(torch.float32) * self.scale[:, None]
-        return w.to(dtype or self.dtype)
+        """A dense copy, scaled in place: one float32 weight at a time (an out-of-place
+        ``qdata.float() * scale`` held two, the transient peak of every frozen layer); bf16
+        rows (scales of 1) are only cast."""
+        dtype = dtype or self.dtype
+        if self.qdata.dtype == torch.bfloat16:
+            return self.qdata.to(dtype)
+        w = self.qdata.to(torch.float32)
+        w.mul_(self.scale[:, None])
+        return w.to(dtype)
 
     @property
     def kind(self) -> str:
