@@ -14,7 +14,13 @@ background loss < 10% of the synchronous upload time of the same checkpoint. The
 moto's S3 server in its own process on localhost (``moto_server``), so the upload's cost on the
 loop is real client work (hashing, HTTP, copies) without a network in the way.
 
-    python benchmarks/remote_checkpoint.py [--mb 256] [--rounds 5] [--steps 120]
+    python benchmarks/remote_checkpoint.py [--mb 256] [--rounds 5] [--steps 120] [--pin]
+
+``--pin`` (2+ CPUs) models a training node whose upload has a core of its own and a store on
+another machine: the training thread runs on CPU 0, the S3 server and the uploader's threads on
+CPU 1 (the uploader thread is created while the main thread sits on CPU 1, so it and the
+transfer threads it starts inherit that CPU). What the loop still loses then is what the upload
+costs it through the interpreter (the GIL), not through a shared core.
 """
 
 from __future__ import annotations
@@ -79,11 +85,18 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--pin", action="store_true",
+                    help="training on CPU 0; the S3 server and the upload on CPU 1")
     args = ap.parse_args()
     torch.set_num_threads(1)
     port = free_port()
-    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    moto = [str(Path(sys.executable).parent / "moto_server"), "-p", str(port)]
+    if args.pin:
+        if len(os.sched_getaffinity(0)) < 2:
+            sys.exit("remote_checkpoint: --pin needs 2 CPUs")
+        moto = ["taskset", "-c", "1", *moto]
+        os.sched_setaffinity(0, {0})  # this (the training) thread
+    server = subprocess.Popen(moto, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ.update({"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "x",
                        "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"})
     try:
@@ -116,7 +129,11 @@ def main() -> None:
                 up = Upload(s3, remote, f"ep0-ba{next(counter)}", copy, files, manifest=digests,
                             keep=1)
                 t = time.perf_counter()
+                if args.pin:  # the upload thread inherits the CPU of the thread that starts it
+                    os.sched_setaffinity(0, {1})
                 up.start()
+                if args.pin:
+                    os.sched_setaffinity(0, {0})
                 if wait:
                     up.join()
                     if up.error:
@@ -156,7 +173,7 @@ def main() -> None:
             ratios = [b / u for b, u in zip(lost_bg, uploads)]
             mb_s = [args.mb / u for u in uploads]
             print(f"\ncheckpoint {args.mb} MB in {len(files)} files; {args.rounds} rounds of "
-                  f"{args.steps} steps")
+                  f"{args.steps} steps{'; pinned (training CPU 0, server and upload CPU 1)' if args.pin else ''}")
             print(f"synchronous upload: median {statistics.median(uploads):.2f} s "
                   f"({min(uploads):.2f}-{max(uploads):.2f}; {statistics.median(mb_s):.0f} MB/s)")
             print(f"training time lost, sync: median {statistics.median(lost_sync):.2f} s "
