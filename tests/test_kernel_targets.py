@@ -9,7 +9,16 @@ import pytest
 
 from foundryx.kernels import tuning
 from foundryx.kernels.resources import TARGETS, Resources, find_lld, measure
-from foundryx.kernels.targets import HEAD_DIMS, Job, compile_job_pool, jobs, main, table
+from foundryx.kernels.targets import (
+    FEATURES,
+    HEAD_DIMS,
+    Job,
+    Result,
+    compile_job_pool,
+    jobs,
+    main,
+    table,
+)
 
 pytest.importorskip("triton")
 LLD, LLD_WHY = find_lld()
@@ -65,6 +74,31 @@ def test_a_spill_is_reported_and_fails_the_command(capsys):
     assert any(p.startswith("spills ") for p in result.problems)
     assert main(["--targets", "nosuch"]) == 2
     assert "unknown target(s) nosuch" in capsys.readouterr().err
+
+
+def test_search_full_checks_every_dtype(monkeypatch):
+    """``search --full`` checks the ranked candidates with fp16 as well as bf16 and drops one
+    that spills with a single dtype and feature set (no compilation: a stand-in compiler)."""
+    from foundryx.kernels import search
+
+    best, next_ = tuning.KernelConfig(128, 64, 8, 3), tuning.KernelConfig(128, 32, 8, 3)
+    fits, spills = Resources(1024, 128, 0, 16, 64), Resources(1024, 255, 8, 8, 64)
+    ranked = [Result(Job("sm90", "fwd", 64, "bf16", "all", c), True, resources=fits)
+              for c in (best, next_)]
+    seen: list[Job] = []
+
+    def compile_stand_in(todo, workers=None, progress=True):
+        seen.extend(todo)
+        bad = [(j.config, j.dtype, j.features) == (best, "fp16", "window") for j in todo]
+        return [Result(j, True, resources=spills if b else fits) for j, b in zip(todo, bad)], []
+
+    monkeypatch.setattr(search, "compile_job_pool", compile_stand_in)
+    group = ("sm90", "fwd", 64)
+    assert search.verified([group], ranked, 2)[group].job.config == best  # bf16 only
+    assert {j.dtype for j in seen} == {"bf16"} and len(seen) == 2 * (len(FEATURES) - 1)
+    seen.clear()
+    assert search.verified([group], ranked, 2, full=True)[group].job.config == next_
+    assert len(seen) == 2 * (2 * len(FEATURES) - 1)
 
 
 class _Meta:

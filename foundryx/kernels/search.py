@@ -1,12 +1,17 @@
 """Choose tuning-table rows on paper: compile candidate configurations for a target and keep
 those that fit (no spills, shared memory / LDS within the limit), best first.
 
-``python -m foundryx.kernels.search --targets sm80,sm90 [--head-dims 64,128,256]`` compiles
-every candidate of each kernel with every feature on in bf16, ranks those that fit by, in
+``python -m foundryx.kernels.search --targets sm80,sm90 [--head-dims 64,128,256] [--full]``
+compiles every candidate of each kernel (tiles x 4 or 8 warps x 1-4 pipeline stages on NVIDIA,
+x ``waves_per_eu`` 1 or 2 on AMD) with every feature on in bf16, ranks those that fit by, in
 order: arithmetic intensity of the tile (``bm*bn/(bm+bn)``: fewer loads per FLOP), occupancy,
 pipeline stages (NVIDIA) and fewer warps; then checks the best few with each other feature
-set and prints, per (target, kernel, head dim), the best one that fits them all. A GPU benchmark (``benchmarks/attention.py --tune``) has the last
-word; this ranking only rules out what cannot run well on the target at all.
+set (``--full``: and fp16 too, i.e. every dtype and feature set of ``targets.py --set full``) and
+prints, per (target, kernel, head dim), the best one that fits them all. It ranks with the Triton
+it runs on: the table must fit on both CI legs (3.3 and 3.8), so check the winner with the other
+venv too (``python -m foundryx.kernels.targets --set full``). A GPU benchmark
+(``benchmarks/attention.py --tune``) has the last word; this ranking only rules out what cannot
+run well on the target at all.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 
 from foundryx.kernels import tuning
 from foundryx.kernels.resources import TARGETS
-from foundryx.kernels.targets import FEATURES, HEAD_DIMS, Job, Result, compile_job_pool
+from foundryx.kernels.targets import DTYPES, FEATURES, HEAD_DIMS, Job, Result, compile_job_pool
 
 C = tuning.KernelConfig
 _TILES = {
@@ -29,7 +34,7 @@ _TILES = {
 
 def candidates(target: str, kernel: str) -> list[tuning.KernelConfig]:
     if TARGETS[target].backend == "cuda":
-        return [C(bm, bn, w, s) for bm, bn in _TILES[kernel] for w in (4, 8) for s in (2, 3)]
+        return [C(bm, bn, w, s) for bm, bn in _TILES[kernel] for w in (4, 8) for s in (1, 2, 3, 4)]
     return [C(bm, bn, w, 1, {"waves_per_eu": e}) for bm, bn in _TILES[kernel] for w in (4, 8)
             for e in (1, 2)]
 
@@ -44,17 +49,19 @@ def rank(results: list[Result]) -> list[Result]:  # noqa: D103
 
 
 def verified(groups: list[tuple[str, str, int]], results: list[Result], tries: int,
+             full: bool = False, workers: int | None = None,
              ) -> dict[tuple[str, str, int], Result | None]:
-    """Per group, the best-ranked candidate that also fits with every other feature set
-    (register allocation is not monotonic in the features: a subset can spill where all of
-    them do not); None when none of the first ``tries`` does."""
+    """Per group, the best-ranked candidate that also fits with every other feature set in bf16
+    (``full``: in every dtype) (register allocation is not monotonic in the features: a subset
+    can spill where all of them do not); None when none of the first ``tries`` does."""
     ranked = {g: rank([r for r in results if (r.job.target, r.job.kernel, r.job.head_dim) == g])
               for g in groups}
-    others = [f for f in FEATURES if f != "all"]
-    todo = [dataclasses.replace(r.job, features=f) for g in groups for r in ranked[g][:tries]
-            for f in others]
-    checked, _ = compile_job_pool(todo)
-    bad = [dataclasses.replace(r.job, features="all") for r in checked if r.problems]
+    sets = [(d, f) for d in (DTYPES if full else ("bf16",)) for f in FEATURES
+            if (d, f) != ("bf16", "all")]
+    todo = [dataclasses.replace(r.job, dtype=d, features=f) for g in groups
+            for r in ranked[g][:tries] for d, f in sets]
+    checked, _ = compile_job_pool(todo, workers)
+    bad = [dataclasses.replace(r.job, dtype="bf16", features="all") for r in checked if r.problems]
     return {g: next((r for r in ranked[g][:tries] if r.job not in bad), None) for g in groups}
 
 
@@ -66,16 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     parser.add_argument("--tries", type=int, default=4,
                         help="ranked candidates per group checked with every feature set")
+    parser.add_argument("--full", action="store_true",
+                        help="check them in fp16 too (every dtype and feature set, as --set full)")
+    parser.add_argument("--workers", type=int, default=None, help="compiler processes")
     args = parser.parse_args(argv)
     groups = [(t, k, int(hd)) for t in args.targets.split(",") for k in args.kernels.split(",")
               for hd in args.head_dims.split(",")]
     todo = [Job(t, k, hd, "bf16", "all", c) for t, k, hd in groups for c in candidates(t, k)]
-    results, skipped = compile_job_pool(todo)
+    results, skipped = compile_job_pool(todo, args.workers)
     for line in skipped:
         print(line)
-    for (t, k, hd), best in verified(groups, results, args.tries).items():
+    for (t, k, hd), best in verified(groups, results, args.tries, args.full, args.workers).items():
         fit = rank([r for r in results if (r.job.target, r.job.kernel, r.job.head_dim) == (t, k, hd)])
-        what = "none of the first tries fits every feature set" if best is None else (
+        none = "none of the first tries fits every feature set" + (" and dtype" * args.full)
+        what = none if best is None else (
             f"{best.job.config} ({best.resources.registers_text} regs, "
             f"{best.resources.shared // 1024} KB, {best.resources.occupancy_text})")
         print(f"{t} {k} hd{hd}: {len(fit)} of {len(candidates(t, k))} fit with every feature on; "

@@ -47,21 +47,22 @@ _AMD = {"waves_per_eu": 2}  # the compiler budgets registers for 2 waves per SIM
 _AMD1 = {"waves_per_eu": 1}  # ... for 1 wave: up to 512 VGPRs, for the largest tiles
 
 # family -> kernel -> (config for head dim <= 64, <= 128, <= 256). Every row compiles for its
-# target without register spills and within its shared memory / LDS, with Triton 3.3 (torch
-# 2.7) and Triton 3.8 (torch 2.14) alike (checked ahead of time on any machine: `python -m
-# foundryx.kernels.targets`; the reasoning is in docs/attention.md).
+# target without register spills and within its shared memory / LDS, for every dtype and
+# feature set, with Triton 3.3 (torch 2.7) and Triton 3.8 (torch 2.14) alike (checked ahead of
+# time on any machine: `python -m foundryx.kernels.targets --set full`; the reasoning is in
+# docs/attention.md).
 TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
     # H100 / H200 (and other big-shared-memory NVIDIA GPUs: sm90, sm100)
     "sm90": {
-        "fwd": (C(128, 128, 8, 3), C(128, 64, 8, 3), C(128, 32, 8, 3)),
+        "fwd": (C(128, 128, 8, 3), C(128, 64, 8, 3), C(64, 32, 8, 1)),
         "bwd_dkdv": (C(32, 128, 8, 2), C(32, 32, 8, 3), C(64, 16, 8, 1)),
-        "bwd_dq": (C(128, 32, 4, 4), C(128, 32, 8, 3), C(32, 16, 8, 3)),
+        "bwd_dq": (C(128, 64, 8, 4), C(128, 32, 8, 3), C(32, 16, 8, 3)),
     },
     # A100 / A800 (164 KB shared memory)
     "sm80": {
-        "fwd": (C(128, 64, 8, 3), C(128, 32, 8, 3), C(32, 32, 8, 3)),
+        "fwd": (C(128, 64, 8, 3), C(128, 32, 8, 3), C(32, 32, 4, 2)),
         "bwd_dkdv": (C(32, 32, 4, 2), C(32, 32, 8, 3), C(64, 16, 8, 1)),
-        "bwd_dq": (C(128, 64, 8, 3), C(128, 32, 8, 2), C(64, 32, 8, 3)),
+        "bwd_dq": (C(128, 64, 8, 3), C(128, 32, 8, 2), C(64, 32, 8, 2)),
     },
     # other NVIDIA (sm86, sm89, sm120: ~100 KB shared memory)
     "nvidia": {
@@ -72,13 +73,13 @@ TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
     # MI300X / MI325X (gfx942) and MI350 (gfx950)
     "cdna3": {
         "fwd": (C(128, 64, 8, 1, _AMD), C(128, 64, 4, 1, _AMD1), C(64, 32, 4, 1, _AMD1)),
-        "bwd_dkdv": (C(32, 128, 4, 1, _AMD), C(32, 64, 8, 1, _AMD), C(16, 64, 8, 1, _AMD)),
+        "bwd_dkdv": (C(64, 128, 4, 1, _AMD1), C(32, 128, 4, 1, _AMD1), C(16, 64, 8, 1, _AMD)),
         "bwd_dq": (C(128, 32, 4, 1, _AMD), C(64, 32, 4, 1, _AMD), C(32, 16, 4, 1, _AMD)),
     },
     # MI200 (gfx90a) and other AMD GPUs
     "cdna2": {
-        "fwd": (C(128, 64, 4, 1, _AMD), C(128, 32, 4, 1, _AMD), C(128, 32, 4, 1, _AMD1)),
-        "bwd_dkdv": (C(32, 64, 4, 1, _AMD), C(32, 64, 8, 1, _AMD), C(16, 32, 4, 1, _AMD)),
+        "fwd": (C(128, 64, 4, 1, _AMD), C(128, 32, 4, 1, _AMD), C(64, 32, 4, 1, _AMD1)),
+        "bwd_dkdv": (C(32, 64, 4, 1, _AMD), C(64, 64, 4, 1, _AMD1), C(16, 32, 4, 1, _AMD)),
         "bwd_dq": (C(64, 32, 4, 1, _AMD), C(128, 64, 4, 1, _AMD1), C(32, 16, 4, 1, _AMD)),
     },
     # CPU tensors under TRITON_INTERPRET=1 (tests): small uneven tiles exercise every boundary.
