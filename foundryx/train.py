@@ -19,6 +19,7 @@ from foundryx import builders, known_warnings
 from foundryx.algorithms import check_algorithms
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
+from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.workers import worker_death_error
 from foundryx.doctor.facts import environment
 from foundryx.errors import ConfigError, FoundryxError
@@ -26,6 +27,7 @@ from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.plan.planner import plan_here, render
 from foundryx.plan.prelaunch import check_fits
 from foundryx.run_summary import RunFacts, summary
 from foundryx.runtime import pick_device, setup_logging
@@ -52,9 +54,6 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
     exists only on the cluster: those sections are then left unchecked for the text, and
     their problems are returned with every other. A config that cannot be resolved at all
     raises its ConfigError, as ``foundryx train`` would."""
-    from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
-    from foundryx.plan.planner import plan_here, render
-
     problems: list[str] = []
     try:
         loaded = load_run_config(path, overrides)
