@@ -9,7 +9,10 @@ which both read), then runs the two frameworks in turn, the first side alternati
 round. Each run is a fresh process training an MPT (d_model 256, 4 layers, seq 256, batch 16,
 fp32, AdamW, no eval, no checkpoints) for ``--batches`` batches. The time is that of
 ``Trainer.fit`` (both call Composer's), so it includes ``torch.compile`` where a side compiles
-(foundryx by default) but not the imports; whole-process seconds are reported beside it.
+(foundryx by default) but not the imports; whole-process seconds are reported beside it. Each
+run gets an empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so every foundryx run pays its
+whole compile, as a first run on a machine does; ``--warm-cache`` shares one cache instead (a
+user's later runs: Dynamo still traces, Inductor's code is reused).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,15 +128,21 @@ def config(work: Path, batches: int, side: str) -> dict:
     return cfg
 
 
-def run(side: str, py: Path, work: Path, batches: int, i: int) -> dict:
+def run(side: str, py: Path, work: Path, batches: int, i: int, warm_cache: bool) -> dict:
     cfg_path, result = work / f"{side}.yaml", work / f"{side}-{i}.json"
     cfg_path.write_text(yaml.safe_dump(config(work, batches, side)))
     main = FOUNDRYX_MAIN if side == "foundryx" else LLMFOUNDRY_MAIN
     cmd = [py, "-c", TIMED_FIT + main, result, "x", cfg_path]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("FOUNDRYX_COMPILE", None)  # the user's default: compile where supported
+    cache = work / ("inductor-cache" if warm_cache else f"inductor-cache-{side}-{i}")
+    if not warm_cache:
+        shutil.rmtree(cache, ignore_errors=True)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     start = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if not warm_cache:
+        shutil.rmtree(cache, ignore_errors=True)
     if p.returncode != 0:
         sys.exit(f"vs_llmfoundry: {side} failed:\n{p.stderr[-4000:]}")
     out = json.loads(result.read_text())
@@ -159,6 +169,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
     ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-vs-llmfoundry"))
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="one Inductor cache for every run instead of an empty one per run")
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
     lf_py = ensure_llmfoundry(args.venv)
@@ -170,7 +182,7 @@ def main() -> None:
         for side in order:
             log(f"round {i + 1}/{args.rounds}: {side} ({args.batches} batches)")
             row[side] = run(side, Path(sys.executable) if side == "foundryx" else lf_py, work,
-                            args.batches, i)
+                            args.batches, i, args.warm_cache)
             log(f"  {row[side]['tokens_per_s']:.0f} tokens/s (fit {row[side]['fit_s']:.0f} s)")
             with (work / "runs.jsonl").open("a") as f:  # each run kept, should the rest stop
                 f.write(json.dumps({"round": i + 1, "side": side, **row[side]}) + "\n")
@@ -182,7 +194,8 @@ def main() -> None:
     text = (f"\n## foundryx vs LLM Foundry 0.22 on CPU (issue 15)\n\n{datetime.date.today()}. "
             f"{platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, both sides. "
             f"Command: `python benchmarks/vs_llmfoundry.py --rounds {args.rounds} --batches "
-            f"{args.batches}`.\n\n{table(rows)}\n\nfoundryx / LLM Foundry tokens/s: {summary}.\n")
+            f"{args.batches}{' --warm-cache' if args.warm_cache else ''}` (Inductor cache: "
+            f"{'shared by the runs' if args.warm_cache else 'empty for each run'}).\n\n{table(rows)}\n\nfoundryx / LLM Foundry tokens/s: {summary}.\n")
     print(text)
     if args.out:
         with args.out.open("a") as f:

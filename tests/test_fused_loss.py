@@ -35,6 +35,20 @@ def test_matches_float64_reference_loss_and_gradients(scale, chunk):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("grads", ["none", "h only"])  # evaluation; a frozen (LoRA) projection
+def test_partial_gradients_match_float64_reference(grads):
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 33, 16, dtype=torch.float64, generator=g, requires_grad=grads != "none")
+    w = torch.randn(101, 16, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 101, (2, 33), generator=g)
+    y[1, -5:] = -100
+    got = linear_cross_entropy(h, w, y, 0.5, chunk=10)
+    torch.testing.assert_close(got, reference(h, w, y, 0.5), rtol=0, atol=1e-12)
+    if grads == "h only":
+        (want,) = torch.autograd.grad(reference(h, w, y, 0.5), h)
+        torch.testing.assert_close(torch.autograd.grad(got, h)[0], want, rtol=0, atol=1e-12)
+
+
 def test_bf16_autocast_matches_unfused_autocast():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(2, 64, 32, generator=g, requires_grad=True)
@@ -104,7 +118,7 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_training_step_never_holds_the_whole_vocabulary_logits(monkeypatch):
-    monkeypatch.setattr(loss_module, "CHUNK_LOGIT_BYTES", 64 * 4096 * 4)  # 64-token chunks
+    monkeypatch.setattr(loss_module, "CPU_CHUNK_LOGIT_BYTES", 64 * 4096 * 4)  # 64-token chunks
     model, b = tiny_mpt(True), batch()
     model.train()
     whole = b["input_ids"].numel() * 4096  # tokens x vocab

@@ -42,7 +42,7 @@ TERM_DOCS = {
     "optimizer_state": "optimizer state (AdamW: 2 moments per trainable parameter)",
     "activations": "activations kept for backward, at their peak (start of backward)",
     "backward_working_set": "one block's activation gradients during backward",
-    "logits_and_loss": "vocabulary logits and their gradient (fused loss: one chunk + a temporary)",
+    "logits_and_loss": "vocabulary logits and their gradient (fused loss: one chunk, in place)",
     "fsdp_buffers": "FSDP2 all-gather (this block and the prefetched next) and reduce-scatter",
     "offload_buffers": "frozen weights brought back from CPU (this block and the next)",
     "cast_buffers": "one weight cast to the compute dtype at a time",
@@ -128,11 +128,14 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     # loss accumulates it in fp32 during the forward pass and saves it for backward
     out_grad = 0.0 if s.lora else sh.vocab_size * d * 4
     if sh.fused_loss:
-        # one chunk's fp32 logits (turned into their gradient in place) and torch.logsumexp's
-        # temporary of the same size, or, when the saved weight gradient is made, one chunk
-        # and two copies of it; plus the input gradient and its saved copy
-        chunk = min(b * q, chunk_tokens(sh.vocab_size)) * sh.vocab_size * 4
-        t["logits_and_loss"] = max(2 * chunk + out_grad, chunk + 2 * out_grad) + 2 * b * q * d * ce
+        # one chunk's fp32 logits, reused by every chunk and turned into their gradient in
+        # place (under mixed precision also the chunk's logits and gradient in the compute
+        # dtype), then the saved weight gradient beside its accumulator; plus the input
+        # gradient and its saved copy
+        device = "cpu" if s.device_kind == "cpu" else "cuda"
+        chunk = min(b * q, chunk_tokens(sh.vocab_size, device)) * sh.vocab_size * 4
+        mixed = chunk * ce / 4 if ce < 4 else 0.0
+        t["logits_and_loss"] = chunk + mixed + 2 * out_grad + 2 * b * q * d * ce
     else:
         t["logits_and_loss"] = b * q * sh.vocab_size * (ce + 4 + 4)
     # Gradients and activations are not all held at once: the activations are freed block by
