@@ -41,8 +41,8 @@ TERM_DOCS = {
     "gradients": "gradients of the trainable weights",
     "optimizer_state": "optimizer state (AdamW: 2 moments per trainable parameter)",
     "activations": "activations kept for backward, at their peak (start of backward)",
-    "backward_working_set": "one block's activation gradients during backward",
-    "logits_and_loss": "vocabulary logits and their gradient (fused loss: one chunk, in place)",
+    "backward_working_set": "backward's working set: a recomputed block's activations and their gradients (checkpointing), else a block's largest gradients",
+    "logits_and_loss": "vocabulary logits and their gradient (MPT's fused loss: one chunk, in place)",
     "fsdp_buffers": "FSDP2 all-gather (this block and the prefetched next) and reduce-scatter",
     "offload_buffers": "frozen weights brought back from CPU (this block and the next)",
     "cast_buffers": "one weight cast to the compute dtype at a time",
@@ -123,7 +123,16 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     b, q, d = s.microbatch, s.seq_len, sh.d_model
     acts, block = _activations(sh, s)
     t["activations"] = acts
-    t["backward_working_set"] = block
+    # With checkpointing, backward recomputes a block and holds its activations and their
+    # gradients together (a block's worth on top of ``acts``, which counts the recomputed one;
+    # measured). Without it, a block's saved activations are freed as its gradients are made,
+    # so backward adds only its largest gradients, the FFN's two hidden-width ones (measured:
+    # the peak grows with the microbatch as the end of the forward pass does, not faster).
+    if s.activation_checkpointing:
+        work = block
+    else:
+        work = 2 * b * q * max(sh.ffn_hidden, d) * ce
+    t["backward_working_set"] = work
     # the output projection's weight gradient, when it trains (full fine-tuning): the fused
     # loss accumulates it in fp32 during the forward pass and saves it for backward
     out_grad = 0.0 if s.lora else sh.vocab_size * d * 4
@@ -145,10 +154,10 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     # gradient) and its end (every gradient and one block's working set); what the sum of the
     # terms above counts twice is taken off here. With gradient accumulation the gradients of
     # the earlier microbatches are held through every forward pass after the first.
-    counted = t["gradients"] + acts + block + t["logits_and_loss"]
+    counted = t["gradients"] + acts + work + t["logits_and_loss"]
     held = t["gradients"] if s.grad_accum > 1 else 0
-    start = acts + block + (t["logits_and_loss"] if not sh.fused_loss else 2 * out_grad)
-    peak = held + max(acts + t["logits_and_loss"], start, t["gradients"] - held + block)
+    start = acts + work + (t["logits_and_loss"] if not sh.fused_loss else 2 * out_grad)
+    peak = held + max(acts + t["logits_and_loss"], start, t["gradients"] - held + work)
     t["not_held_together"] = -(counted - peak)
 
     if s.zero_stage >= 3 and deg > 1:
