@@ -5,12 +5,15 @@ ways per round, the order rotating round by round:
 
 - ``base``: no checkpoint;
 - ``sync``: at step STEPS/4 the staged checkpoint is uploaded and the loop waits for it;
-- ``background``: at step STEPS/4 the upload starts in foundryx's uploader thread
+- ``thread``: at step STEPS/4 the upload starts in an uploader thread of the training process
   (foundryx.checkpoint.upload.Upload, rank 0's path: files, wait for every file, manifest,
-  retention) and the loop goes on; the run then waits for it, outside the timed loop.
+  retention) and the loop goes on; the run then waits for it, outside the timed loop;
+- ``process``: the same upload run by the rank's upload process, as ``foundryx train`` does
+  (foundryx.checkpoint.upload_process.UploadWorker, started once before the rounds, as a run's
+  later checkpoints find it).
 
 Training time lost to a save = loop time - base loop time of the same round. Target (issue 14):
-background loss < 10% of the synchronous upload time of the same checkpoint. The bucket is
+background (thread or process) loss < 10% of the synchronous upload time of the same checkpoint. The bucket is
 moto's S3 server in its own process on localhost (``moto_server``), so the upload's cost on the
 loop is real client work (hashing, HTTP, copies) without a network in the way.
 
@@ -18,9 +21,10 @@ loop is real client work (hashing, HTTP, copies) without a network in the way.
 
 ``--pin`` (2+ CPUs) models a training node whose upload has a core of its own and a store on
 another machine: the training thread runs on CPU 0, the S3 server and the uploader's threads on
-CPU 1 (the uploader thread is created while the main thread sits on CPU 1, so it and the
-transfer threads it starts inherit that CPU). What the loop still loses then is what the upload
-costs it through the interpreter (the GIL), not through a shared core.
+CPU 1 (the uploader thread and the upload process are created while the main thread sits on
+CPU 1, so they and the transfer threads they start inherit that CPU). What the loop still loses
+then is what the upload costs it through the interpreter (the GIL: the thread side), not
+through a shared core.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from foundryx.checkpoint.layout import Manifest  # noqa: E402
 from foundryx.checkpoint.remote import RemoteFolder, client  # noqa: E402
 from foundryx.checkpoint.upload import Upload  # noqa: E402
+from foundryx.checkpoint.upload_process import UploadWorker  # noqa: E402
 from foundryx.checkpoint.verify import file_digest  # noqa: E402
 
 
@@ -113,10 +118,11 @@ def main() -> None:
             files = sorted(digests)
             s3 = client()
             counter = iter(range(10**6))
-            results: dict[str, list[float]] = {"base": [], "sync": [], "background": []}
+            sides = ["base", "sync", "thread", "process"]
+            results: dict[str, list[float]] = {side: [] for side in sides}
             uploads: list[float] = []
-            lost_bg: list[float] = []
-            lost_sync: list[float] = []
+            lost: dict[str, list[float]] = {side: [] for side in sides[1:]}
+            worker = UploadWorker()
             overran: list[int] = []
 
             def staged_copy() -> Path:
@@ -125,13 +131,16 @@ def main() -> None:
                 shutil.copytree(folder, copy, copy_function=os.link)
                 return copy
 
-            def upload(copy: Path, wait: bool) -> Upload:
-                up = Upload(s3, remote, f"ep0-ba{next(counter)}", copy, files, manifest=digests,
-                            keep=1)
+            def upload(copy: Path, wait: bool, where: str = "thread"):
+                name = f"ep0-ba{next(counter)}"
                 t = time.perf_counter()
-                if args.pin:  # the upload thread inherits the CPU of the thread that starts it
+                if args.pin:  # a thread or process inherits the CPU of the thread that starts it
                     os.sched_setaffinity(0, {1})
-                up.start()
+                if where == "process":
+                    up = worker.submit(remote, name, copy, files, manifest=digests, keep=1,
+                                       replace=set(), newest_complete=None)
+                else:
+                    up = Upload(s3, remote, name, copy, files, manifest=digests, keep=1).start()
                 if args.pin:
                     os.sched_setaffinity(0, {0})
                 if wait:
@@ -141,10 +150,13 @@ def main() -> None:
                     uploads.append(time.perf_counter() - t)
                 return up
 
-            sides = ["base", "sync", "background"]
             loop(20, -1, lambda: None)  # warm-up
+            first = upload(staged_copy(), False, "process")  # starts the upload process
+            first.join()
+            if first.error:
+                raise first.error
             for r in range(args.rounds):
-                order = sides[r % 3:] + sides[:r % 3]
+                order = sides[r % 4:] + sides[:r % 4]
                 times = {}
                 for side in order:
                     pending: list[Upload] = []
@@ -157,34 +169,36 @@ def main() -> None:
                     else:
                         copy = staged_copy()
                         times[side] = loop(args.steps, args.steps // 4,
-                                           lambda copy=copy, pending=pending:
-                                           pending.append(upload(copy, False)))
+                                           lambda copy=copy, pending=pending, side=side:
+                                           pending.append(upload(copy, False, side)))
                         if pending[0].running():
                             overran.append(r + 1)  # the upload outlived the loop: raise --steps
                         pending[0].join()
                         if pending[0].error:
                             raise pending[0].error
                     results[side].append(times[side])
-                lost_sync.append(times["sync"] - times["base"])
-                lost_bg.append(times["background"] - times["base"])
+                for side in sides[1:]:
+                    lost[side].append(times[side] - times["base"])
                 print(f"round {r + 1} ({', '.join(order)}): base {times['base']:.2f} s, "
                       f"sync {times['sync']:.2f} s (upload {uploads[-1]:.2f} s), "
-                      f"background {times['background']:.2f} s", flush=True)
-            ratios = [b / u for b, u in zip(lost_bg, uploads)]
+                      f"thread {times['thread']:.2f} s, process {times['process']:.2f} s",
+                      flush=True)
+            worker.close()
             mb_s = [args.mb / u for u in uploads]
             print(f"\ncheckpoint {args.mb} MB in {len(files)} files; {args.rounds} rounds of "
                   f"{args.steps} steps{'; pinned (training CPU 0, server and upload CPU 1)' if args.pin else ''}")
             print(f"synchronous upload: median {statistics.median(uploads):.2f} s "
                   f"({min(uploads):.2f}-{max(uploads):.2f}; {statistics.median(mb_s):.0f} MB/s)")
-            print(f"training time lost, sync: median {statistics.median(lost_sync):.2f} s "
-                  f"({min(lost_sync):.2f}-{max(lost_sync):.2f})")
-            print(f"training time lost, background: median {statistics.median(lost_bg):.2f} s "
-                  f"({min(lost_bg):.2f}-{max(lost_bg):.2f})")
+            for side in sides[1:]:
+                print(f"training time lost, {side}: median {statistics.median(lost[side]):.3f} s "
+                      f"({min(lost[side]):.3f}-{max(lost[side]):.3f})")
             if overran:
-                print(f"rounds {overran}: the background upload outlived the loop (its tail was "
+                print(f"rounds {overran}: a background upload outlived the loop (its tail was "
                       "not measured against training); use more --steps")
-            print(f"background loss / sync upload time: median {statistics.median(ratios):.3f} "
-                  f"({min(ratios):.3f}-{max(ratios):.3f}); target < 0.10")
+            for side in ("thread", "process"):
+                ratios = [b / u for b, u in zip(lost[side], uploads)]
+                print(f"{side} loss / sync upload time: median {statistics.median(ratios):.3f} "
+                      f"({min(ratios):.3f}-{max(ratios):.3f}); target < 0.10")
     finally:
         server.terminate()
         server.wait()

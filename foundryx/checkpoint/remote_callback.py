@@ -7,8 +7,9 @@ storage (``s3://bucket/run``); see docs/storage.md.
   complete remote checkpoint is downloaded once per node (local rank 0, every sha256 checked)
   into the local staging folder and loaded from there like a local checkpoint.
 - Saving: the checkpoint is written and committed in the local staging folder
-  (``$FOUNDRYX_CHECKPOINT_CACHE/staging/<bucket>/<path>``), then each rank uploads its files in a
-  thread while training continues; rank 0 uploads the manifest last (upload.py). At most one
+  (``$FOUNDRYX_CHECKPOINT_CACHE/staging/<bucket>/<path>``), then each rank uploads its files from
+  its upload process (upload_process.py: no share of the training process's interpreter lock)
+  while training continues; rank 0 uploads the manifest last (upload.py). At most one
   checkpoint is in flight: the next save first waits for the previous upload.
 - At the end of training the run waits for the pending upload, with a progress line.
 """
@@ -40,7 +41,8 @@ from foundryx.checkpoint.remote import (
 )
 from foundryx.checkpoint.remote_lock import BucketLock
 from foundryx.checkpoint.save import my_files
-from foundryx.checkpoint.upload import Upload
+from foundryx.checkpoint.upload import UploadHandle
+from foundryx.checkpoint.upload_process import UploadWorker
 from foundryx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,8 @@ class RemoteCheckpointer(Checkpointer):
         super().__init__(staging, *args, **kwargs)
         self._s3: Any = None
         self._complete: list[tuple[str, Manifest]] = []
-        self._upload: Upload | None = None
+        self._upload: UploadHandle | None = None
+        self._uploads = UploadWorker()  # this rank's upload process, from its first save
         self._newest: str | None = None  # the newest complete remote checkpoint, for messages
         self._bucket_lock: BucketLock | None = None
 
@@ -198,8 +201,9 @@ class RemoteCheckpointer(Checkpointer):
         seen = [str(p.relative_to(view)) for p in view.rglob("*") if p.is_file() and p.name != MANIFEST]
         mine = my_files(seen)
         manifest = Manifest.read(view).files if dist.get_global_rank() == 0 else None
-        self._upload = Upload(self._client(), self.remote, folder.name, view, mine, manifest=manifest,
-                              keep=self.keep, replace=replace, newest_complete=self._newest).start()
+        self._upload = self._uploads.submit(self.remote, folder.name, view, mine, manifest=manifest,
+                                            keep=self.keep, replace=replace,
+                                            newest_complete=self._newest)
         if dist.get_global_rank() == 0:
             log.info("checkpoint %s staged in %s; uploading to %s/%s in the background",
                      folder.name, folder.parent, self.url, folder.name)
@@ -241,6 +245,7 @@ class RemoteCheckpointer(Checkpointer):
             log.warning("checkpoint %s was not uploaded completely (the run is stopping); %s "
                         "holds no manifest for it, so autoresume does not take it", up.name,
                         self.url)
+        self._uploads.close()
         if self._bucket_lock is not None:
             self._bucket_lock.release()
             self._bucket_lock = None

@@ -1,10 +1,11 @@
 """Uploading a staged checkpoint to a remote save_folder in the background.
 
 Every rank uploads the files it wrote (its share, see ``save.my_files``) from the local
-staging folder, in a thread, while training goes on. Rank 0 then waits until the bucket holds
-every file the manifest lists, with the listed size, uploads ``manifest.json`` last (the
-checkpoint is complete from that moment), and deletes remote checkpoints beyond
-``save_num_checkpoints_to_keep``. A file that cannot be uploaded is retried with exponential
+staging folder while training goes on: in a thread of the rank's upload process
+(``upload_process.py``), or of the calling process when :class:`Upload` is used directly.
+Rank 0 then waits until the bucket holds every file the manifest lists, with the listed size,
+uploads ``manifest.json`` last (the checkpoint is complete from that moment), and deletes
+remote checkpoints beyond ``save_num_checkpoints_to_keep``. A file that cannot be uploaded is retried with exponential
 backoff; after the last attempt the run stops at its next batch with one message naming the
 object (:class:`~foundryx.errors.RunError`, exit code 1: running again may succeed).
 
@@ -37,30 +38,52 @@ log = logging.getLogger(__name__)
 PAUSE_ENV = "FOUNDRYX_TEST_UPLOAD_PAUSE"
 
 
-class Upload:
+class UploadHandle:
+    """What the checkpoint callback sees of one checkpoint's upload by this rank, wherever it
+    runs (:class:`Upload` here in a thread, ``upload_process.ProcessUpload`` in this rank's
+    upload process)."""
+
+    def __init__(self, remote: RemoteFolder, name: str, total_bytes: int,
+                 newest_complete: str | None):
+        self.remote, self.name, self.total_bytes = remote, name, total_bytes
+        self.newest_complete = newest_complete
+        self.done_bytes = 0
+        self.error: RunError | None = None
+        self.committed = False
+
+    @property
+    def url(self) -> str:
+        return f"{self.remote.url}/{self.name}"
+
+    def progress(self) -> str:
+        return (f"{self.done_bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MB of this rank's "
+                f"files")
+
+    def _still(self) -> str:
+        newest = (f"{self.remote.url}/{self.newest_complete} is still the newest complete checkpoint"
+                  if self.newest_complete else "no earlier complete checkpoint is there")
+        return (f"the checkpoint was not committed ({newest}); check the bucket, its permissions "
+                "and the network, then run the same command: autoresume continues from the "
+                "newest complete checkpoint")
+
+
+class Upload(UploadHandle):
     """One checkpoint's upload by this rank; ``start()`` runs it in a daemon thread."""
 
     def __init__(self, s3: Any, remote: RemoteFolder, name: str, folder: Path, files: list[str], *,
                  manifest: dict[str, dict[str, Any]] | None = None, keep: int = -1,
                  replace: set[str] | None = None, attempts: int = 5, backoff_s: float = 1.0,
                  newest_complete: str | None = None, wait_timeout_s: float = 3600.0):
-        self.s3, self.remote, self.name, self.folder = s3, remote, name, Path(folder)
-        self.files = list(files)
+        folder = Path(folder)
+        super().__init__(remote, name, sum((folder / rel).stat().st_size for rel in files),
+                         newest_complete)
+        self.s3, self.folder, self.files = s3, folder, list(files)
         self.manifest = manifest  # rank 0: the manifest's file list, uploaded last
         self.keep, self.replace = keep, set(replace or ())
         self.attempts, self.backoff_s, self.wait_timeout_s = attempts, backoff_s, wait_timeout_s
-        self.newest_complete = newest_complete
-        self.done_bytes = 0
-        self.total_bytes = sum((self.folder / rel).stat().st_size for rel in self.files)
-        self.error: RunError | None = None
-        self.committed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"foundryx-upload-{name}", daemon=True)
         self._started = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"{self.remote.url}/{self.name}"
 
     def start(self) -> Upload:
         self._started = time.monotonic()
@@ -77,10 +100,6 @@ class Upload:
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    def progress(self) -> str:
-        return (f"{self.done_bytes / 2**20:.1f}/{self.total_bytes / 2**20:.1f} MB of this rank's "
-                f"files")
 
     # -- the thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -133,13 +152,6 @@ class Upload:
                             self.remote.bucket, key, why, delay, attempt + 1, self.attempts)
                 if self._stop.wait(delay):
                     raise RunError(f"checkpoint {self.name}: upload stopped") from None
-
-    def _still(self) -> str:
-        newest = (f"{self.remote.url}/{self.newest_complete} is still the newest complete checkpoint"
-                  if self.newest_complete else "no earlier complete checkpoint is there")
-        return (f"the checkpoint was not committed ({newest}); check the bucket, its permissions "
-                "and the network, then run the same command: autoresume continues from the "
-                "newest complete checkpoint")
 
     def _wait_for_every_file(self) -> bool:
         """Rank 0: poll the bucket until every file in the manifest is there with its size
