@@ -105,7 +105,7 @@ def prepare_data(work: Path) -> Path:
     return work
 
 
-def config(work: Path, batches: int, side: str) -> dict:
+def config(work: Path, batches: int, side: str, compile_blocks: bool = True) -> dict:
     loader = {"name": "text", "drop_last": True, "num_workers": 0,
               "dataset": {"local": str(work / "mds"), "split": "train", "shuffle": True,
                           "shuffle_seed": 17, "max_seq_len": SEQ}}
@@ -119,6 +119,8 @@ def config(work: Path, batches: int, side: str) -> dict:
         cfg["tokenizer"] = {"name": "hf", "path": str(work / "tokenizer")}
         cfg["device"] = "cpu"
         cfg["loggers"] = {}
+        if not compile_blocks:
+            cfg["compile"] = False
         for key in ("progress_bar", "eval_interval"):
             cfg.pop(key)
     else:
@@ -128,9 +130,10 @@ def config(work: Path, batches: int, side: str) -> dict:
     return cfg
 
 
-def run(side: str, py: Path, work: Path, batches: int, i: int, warm_cache: bool) -> dict:
+def run(side: str, py: Path, work: Path, batches: int, i: int, warm_cache: bool,
+        compile_blocks: bool = True) -> dict:
     cfg_path, result = work / f"{side}.yaml", work / f"{side}-{i}.json"
-    cfg_path.write_text(yaml.safe_dump(config(work, batches, side)))
+    cfg_path.write_text(yaml.safe_dump(config(work, batches, side, compile_blocks)))
     main = FOUNDRYX_MAIN if side == "foundryx" else LLMFOUNDRY_MAIN
     cmd = [py, "-c", TIMED_FIT + main, result, "x", cfg_path]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -171,6 +174,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-vs-llmfoundry"))
     ap.add_argument("--warm-cache", action="store_true",
                     help="one Inductor cache for every run instead of an empty one per run")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="foundryx with compile: false (its default compiles each block)")
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
     lf_py = ensure_llmfoundry(args.venv)
@@ -182,7 +187,7 @@ def main() -> None:
         for side in order:
             log(f"round {i + 1}/{args.rounds}: {side} ({args.batches} batches)")
             row[side] = run(side, Path(sys.executable) if side == "foundryx" else lf_py, work,
-                            args.batches, i, args.warm_cache)
+                            args.batches, i, args.warm_cache, not args.no_compile)
             log(f"  {row[side]['tokens_per_s']:.0f} tokens/s (fit {row[side]['fit_s']:.0f} s)")
             with (work / "runs.jsonl").open("a") as f:  # each run kept, should the rest stop
                 f.write(json.dumps({"round": i + 1, "side": side, **row[side]}) + "\n")
@@ -194,7 +199,8 @@ def main() -> None:
     text = (f"\n## foundryx vs LLM Foundry 0.22 on CPU (issue 15)\n\n{datetime.date.today()}. "
             f"{platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, both sides. "
             f"Command: `python benchmarks/vs_llmfoundry.py --rounds {args.rounds} --batches "
-            f"{args.batches}{' --warm-cache' if args.warm_cache else ''}` (Inductor cache: "
+            f"{args.batches}{' --warm-cache' if args.warm_cache else ''}"
+            f"{' --no-compile' if args.no_compile else ''}` (Inductor cache: "
             f"{'shared by the runs' if args.warm_cache else 'empty for each run'}).\n\n{table(rows)}\n\nfoundryx / LLM Foundry tokens/s: {summary}.\n")
     print(text)
     if args.out:
