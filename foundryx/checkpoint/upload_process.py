@@ -120,10 +120,14 @@ class UploadWorker:
         if self._proc is not None and self._proc.poll() is None:
             return
         level = logging.getLevelName(logging.getLogger("foundryx").getEffectiveLevel())
+        # foundryx importable in the child as it is here (a checkout on sys.path, not installed)
+        here = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(level).lower()],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                env={**os.environ, "PYTHONPATH": path})
         except OSError as e:
             raise CheckpointError(f"cannot start the checkpoint upload process ({e}); the "
                                   f"upload to a remote save_folder needs {sys.executable} "
