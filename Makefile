@@ -5,12 +5,20 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.foundryx-installed
 QUICKSTART_DATA ?= data/quickstart
 
+# Every pip install is tried up to 3 times, 30 s apart, and resumes a cut-off download up to 20
+# times: a fresh machine downloads about 7 GB, and one connection dropped for good mid-wheel
+# (CI, 2026-11-24: ziglang stuck at 54.5 of 101 MB after pip's 5 resumes) must not fail the run.
+# Retrying is safe: pip install of what is already installed does nothing.
+RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; [ $$try = 3 ] && return 1; \
+	echo "foundryx: '$$*' failed (try $$try of 3); trying again in 30 s" >&2; sleep 30; done; }; retry
+RESUME := --resume-retries 20
+
 .PHONY: install install-modern lock-modern data train train-2proc test test-pinned test-modern test-all test-fast lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(RETRY) $(PY) -m pip install -q --upgrade pip
+	$(RETRY) $(PY) -m pip install -q $(RESUME) -c constraints.txt -e ".[dev]"
 	@# The build leaves foundryx.egg-info here; on sys.path (cwd) it would shadow the installed
 	@# metadata and hide entry points added later. The editable install does not need it.
 	rm -rf foundryx.egg-info
@@ -42,13 +50,13 @@ FOUNDRYX_REQUIREMENTS := import importlib.metadata as m; from packaging.requirem
 # $(call modern_install,VENV,CONSTRAINTS)
 define modern_install
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install -q --upgrade pip
-	$(1)/bin/python -m pip install -q -c $(2) $(MODERN_TORCH) $(COMPOSER_REQUIREMENTS)
-	$(1)/bin/python -m pip install -q -c $(2) --no-deps $(COMPOSER)
-	$(1)/bin/python -m pip install -q -c $(2) --no-deps -e ".[dev]"
+	$(RETRY) $(1)/bin/python -m pip install -q --upgrade pip
+	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) $(MODERN_TORCH) $(COMPOSER_REQUIREMENTS)
+	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) --no-deps $(COMPOSER)
+	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) --no-deps -e ".[dev]"
 	rm -rf foundryx.egg-info
 	$(1)/bin/python -c '$(FOUNDRYX_REQUIREMENTS)' > $(1)/foundryx-requirements.txt
-	$(1)/bin/python -m pip install -q -c $(2) $(MODERN_TORCH) -r $(1)/foundryx-requirements.txt
+	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) $(MODERN_TORCH) -r $(1)/foundryx-requirements.txt
 	rm -rf foundryx.egg-info
 	@# the only broken requirements must be Composer's torch and torchvision pins
 	! $(1)/bin/python -m pip check | grep -v -E '^mosaicml [^ ]+ has requirement (torch|torchvision)[<>=]'

@@ -13,8 +13,8 @@ ways per round, the order rotating round by round:
   later checkpoints find it).
 
 Training time lost to a save = loop time - base loop time of the same round. Target (issue 14):
-background (thread or process) loss < 10% of the synchronous upload time of the same checkpoint. The bucket is
-moto's S3 server in its own process on localhost (``moto_server``), so the upload's cost on the
+background (thread or process) loss < 10% of the synchronous upload time of the same
+checkpoint. The bucket is moto's S3 server in its own process on localhost (``moto_server``), so the upload's cost on the
 loop is real client work (hashing, HTTP, copies) without a network in the way.
 
     python benchmarks/remote_checkpoint.py [--mb 256] [--rounds 5] [--steps 120] [--pin]
@@ -185,8 +185,9 @@ def main() -> None:
                       flush=True)
             worker.close()
             mb_s = [args.mb / u for u in uploads]
+            pinned = "; pinned (training CPU 0, server and upload CPU 1)" if args.pin else ""
             print(f"\ncheckpoint {args.mb} MB in {len(files)} files; {args.rounds} rounds of "
-                  f"{args.steps} steps{'; pinned (training CPU 0, server and upload CPU 1)' if args.pin else ''}")
+                  f"{args.steps} steps{pinned}")
             print(f"synchronous upload: median {statistics.median(uploads):.2f} s "
                   f"({min(uploads):.2f}-{max(uploads):.2f}; {statistics.median(mb_s):.0f} MB/s)")
             for side in sides[1:]:

@@ -201,7 +201,8 @@ def main() -> None:
             f"Command: `python benchmarks/vs_llmfoundry.py --rounds {args.rounds} --batches "
             f"{args.batches}{' --warm-cache' if args.warm_cache else ''}"
             f"{' --no-compile' if args.no_compile else ''}` (Inductor cache: "
-            f"{'shared by the runs' if args.warm_cache else 'empty for each run'}).\n\n{table(rows)}\n\nfoundryx / LLM Foundry tokens/s: {summary}.\n")
+            f"{'shared by the runs' if args.warm_cache else 'empty for each run'}).\n\n"
+            f"{table(rows)}\n\nfoundryx / LLM Foundry tokens/s: {summary}.\n")
     print(text)
     if args.out:
         with args.out.open("a") as f:

@@ -1,8 +1,9 @@
-"""Each rank's checkpoint uploads run in a process of its own (foundryx/checkpoint/upload_process.py),
-against the real S3 API server on localhost (the `s3` fixture): one process per rank for every
-upload of the run (which ignores the SIGTERM a scheduler sends the whole job), the manifest last and retention as before, a failure past its retries is one
-message naming the object, and a training process killed with kill -9 takes its upload process
-with it, leaving no manifest."""
+"""Each rank's checkpoint uploads run in a process of its own
+(foundryx/checkpoint/upload_process.py), against the real S3 API server on localhost (the `s3`
+fixture): one process per rank for every upload of the run (which ignores the SIGTERM a
+scheduler sends the whole job), the manifest last and retention as before, a failure past its
+retries is one message naming the object, and a training process killed with kill -9 takes its
+upload process with it, leaving no manifest."""
 
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ staging folder while training goes on: in a thread of the rank's upload process
 (``upload_process.py``), or of the calling process when :class:`Upload` is used directly.
 Rank 0 then waits until the bucket holds every file the manifest lists, with the listed size,
 uploads ``manifest.json`` last (the checkpoint is complete from that moment), and deletes
-remote checkpoints beyond ``save_num_checkpoints_to_keep``. A file that cannot be uploaded is retried with exponential
-backoff; after the last attempt the run stops at its next batch with one message naming the
+remote checkpoints beyond ``save_num_checkpoints_to_keep``. A file that cannot be uploaded is
+retried with exponential backoff; after the last attempt the run stops at its next batch with one message naming the
 object (:class:`~foundryx.errors.RunError`, exit code 1: running again may succeed).
 
 Test hook: ``FOUNDRYX_TEST_UPLOAD_PAUSE=<checkpoint name>`` stops the upload of that
@@ -36,6 +36,11 @@ from foundryx.errors import RunError
 log = logging.getLogger(__name__)
 
 PAUSE_ENV = "FOUNDRYX_TEST_UPLOAD_PAUSE"
+
+
+def staged_bytes(folder: Path, files: list[str]) -> int:
+    """The size of a checkpoint's staged files: the total an upload's progress counts up to."""
+    return sum((Path(folder) / rel).stat().st_size for rel in files)
 
 
 class UploadHandle:
@@ -75,8 +80,7 @@ class Upload(UploadHandle):
                  replace: set[str] | None = None, attempts: int = 5, backoff_s: float = 1.0,
                  newest_complete: str | None = None, wait_timeout_s: float = 3600.0):
         folder = Path(folder)
-        super().__init__(remote, name, sum((folder / rel).stat().st_size for rel in files),
-                         newest_complete)
+        super().__init__(remote, name, staged_bytes(folder, files), newest_complete)
         self.s3, self.folder, self.files = s3, folder, list(files)
         self.manifest = manifest  # rank 0: the manifest's file list, uploaded last
         self.keep, self.replace = keep, set(replace or ())

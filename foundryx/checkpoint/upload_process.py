@@ -12,9 +12,9 @@ code and boto3 (no torch), runs each job with :class:`~foundryx.checkpoint.uploa
 talks JSON lines: jobs and ``stop`` on its stdin; ``done_bytes`` every second and one ``end``
 (error text or none, committed or not) on its stdout; its log goes to the training process's
 stderr. It ignores the signals a scheduler sends the whole job (SIGTERM, SIGUSR1, ...: the
-training process handles them and then waits for the upload). When its stdin closes (the run ended, or the training process died, even by kill -9)
-it exits at once: an upload it had not finished never gets its manifest, so autoresume does
-not take the checkpoint.
+training process handles them and then waits for the upload). When its stdin closes (the run
+ended, or the training process died, even by kill -9) it exits at once: an upload it had not
+finished never gets its manifest, so autoresume does not take the checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.checkpoint.remote import RemoteFolder, client, describe_error
-from foundryx.checkpoint.upload import Upload, UploadHandle
+from foundryx.checkpoint.upload import Upload, UploadHandle, staged_bytes
 from foundryx.errors import CheckpointError, RunError
 from foundryx.runtime import setup_logging
 
@@ -79,8 +79,7 @@ class UploadWorker:
                newest_complete: str | None, attempts: int = 5,
                backoff_s: float = 1.0) -> ProcessUpload:
         folder = Path(folder)
-        handle = ProcessUpload(self, remote, name, sum((folder / f).stat().st_size for f in files),
-                               newest_complete)
+        handle = ProcessUpload(self, remote, name, staged_bytes(folder, files), newest_complete)
         self._current = handle
         self._start()
         self.send({"upload": {"bucket": remote.bucket, "prefix": remote.prefix, "name": name,
@@ -167,7 +166,7 @@ def serve(level: str) -> None:
     out = sys.stdout
     out_lock = threading.Lock()
     s3 = None
-    uploads: dict[str, Upload] = {}
+    current: Upload | None = None  # the newest upload; the training process waits for one
 
     def report(message: dict[str, Any]) -> None:
         with out_lock:
@@ -183,8 +182,8 @@ def serve(level: str) -> None:
 
     for line in sys.stdin:
         msg = json.loads(line)
-        if "stop" in msg and msg["stop"] in uploads:
-            uploads[msg["stop"]].stop()
+        if "stop" in msg and current is not None and current.name == msg["stop"]:
+            current.stop()
         elif "upload" in msg:
             job = msg["upload"]
             try:
@@ -198,7 +197,7 @@ def serve(level: str) -> None:
                 report({"name": job["name"], "end": {"committed": False, "error": (
                     f"checkpoint {job['name']}: the upload could not start ({describe_error(e)})")}})
                 continue
-            uploads = {up.name: up}
+            current = up
             threading.Thread(target=watch, args=(up,), daemon=True).start()
     os._exit(0)  # stdin closed: the run is over or its process is gone; nothing more is committed
 

@@ -141,8 +141,7 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         # place (under mixed precision also the chunk's logits and gradient in the compute
         # dtype), then the saved weight gradient beside its accumulator; plus the input
         # gradient and its saved copy
-        device = "cpu" if s.device_kind == "cpu" else "cuda"
-        chunk = min(b * q, chunk_tokens(sh.vocab_size, device)) * sh.vocab_size * 4
+        chunk = min(b * q, chunk_tokens(sh.vocab_size, s.device_kind)) * sh.vocab_size * 4
         mixed = chunk * ce / 4 if ce < 4 else 0.0
         t["logits_and_loss"] = chunk + mixed + 2 * out_grad + 2 * b * q * d * ce
     else:
