@@ -1,6 +1,7 @@
 """foundryx vs LLM Foundry: training tokens/s of the same MPT on the same data, alternating.
 
-    python benchmarks/vs_llmfoundry.py [--rounds 3] [--batches 200] [--out benchmarks/RESULTS.md]
+    python benchmarks/vs_llmfoundry.py [--rounds 3] [--batches 200] [--no-compile]
+            [--cpu-matmul auto|onednn|blas] [--warm-cache] [--out benchmarks/RESULTS.md]
 
 Installs LLM Foundry 0.22 with the same torch and Composer in its own venv (once, under
 ``--venv``, default ``~/.cache/foundryx-bench/llmfoundry``), trains a byte-level BPE (8192)
@@ -105,7 +106,8 @@ def prepare_data(work: Path) -> Path:
     return work
 
 
-def config(work: Path, batches: int, side: str, compile_blocks: bool = True) -> dict:
+def config(work: Path, batches: int, side: str, compile_blocks: bool = True,
+           cpu_matmul: str = "auto") -> dict:
     loader = {"name": "text", "drop_last": True, "num_workers": 0,
               "dataset": {"local": str(work / "mds"), "split": "train", "shuffle": True,
                           "shuffle_seed": 17, "max_seq_len": SEQ}}
@@ -121,6 +123,8 @@ def config(work: Path, batches: int, side: str, compile_blocks: bool = True) -> 
         cfg["loggers"] = {}
         if not compile_blocks:
             cfg["compile"] = False
+        if cpu_matmul != "auto":
+            cfg["cpu_matmul"] = cpu_matmul
         for key in ("progress_bar", "eval_interval"):
             cfg.pop(key)
     else:
@@ -131,9 +135,9 @@ def config(work: Path, batches: int, side: str, compile_blocks: bool = True) -> 
 
 
 def run(side: str, py: Path, work: Path, batches: int, i: int, warm_cache: bool,
-        compile_blocks: bool = True) -> dict:
+        compile_blocks: bool = True, cpu_matmul: str = "auto") -> dict:
     cfg_path, result = work / f"{side}.yaml", work / f"{side}-{i}.json"
-    cfg_path.write_text(yaml.safe_dump(config(work, batches, side, compile_blocks)))
+    cfg_path.write_text(yaml.safe_dump(config(work, batches, side, compile_blocks, cpu_matmul)))
     main = FOUNDRYX_MAIN if side == "foundryx" else LLMFOUNDRY_MAIN
     cmd = [py, "-c", TIMED_FIT + main, result, "x", cfg_path]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -176,6 +180,8 @@ def main() -> None:
                     help="one Inductor cache for every run instead of an empty one per run")
     ap.add_argument("--no-compile", action="store_true",
                     help="foundryx with compile: false (its default compiles each block)")
+    ap.add_argument("--cpu-matmul", choices=["auto", "onednn", "blas"], default="auto",
+                    help="foundryx's cpu_matmul (default auto: oneDNN on x86-64)")
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
     lf_py = ensure_llmfoundry(args.venv)
@@ -187,7 +193,7 @@ def main() -> None:
         for side in order:
             log(f"round {i + 1}/{args.rounds}: {side} ({args.batches} batches)")
             row[side] = run(side, Path(sys.executable) if side == "foundryx" else lf_py, work,
-                            args.batches, i, args.warm_cache, not args.no_compile)
+                            args.batches, i, args.warm_cache, not args.no_compile, args.cpu_matmul)
             log(f"  {row[side]['tokens_per_s']:.0f} tokens/s (fit {row[side]['fit_s']:.0f} s)")
             with (work / "runs.jsonl").open("a") as f:  # each run kept, should the rest stop
                 f.write(json.dumps({"round": i + 1, "side": side, **row[side]}) + "\n")
@@ -200,7 +206,8 @@ def main() -> None:
             f"{platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, both sides. "
             f"Command: `python benchmarks/vs_llmfoundry.py --rounds {args.rounds} --batches "
             f"{args.batches}{' --warm-cache' if args.warm_cache else ''}"
-            f"{' --no-compile' if args.no_compile else ''}` (Inductor cache: "
+            f"{' --no-compile' if args.no_compile else ''}"
+            f"{'' if args.cpu_matmul == 'auto' else ' --cpu-matmul ' + args.cpu_matmul}` (Inductor cache: "
             f"{'shared by the runs' if args.warm_cache else 'empty for each run'}).\n\n"
             f"{table(rows)}\n\nfoundryx / LLM Foundry tokens/s: {summary}.\n")
     print(text)

@@ -82,11 +82,12 @@ def build_scheduler(cfg: TrainConfig) -> Any:
 
 
 def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
-    """Apply ``parallelism`` (FSDP2), ``activation_checkpointing`` and ``compile`` to ``model``
-    and materialise meta-device weights; call before building the optimizer. See
-    docs/distributed.md."""
+    """Apply ``parallelism`` (FSDP2), ``activation_checkpointing``, ``compile`` and
+    ``cpu_matmul`` to ``model`` and materialise meta-device weights; call before building the
+    optimizer. See docs/distributed.md."""
     return parallelize(model, cfg.parallelism, activation_checkpointing=cfg.activation_checkpointing,
-                       compile=cfg.compile, precision=cfg.precision)
+                       compile=cfg.compile, precision=cfg.precision,
+                       cpu_matmul=cfg.cpu_matmul)
 
 
 def resolve_autoresume(cfg: TrainConfig) -> bool:

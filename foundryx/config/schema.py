@@ -157,6 +157,10 @@ class TrainConfig:
         "torch.compile each transformer block (with or without parallelism)",
         default_factory=CompileConfig,
     )
+    cpu_matmul: Literal["auto", "onednn", "blas"] = doc(
+        "fp32 matmuls when training on a CPU: onednn (oneDNN's GEMM), blas (torch's: MKL or "
+        "OpenBLAS); auto: onednn on x86-64 where this torch has it, logged in one line",
+        default="auto")
     dist_timeout: float = doc("seconds to wait for all ranks to start", default=600.0)
     seed: int = doc("random seed of weights, data order and dropout", default=17)
     plan_check: bool = doc(

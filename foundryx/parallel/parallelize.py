@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 
 import torch
 from torch import nn
 
 from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig, ParallelismConfig
 from foundryx.errors import ConfigError
+from foundryx.kernels.cpu_matmul import onednn_available, set_backend
 from foundryx.parallel import dist
 from foundryx.parallel import materialize as mat
 from foundryx.parallel.contract import check_composer_contract
@@ -26,6 +28,7 @@ from foundryx.parallel.wrappers import (
     compile_forward,
     compile_problem,
     offload_activations,
+    route_linear,
 )
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,38 @@ def resolve_compile(compile: CompileConfig, device: torch.device, has_blocks: bo
     log.info("compile: torch.compile per transformer block on %s (the default where supported; "
              "compile: false turns it off)", device.type)
     return True
+
+
+def resolve_cpu_matmul(choice: str, device: torch.device) -> str | None:
+    """The fp32 matmul backend for training on ``device`` (None off the CPU), set for the
+    process and said in one line. ``auto``: oneDNN on x86-64 where this torch has it."""
+    if device.type != "cpu":
+        return None
+    if choice == "onednn" and not onednn_available():
+        raise ConfigError(["cpu_matmul: onednn, but this torch has no oneDNN "
+                           "(torch.backends.mkldnn is unavailable); use auto or blas"])
+    if choice == "auto":
+        arch = platform.machine().lower()
+        why_not = ("this torch has no oneDNN" if not onednn_available() else
+                   None if arch in ("x86_64", "amd64") else f"not measured on {arch}")
+        choice = "blas" if why_not else "onednn"
+        if why_not:
+            log.info("cpu_matmul: torch's BLAS for fp32 matmuls (%s); cpu_matmul: onednn asks "
+                     "for oneDNN", why_not)
+        else:
+            log.info("cpu_matmul: oneDNN's GEMM for fp32 linear layers and the fused loss (the "
+                     "default on x86-64, the same fp32 arithmetic; cpu_matmul: blas uses torch's "
+                     "BLAS)")
+    set_backend(choice)
+    return choice
+
+
+def route_linears(model: nn.Module) -> int:
+    """Every ``nn.Linear`` of ``model`` through foundryx's CPU matmul; returns how many."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for m in linears:
+        route_linear(m)
+    return len(linears)
 
 
 def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
@@ -89,11 +124,13 @@ def parallelize(
     compile: CompileConfig | None = None,
     precision: str = "fp32",
     device: torch.device | None = None,
+    cpu_matmul: str | None = None,
 ) -> nn.Module:
     """Apply the sections to ``model`` in place and return it.
 
     ``activation_checkpointing`` and ``compile`` (None: off) apply in any number of
-    processes. ``parallelism`` (None: no FSDP) shards when there is more than one process (an
+    processes. ``cpu_matmul`` (auto, onednn, blas; None: leave the process's backend as it is)
+    picks the fp32 matmuls of training on a CPU. ``parallelism`` (None: no FSDP) shards when there is more than one process (an
     initialised process group). Meta-device parameters are materialised afterwards, on
     ``device`` (default: the current CUDA device, else CPU).
     """
@@ -101,8 +138,13 @@ def parallelize(
     world = dist.world_size()
     mode = mat.init_mode(model)
     full = mat.full_state_on_rank0(model) if mode == "rank0" else {}
+    routed = None
+    if cpu_matmul is not None and resolve_cpu_matmul(cpu_matmul, device) == "onednn":
+        routed = f"oneDNN matmuls in {route_linears(model)} linear layers"
     summary = apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
                                    compile or CompileConfig(enabled=False), device)
+    if routed:
+        summary.append(routed)
     if parallelism is not None and world > 1:
         local_world = dist.local_world_size()
         replicate, shard = mesh_shape(parallelism, world, local_world)

@@ -1,4 +1,5 @@
-"""Per-module forward wrappers: activation checkpointing, activation CPU offload, compile.
+"""Per-module forward wrappers: activation checkpointing, activation CPU offload, compile,
+and linear layers routed through foundryx's CPU matmul.
 
 Each replaces ``module.forward`` on the instance and keeps the module where it is, so
 parameter names (and so checkpoints) do not change, and FSDP's hooks, which run around
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from foundryx.kernels import cpu_matmul
 
 
 def checkpoint_activations(module: nn.Module) -> None:
@@ -41,6 +44,16 @@ def offload_activations(module: nn.Module) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         with save_on_cpu(pin_memory=pin):
             return inner(*args, **kwargs)
+
+    module.forward = forward
+
+
+def route_linear(module: nn.Linear) -> None:
+    """``module``'s product through :func:`foundryx.kernels.cpu_matmul.linear`, which takes
+    oneDNN's GEMM when that backend is set (and ``torch.mm`` otherwise)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return cpu_matmul.linear(x, module.weight, module.bias)
 
     module.forward = forward
 
