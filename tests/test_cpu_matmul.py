@@ -66,6 +66,9 @@ def test_blas_backend_is_torch_mm_and_onednn_differs_only_by_rounding():
     # not fp32 CPU tensors: torch.mm, whatever the backend
     assert not cpu_matmul.uses_onednn(a.double(), b.double())
     assert torch.equal(cpu_matmul.mm(a.double(), b.double()), torch.mm(a.double(), b.double()))
+    # a routed layer given what oneDNN does not take is F.linear itself
+    x, w = torch.randn(4, 8, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+    assert torch.equal(cpu_matmul.linear(x, w), nn.functional.linear(x, w))
     with pytest.raises(ValueError, match="one of onednn, blas"):
         cpu_matmul.set_backend("mkl")
 
@@ -126,7 +129,7 @@ def test_routed_linears_train_as_plain_ones(caplog):
 
 
 def test_auto_is_onednn_on_x86_and_says_so(monkeypatch, caplog):
-    monkeypatch.setattr(par.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_matmul.platform, "machine", lambda: "x86_64")
     with caplog.at_level(logging.INFO):
         assert par.resolve_cpu_matmul("auto", CPU) == "onednn"
     assert "cpu_matmul: oneDNN's GEMM" in caplog.text and "cpu_matmul: blas" in caplog.text
@@ -135,7 +138,7 @@ def test_auto_is_onednn_on_x86_and_says_so(monkeypatch, caplog):
 
 def test_auto_elsewhere_keeps_blas_with_the_reason(monkeypatch, caplog):
     cpu_matmul.set_backend("onednn")
-    monkeypatch.setattr(par.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_matmul.platform, "machine", lambda: "aarch64")
     with caplog.at_level(logging.INFO):
         assert par.resolve_cpu_matmul("auto", CPU) == "blas"
     assert "torch's BLAS for fp32 matmuls (not measured on aarch64)" in caplog.text

@@ -1,21 +1,21 @@
 """fp32 matrix products on the CPU through oneDNN instead of torch's BLAS.
 
 On CPUs where the BLAS torch links (Intel's MKL) does not take its fastest path, oneDNN's fp32
-GEMM is much faster with the same fp32 arithmetic: 440-460 GFLOP/s against MKL's 180-210 on the
-2-core AMD EPYC (AVX-512) benchmark VM, for the shapes of a small MPT's training step, with
-errors of fp32 rounding against a float64 product (benchmarks/RESULTS.md). torch reaches oneDNN
+GEMM is much faster with the same fp32 arithmetic: 260-480 GFLOP/s against MKL's 180-210 on the
+2-core AMD EPYC (AVX-512) benchmark VM for the products of a small MPT's training step
+(benchmarks/cpu_matmul.py), with errors of fp32 rounding against a float64 product. torch reaches oneDNN
 for fp32 only through ``torch.ops.mkldnn._linear_pointwise``, the op Inductor emits for frozen
 inference graphs; :func:`mm` wraps it as a custom op (``foundryx::onednn_mm``) with its own
 gradient, so eager autograd and ``torch.compile`` (as an opaque call) both work.
 
 Nothing here is on unless :func:`set_backend` turns it on: :func:`mm` is ``torch.mm`` by
-default. Training on a CPU picks a backend at start (``cpu_matmul`` in the run config; ``auto``
-measures both with :func:`measure`).
+default. Training on a CPU sets the backend at start (``cpu_matmul`` in the run config, see
+``foundryx.parallel.parallelize.resolve_cpu_matmul``).
 """
 
 from __future__ import annotations
 
-import time
+import platform
 
 import torch
 
@@ -27,6 +27,20 @@ def onednn_available() -> bool:
     """This torch has oneDNN and the dense fp32 linear op that reaches it."""
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def resolve(choice: str) -> tuple[str, str | None]:
+    """The backend ``choice`` (auto, onednn, blas) means on this machine, and for ``auto`` that
+    stays on BLAS, why: ``auto`` is oneDNN on x86-64 where this torch has it (measured there;
+    other architectures are not)."""
+    if choice != "auto":
+        return choice, None
+    arch = platform.machine().lower()
+    if not onednn_available():
+        return "blas", "this torch has no oneDNN"
+    if arch not in ("x86_64", "amd64"):
+        return "blas", f"not measured on {arch}"
+    return "onednn", None
 
 
 def set_backend(backend: str) -> None:
@@ -63,8 +77,11 @@ def uses_onednn(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` through :func:`mm` (any leading dimensions)."""
-    y = mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
+    """``F.linear(x, weight, bias)``, its product through oneDNN when :func:`uses_onednn` says
+    so; otherwise ``F.linear`` itself (a tensor subclass weight, a bf16 input, a GPU)."""
+    if not uses_onednn(x, weight):
+        return torch.nn.functional.linear(x, weight, bias)
+    y = onednn_mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias
 
 
@@ -100,20 +117,3 @@ def _backward(ctx, grad):
 
 onednn_mm.register_autograd(_backward, setup_context=_setup)
 
-
-def measure(m: int = 1024, k: int = 512, n: int = 1024, repeats: int = 4) -> dict[str, float]:
-    """GFLOP/s of ``torch.mm`` and of oneDNN on one fp32 product of this shape (best of
-    ``repeats`` after one warm-up; about 20 ms on a 2-core CPU)."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    out = {}
-    for name, fn in (("blas", torch.mm), ("onednn", onednn_mm)):
-        if name == "onednn" and not onednn_available():
-            continue
-        fn(a, b)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn(a, b)
-            best = min(best, time.perf_counter() - start)
-        out[name] = 2 * m * k * n / best / 1e9
-    return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 
 import torch
 from torch import nn
@@ -18,6 +17,7 @@ from torch import nn
 from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig, ParallelismConfig
 from foundryx.errors import ConfigError
 from foundryx.kernels.cpu_matmul import onednn_available, set_backend
+from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.parallel import dist
 from foundryx.parallel import materialize as mat
 from foundryx.parallel.contract import check_composer_contract
@@ -63,10 +63,7 @@ def resolve_cpu_matmul(choice: str, device: torch.device) -> str | None:
         raise ConfigError(["cpu_matmul: onednn, but this torch has no oneDNN "
                            "(torch.backends.mkldnn is unavailable); use auto or blas"])
     if choice == "auto":
-        arch = platform.machine().lower()
-        why_not = ("this torch has no oneDNN" if not onednn_available() else
-                   None if arch in ("x86_64", "amd64") else f"not measured on {arch}")
-        choice = "blas" if why_not else "onednn"
+        choice, why_not = resolve_backend("auto")
         if why_not:
             log.info("cpu_matmul: torch's BLAS for fp32 matmuls (%s); cpu_matmul: onednn asks "
                      "for oneDNN", why_not)
@@ -130,8 +127,8 @@ def parallelize(
 
     ``activation_checkpointing`` and ``compile`` (None: off) apply in any number of
     processes. ``cpu_matmul`` (auto, onednn, blas; None: leave the process's backend as it is)
-    picks the fp32 matmuls of training on a CPU. ``parallelism`` (None: no FSDP) shards when there is more than one process (an
-    initialised process group). Meta-device parameters are materialised afterwards, on
+    picks the fp32 matmuls of training on a CPU. ``parallelism`` (None: no FSDP) shards when
+    there is more than one process (an initialised process group). Meta-device parameters are materialised afterwards, on
     ``device`` (default: the current CUDA device, else CPU).
     """
     device = device or default_device()

@@ -71,6 +71,7 @@ class Setup:
     optimizer_states: int = 2  # fp32 states per trainable parameter
     fsdp_cpu_offload: bool = False
     device_kind: str = "cuda"  # cuda | rocm | cpu
+    cpu_onednn: bool = False  # on a CPU, fp32 products through oneDNN (cpu_matmul)
     lora_params: int = 0  # trainable adapter parameters; 0: full fine-tuning
     lora_params_per_block: int = 0
     lora_dropout_inputs: int = 0  # input features of the adapted layers of one block, when lora_dropout > 0
@@ -140,10 +141,12 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         # one chunk's fp32 logits, reused by every chunk and turned into their gradient in
         # place (under mixed precision also the chunk's logits and gradient in the compute
         # dtype), then the saved weight gradient beside its accumulator; plus the input
-        # gradient and its saved copy
+        # gradient and its saved copy; on a CPU with oneDNN's products (cpu_matmul), each chunk's
+        # weight gradient is a product of its own before it is added
         chunk = min(b * q, chunk_tokens(sh.vocab_size, s.device_kind)) * sh.vocab_size * 4
         mixed = chunk * ce / 4 if ce < 4 else 0.0
-        t["logits_and_loss"] = chunk + mixed + 2 * out_grad + 2 * b * q * d * ce
+        weight_grads = 3 if s.cpu_onednn and s.device_kind == "cpu" else 2
+        t["logits_and_loss"] = chunk + mixed + weight_grads * out_grad + 2 * b * q * d * ce
     else:
         t["logits_and_loss"] = b * q * sh.vocab_size * (ce + 4 + 4)
     # Gradients and activations are not all held at once: the activations are freed block by

@@ -9,6 +9,7 @@ from torch import nn
 
 from foundryx.config.load import LoadedConfig
 from foundryx.errors import ConfigError
+from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.plan.census import Census, build_meta, take_census
 from foundryx.plan.memory import Setup
@@ -93,6 +94,7 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
         optimizer_states=optimizer_states(dict(cfg.optimizer), notes),
         fsdp_cpu_offload=bool(par.cpu_offload) if par is not None else False,
         device_kind=device_kind,
+        cpu_onednn=device_kind == "cpu" and resolve_backend(cfg.cpu_matmul)[0] == "onednn",
         lora_params=lora,
         lora_params_per_block=lora_block,
         lora_dropout_inputs=dropout_inputs,
