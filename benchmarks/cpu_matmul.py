@@ -78,14 +78,14 @@ def main() -> None:
              "|---|---|---:|---:|---|"]
     lines += [f"| {n} | {s} | {m:.0f} | {o:.0f} | {r:.2f} ({lo:.2f}-{hi:.2f}) |"
               for n, s, m, o, r, lo, hi in rows]
-    text = (f"\n## fp32 matmuls on the CPU: torch's BLAS vs oneDNN\n\n{datetime.date.today()}. "
-            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-            f"{torch.get_num_threads()} threads; torch {torch.__version__}. Command: "
-            f"`python benchmarks/cpu_matmul.py --rounds {args.rounds}`.\n\n" + "\n".join(lines) + "\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    section = "\n".join([
+        "", "## fp32 matmuls on the CPU: torch's BLAS vs oneDNN", "",
+        f"{datetime.date.today()}. {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, {torch.get_num_threads()} threads; torch {torch.__version__}. "
+        f"Command: `python benchmarks/cpu_matmul.py --rounds {args.rounds}`.", "", *lines, ""])
+    print(section)
+    if args.out:  # appended, as the other benchmarks' --out
+        args.out.write_text(args.out.read_text() + section if args.out.exists() else section)
 
 
 if __name__ == "__main__":
