@@ -12,7 +12,8 @@ train`` does (``builders.build_model`` with ``peft_config`` / ``frozen_base``, t
 ``build_parallelism``: FSDP2 and activation checkpointing, then ``build_optimizer``) and runs
 ``--steps`` training steps of ``model.loss(model(batch), batch)``, backward and AdamW; the
 planner plans the same file for a CPU device (``make_plan(..., gpu="cpu")``, ``foundryx plan
---gpu cpu``: no CUDA context, no caching-allocator margin).
+--gpu cpu``: no CUDA context, no caching-allocator margin). The runs use ``cpu_matmul: blas``
+(torch's own matmuls), as the planner models a GPU's memory, not oneDNN's CPU buffers.
 
 Measured memory is the finetune_memory.py measure: the rise of the process's peak RSS
 (``VmHWM``) over its RSS before the model was built, with the peak reset
@@ -78,6 +79,9 @@ def write_config(folder: Path, case: str, procs: int, microbatch: int = MICROBAT
         "device_train_microbatch_size": microbatch,
         "optimizer": {"name": "decoupled_adamw", "lr": 1e-4},
         "precision": "fp32", "device": "cpu", "compile": False,
+        # torch's BLAS: oneDNN's own buffers (primitive cache, GEMM packing; 8-20 MiB more
+        # here, RESULTS.md) are a CPU-only cost the planner does not model
+        "cpu_matmul": "blas",
         "parallelism": {"sharding_strategy": "FULL_SHARD"},
         "activation_checkpointing": ac,
     }
