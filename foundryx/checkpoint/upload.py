@@ -6,8 +6,9 @@ staging folder while training goes on: in a thread of the rank's upload process
 Rank 0 then waits until the bucket holds every file the manifest lists, with the listed size,
 uploads ``manifest.json`` last (the checkpoint is complete from that moment), and deletes
 remote checkpoints beyond ``save_num_checkpoints_to_keep``. A file that cannot be uploaded is
-retried with exponential backoff; after the last attempt the run stops at its next batch with one message naming the
-object (:class:`~foundryx.errors.RunError`, exit code 1: running again may succeed).
+retried with exponential backoff; after the last attempt the run stops at its next batch with
+one message naming the object (:class:`~foundryx.errors.RunError`, exit code 1: running again
+may succeed).
 
 Test hook: ``FOUNDRYX_TEST_UPLOAD_PAUSE=<checkpoint name>`` stops the upload of that
 checkpoint after its first file, until the process is killed (the window a kill test needs).

@@ -1,10 +1,10 @@
 """fp32 matrix products on the CPU through oneDNN instead of torch's BLAS.
 
 On CPUs where the BLAS torch links (Intel's MKL) does not take its fastest path, oneDNN's fp32
-GEMM is much faster with the same fp32 arithmetic: 260-480 GFLOP/s against MKL's 180-210 on the
-2-core AMD EPYC (AVX-512) benchmark VM for the products of a small MPT's training step
-(benchmarks/cpu_matmul.py), with errors of fp32 rounding against a float64 product. torch reaches oneDNN
-for fp32 only through ``torch.ops.mkldnn._linear_pointwise``, the op Inductor emits for frozen
+GEMM is much faster with the same fp32 arithmetic: 260-480 GFLOP/s against MKL's 180-210 on
+the 2-core AMD EPYC (AVX-512) benchmark VM for the products of a small MPT's training step
+(benchmarks/cpu_matmul.py), with errors of fp32 rounding against a float64 product. torch
+reaches oneDNN for fp32 only through ``torch.ops.mkldnn._linear_pointwise``, the op Inductor emits for frozen
 inference graphs; :func:`mm` wraps it as a custom op (``foundryx::onednn_mm``) with its own
 gradient, so eager autograd and ``torch.compile`` (as an opaque call) both work.
 
@@ -66,7 +66,7 @@ def mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> tor
     """``a @ b`` for 2-D ``a`` and ``b``: oneDNN when that backend is set and both are fp32 CPU
     tensors, else ``torch.mm``. Differentiable either way (without ``out``). With ``out`` the
     product is written there (oneDNN: computed, then copied) and ``out`` is returned."""
-    if _state["backend"] == "onednn" and _onednn_ok(a, b):
+    if uses_onednn(a, b):
         return onednn_mm(a, b) if out is None else out.copy_(onednn_mm(a, b))
     return torch.mm(a, b, out=out)
 
@@ -116,4 +116,3 @@ def _backward(ctx, grad):
 
 
 onednn_mm.register_autograd(_backward, setup_context=_setup)
-

@@ -128,8 +128,8 @@ def parallelize(
     ``activation_checkpointing`` and ``compile`` (None: off) apply in any number of
     processes. ``cpu_matmul`` (auto, onednn, blas; None: leave the process's backend as it is)
     picks the fp32 matmuls of training on a CPU. ``parallelism`` (None: no FSDP) shards when
-    there is more than one process (an initialised process group). Meta-device parameters are materialised afterwards, on
-    ``device`` (default: the current CUDA device, else CPU).
+    there is more than one process (an initialised process group). Meta-device parameters are
+    materialised afterwards, on ``device`` (default: the current CUDA device, else CPU).
     """
     device = device or default_device()
     world = dist.world_size()

@@ -50,7 +50,8 @@ def offload_activations(module: nn.Module) -> None:
 
 def route_linear(module: nn.Linear) -> None:
     """``module``'s product through :func:`foundryx.kernels.cpu_matmul.linear`, which takes
-    oneDNN's GEMM when that backend is set (and ``torch.mm`` otherwise)."""
+    oneDNN's GEMM when that backend is set and takes the operands (and is ``F.linear``
+    otherwise)."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return cpu_matmul.linear(x, module.weight, module.bias)

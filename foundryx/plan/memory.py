@@ -145,7 +145,7 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         # weight gradient is a product of its own before it is added
         chunk = min(b * q, chunk_tokens(sh.vocab_size, s.device_kind)) * sh.vocab_size * 4
         mixed = chunk * ce / 4 if ce < 4 else 0.0
-        weight_grads = 3 if s.cpu_onednn and s.device_kind == "cpu" else 2
+        weight_grads = 3 if s.cpu_onednn else 2
         t["logits_and_loss"] = chunk + mixed + weight_grads * out_grad + 2 * b * q * d * ce
     else:
         t["logits_and_loss"] = b * q * sh.vocab_size * (ce + 4 + 4)
