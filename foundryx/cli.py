@@ -164,6 +164,9 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0, or 1 when --compare-to finds a result short of the reference."""
     loaded = load_eval_config(args.config, args.overrides)  # before torch: mistakes answer fast
+    cannot = run_problems({"device": loaded.cfg.device})  # (eval on a CPU runs in fp32)
+    if cannot:
+        raise ConfigError(cannot, source=str(args.config))
     from foundryx.eval.run import run_eval  # torch + Composer: only for an eval
 
     outcome = run_eval(loaded, compare_to=args.compare_to, tolerance=args.tolerance,
