@@ -254,10 +254,22 @@ def versions() -> str:
             f"transformers {v('transformers')}, python {platform.python_version()})")
 
 
+class _Version(argparse.Action):
+    """``--version``: the versions are read only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the versions of foundryx and what it runs on, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(versions())
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="foundryx", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--version", action="version", version=versions())
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train from a run config (same as `composer train.py`)")
