@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import os
 import platform
 import statistics
@@ -25,7 +24,10 @@ import sys
 import tarfile
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
+
+from foundryx.cli import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 QS = str(ROOT / "yamls" / "quickstart.yaml")
@@ -74,16 +76,6 @@ def extract(ref: str, into: Path) -> Path:
 
 def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}–{max(xs):.2f})"
-
-
-def versions() -> str:
-    def v(dist: str) -> str:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "-"
-    return (f"python {platform.python_version()}, torch {v('torch')}, composer {v('mosaicml')}, "
-            f"transformers {v('transformers')}, omegaconf {v('omegaconf')}")
 
 
 def main() -> None:
@@ -144,7 +136,7 @@ def main() -> None:
     section = "\n".join([
         "## Time to the message of a command-line mistake (issue 26, part A)", "",
         f"{datetime.date.today()}. {platform.machine()} Linux VM, {cpus} cores, no GPU; "
-        f"{versions()}. Command: `python benchmarks/cli_errors.py --rounds {args.rounds}"
+        f"{versions()}, omegaconf {version('omegaconf')}. Command: `python benchmarks/cli_errors.py --rounds {args.rounds}"
         + (f" --baseline {args.baseline} --baseline-rounds {args.baseline_rounds}`"
            if args.baseline else "`")
         + f". Load average {load_before:.1f} before and {load_after:.1f} after (other jobs "
