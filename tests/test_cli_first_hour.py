@@ -1,7 +1,7 @@
 """The first hour (issue 26): every command a newcomer types either works or says exactly what
 to change. Each class of mistake runs the real ``foundryx`` command in a subprocess, in an
 empty folder, and must give exit code 2, one message naming the fix, no traceback, and leave
-the folder empty. These answer before torch is imported, so each takes about a second; the
+the folder empty. These answer before torch is imported, so each takes a second or two; the
 time to the message is measured by benchmarks/cli_errors.py, not here.
 """
 
