@@ -18,6 +18,7 @@ import argparse
 import datetime
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,6 +117,7 @@ def main() -> None:
         print(f"round {i + 1}/{args.rounds} done ({time.monotonic() - started:.0f} s)",
               file=sys.stderr)
     load_after = os.getloadavg()[0]
+    shutil.rmtree(tmp, ignore_errors=True)
 
     head = "| mistake | exit | seconds to the message, median (range) |"
     rule = "|---|---|---|"
