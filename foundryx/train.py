@@ -21,12 +21,14 @@ from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.workers import worker_death_error
+from foundryx.devices import machine_from_torch, run_problems
 from foundryx.doctor.facts import environment
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.plan.census import NotPlannable
 from foundryx.plan.planner import plan_here, render
 from foundryx.plan.prelaunch import check_fits
 from foundryx.run_summary import RunFacts, summary
@@ -52,8 +54,10 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
     on this machine's GPU, or on the default GPU where there is none). It is shown even when
     sections have problems that do not stop it from being resolved, e.g. a data folder that
     exists only on the cluster: those sections are then left unchecked for the text, and
-    their problems are returned with every other. A config that cannot be resolved at all
-    raises its ConfigError, as ``foundryx train`` would."""
+    their problems are returned with every other, as are a ``device`` or ``precision`` this
+    machine cannot run and the problems found while building the model (on the meta device,
+    for the plan). A config that cannot be resolved at all raises its ConfigError, as
+    ``foundryx train`` would."""
     problems: list[str] = []
     try:
         loaded = load_run_config(path, overrides)
@@ -65,6 +69,7 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
             loaded = load_config(path, overrides, component_sections=sections)
         except ConfigError:
             raise e from None
+    problems += run_problems(loaded.resolved, machine_from_torch())
     parts = [f"# resolved config of {loaded.source}", loaded.to_yaml(), "# derived numbers",
              loaded.derived.table(), "# plan (`foundryx plan` for other devices)"]
     try:
@@ -75,14 +80,23 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
             problems.append(f"plan_check: the run needs an estimated {plan.per_device_bytes / 2**30:.1f} "
                             f"GiB per device and the {plan.device} has {plan.capacity / 2**30:.1f} "
                             "GiB; see the plan's suggestions above")
-    except FoundryxError as e:  # a model the planner does not size, a hub name not cached, ...
+    except NotPlannable as e:  # a plugin model, ...: it may train all the same
         parts.append(f"no plan: {e}")
+    except ConfigError as e:  # building the model: e.g. LoRA target_modules that match nothing
+        parts.append("no plan: the model cannot be built; see the problems below")
+        problems += e.problems
+    except FoundryxError as e:  # a hub name not cached, ...: the run would stop there too
+        parts.append("no plan: the model cannot be built; see the problems below")
+        problems.append(f"model: {e}")
     return "\n".join(parts), problems
 
 
 def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
     cfg, derived = loaded.cfg, loaded.derived
+    cannot = run_problems({"device": cfg.device, "precision": cfg.precision}, machine_from_torch())
+    if cannot:  # before anything is set up or written
+        raise ConfigError(cannot, source=loaded.source)
     setup_logging(cfg.python_log_level)
     known_warnings.install()
     picked = pick_device(cfg.device)
