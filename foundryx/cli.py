@@ -118,13 +118,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "export", help="checkpoint → Hugging Face folder (safetensors, config, tokenizer)",
-        usage="foundryx export CHECKPOINT OUT [--config RUN_YAML [KEY=VALUE ...]] [--tokenizer T] "
+        usage="foundryx export CHECKPOINT [OUT] [--config RUN_YAML [KEY=VALUE ...]] [--tokenizer T] "
               "[--format auto|llama|mpt] [--dtype fp32|bf16|fp16] [--overwrite] [--no-verify] "
               "[--no-progress] [--merged]",
     )
     e.add_argument("checkpoint", help="a checkpoint folder, a save_folder (its newest checkpoint), "
                    "or a weights file (.pt, .safetensors)")
-    e.add_argument("out", help="the folder to write (appears complete or not at all)")
+    e.add_argument("out", nargs="?", help="the folder to write (appears complete or not at all); "
+                   "default: the run folder's export/hf (export/adapter for a LoRA run, "
+                   "export/merged with --merged)")
     e.add_argument("--config", nargs="+", metavar="RUN_YAML", help="run YAML the checkpoint was "
                    "trained with (model and tokenizer), then any key=value overrides; default: "
                    "the checkpoint's own record (components.json, or hf/ in older ones)")
