@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from foundryx import registry
+from foundryx import known_warnings, registry
 from foundryx.config.help import component_help, config_help
 from foundryx.data import partitions
 from foundryx.data.convert import convert_to_mds
@@ -272,6 +272,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    known_warnings.install(preimport=False)  # every subcommand: see docs/operations.md
     try:
         return args.fn(args)
     except FoundryxError as e:

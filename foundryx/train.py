@@ -157,12 +157,9 @@ def train(loaded: LoadedConfig):
 def run_callbacks(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
     """The ``callbacks`` section, with ``preemption`` added wherever a ``save_folder`` is set
     (said in one log line): a scheduler's SIGTERM then ends the run with a checkpoint, not
-    with exit 143. ``callbacks.preemption: null`` turns it off."""
-    callbacks = dict(cfg.callbacks)
-    if "preemption" in callbacks and callbacks["preemption"] is None:
-        del callbacks["preemption"]  # null: off (any other value: on, with those options)
-        return callbacks
-    if cfg.save_folder and "preemption" not in callbacks:
+    with exit 143. A callback set to null is off: ``callbacks.preemption: null``."""
+    callbacks = {name: kwargs for name, kwargs in cfg.callbacks.items() if kwargs is not None}
+    if cfg.save_folder and "preemption" not in cfg.callbacks:  # null (off) or the user's own
         callbacks["preemption"] = {}
         if dist.get_global_rank() == 0:
             log.info("preemption: on (save_folder is set): on SIGTERM or SIGUSR1 the run saves a "
