@@ -20,7 +20,7 @@ import platform
 import sys
 from pathlib import Path
 
-from foundryx import __version__, registry
+from foundryx import __version__, known_warnings, registry
 from foundryx.config.help import component_help, config_help
 from foundryx.config.load import is_override, precheck, precheck_sections
 from foundryx.data import partitions
@@ -138,13 +138,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "export", help="checkpoint → Hugging Face folder (safetensors, config, tokenizer)",
-        usage="foundryx export CHECKPOINT OUT [--config RUN_YAML] [KEY=VALUE ...] [--tokenizer T] "
+        usage="foundryx export CHECKPOINT [OUT] [--config RUN_YAML] [KEY=VALUE ...] [--tokenizer T] "
               "[--format auto|llama|mpt] [--dtype fp32|bf16|fp16] [--overwrite] [--no-verify] "
               "[--no-progress] [--merged]",
     )
     e.add_argument("checkpoint", help="a checkpoint folder, a save_folder (its newest checkpoint), "
                    "or a weights file (.pt, .safetensors)")
-    e.add_argument("out", help="the folder to write (appears complete or not at all)")
+    e.add_argument("out", nargs="?", help="the folder to write (appears complete or not at all); "
+                   "default: the run folder's export/hf (export/adapter for a LoRA run, "
+                   "export/merged with --merged)")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the --config "
                    "run YAML, e.g. model.peft_config.r=16")
     e.add_argument("--config", metavar="RUN_YAML", help="run YAML the checkpoint was trained with "
@@ -392,6 +394,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
+    known_warnings.install(preimport=False)  # every subcommand: see docs/operations.md
     try:
         return args.fn(args)
     except FoundryxError as e:

@@ -141,14 +141,15 @@ def train(loaded: LoadedConfig):
         optimizers=optimizer,
         schedulers=builders.build_scheduler(cfg),
         algorithms=algorithms,
-        callbacks=builders.build_named("callbacks", cfg.callbacks) + icl_callbacks
+        callbacks=builders.build_named("callbacks", run_callbacks(cfg)) + icl_callbacks
         + ([checkpointer] if checkpointer else []),
         loggers=loggers,
         precision=cfg.precision,
         device=device,
         device_train_microbatch_size=derived.device_train_microbatch_size,
-        eval_interval=cfg.eval_interval,
-        eval_subset_num_batches=cfg.eval_subset_num_batches,
+        # without evaluators these only make Composer warn that they have no effect: its defaults
+        eval_interval=cfg.eval_interval if evaluators else 1,
+        eval_subset_num_batches=cfg.eval_subset_num_batches if evaluators else -1,
         seed=cfg.seed,
         console_log_interval=cfg.console_log_interval,
         log_to_console=False,  # foundryx's console logger (build_loggers) prints instead
@@ -165,6 +166,20 @@ def train(loaded: LoadedConfig):
         console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
         console.write(text) if console is not None else log.info("%s", text)
     return trainer
+
+
+def run_callbacks(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
+    """The ``callbacks`` section, with ``preemption`` added wherever a ``save_folder`` is set
+    (said in one log line): a scheduler's SIGTERM then ends the run with a checkpoint, not
+    with exit 143. A callback set to null is off: ``callbacks.preemption: null``."""
+    callbacks = {name: kwargs for name, kwargs in cfg.callbacks.items() if kwargs is not None}
+    if cfg.save_folder and "preemption" not in cfg.callbacks:  # null (off) or the user's own
+        callbacks["preemption"] = {}
+        if dist.get_global_rank() == 0:
+            log.info("preemption: on (save_folder is set): on SIGTERM or SIGUSR1 the run saves a "
+                     "checkpoint after the current batch and exits 0; callbacks.preemption: null "
+                     "turns it off")
+    return callbacks
 
 
 def build_loggers(cfg: TrainConfig) -> list[Any]:
@@ -192,15 +207,19 @@ def run_facts(trainer: Trainer, loaded: LoadedConfig, first_batch: int, seconds:
     if cfg.save_folder and Path(cfg.save_folder).is_dir():
         found = complete_checkpoints(cfg.save_folder)
         checkpoint = str(found[0][0]) if found else None
+    # the run's own eval YAML, else the quickstart's: its tasks are generated offline (any model)
     eval_config = next((str(p) for p in (Path("eval/yamls") / f"{Path(loaded.source).stem}.yaml",
-                                         Path("eval/yamls/hf_eval.yaml")) if p.is_file()), None)
+                                         Path("eval/yamls/quickstart.yaml")) if p.is_file()), None)
+    lora_base = None
+    if cfg.model.get("peft_config") is not None and cfg.model.get("pretrained_model_name_or_path"):
+        lora_base = str(cfg.model["pretrained_model_name_or_path"])
     last_batch = int(state.timestamp.batch)
     return RunFacts(
         run_name=state.run_name, config=str(loaded.source), batches=last_batch - first_batch,
         last_batch=last_batch, tokens=int(state.timestamp.token), seconds=seconds,
         first_loss=getattr(console, "first_loss", None), last_loss=getattr(console, "last_loss", None),
         save_folder=cfg.save_folder, checkpoint=checkpoint,
-        metrics=str(metrics) if metrics else None, eval_config=eval_config,
+        metrics=str(metrics) if metrics else None, eval_config=eval_config, lora_base=lora_base,
     )
 
 

@@ -169,6 +169,22 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
 
+def count(n: float) -> str:
+    """A parameter count in the unit that shows it: 8.03B, 41.9M, 1.57M, 12.3k."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def term_doc(name: str, p: Plan) -> str:
+    if name != "logits_and_loss":
+        return TERM_DOCS[name]
+    how = ("MPT's fused loss: one chunk, in place" if p.census.shape.fused_loss
+           else "whole: the model's own loss")
+    return f"{TERM_DOCS[name]} ({how})"
+
+
 def render(p: Plan) -> str:
     """The plan as a table people read."""
     s, c = p.setup, p.census
@@ -176,7 +192,7 @@ def render(p: Plan) -> str:
                 else "replicated" if s.world_size > 1 else "one device")
     trainable = s.lora_params or c.total
     lines = [
-        f"foundryx plan: {c.total / 1e9:,.3f}B parameters ({trainable / 1e9:,.3f}B trainable), "
+        f"foundryx plan: {count(c.total)} parameters ({count(trainable)} trainable), "
         f"{s.world_size} x {p.device}, {sharding}, microbatch {s.microbatch} x {s.seq_len} tokens, "
         f"{s.precision}{', activation checkpointing' if s.activation_checkpointing else ''}"
         f"{f', base {s.frozen_dtype}' if s.frozen_dtype else ''}"
@@ -186,7 +202,7 @@ def render(p: Plan) -> str:
     ]
     for name, value in p.terms.items():
         if value:
-            lines.append(f"  {name:<22} {_gib(value):>14}   {TERM_DOCS[name]}")
+            lines.append(f"  {name:<22} {_gib(value):>14}   {term_doc(name, p)}")
     lines += [f"  {'total':<22} {_gib(p.per_device_bytes):>14}",
               f"  {'device memory':<22} {_gib(p.capacity):>14}", ""]
     verdict = "FITS" if p.fits else "DOES NOT FIT"
