@@ -172,11 +172,18 @@ class _Offloaded:
     (the one prefetched, else a fresh one) and starts the copy of the next layer's weight."""
 
     def __init__(self, host: torch.Tensor) -> None:
-        self.host = host.pin_memory() if torch.cuda.is_available() else host
+        self.host = host
+        self.set_host(host)
         self.next: _Offloaded | None = None
         self.prev: _Offloaded | None = None
         self.pending: tuple[torch.device, torch.Tensor, object] | None = None
         self.copies = 0  # host -> device copies made (tests count them)
+
+    def set_host(self, host: torch.Tensor) -> None:
+        """Hold ``host`` (pinned when there is a GPU; a meta placeholder until a loader fills
+        it)."""
+        pin = torch.cuda.is_available() and not host.is_meta and not host.is_pinned()
+        self.host = host.pin_memory() if pin else host
 
     def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
         self.copies += 1
