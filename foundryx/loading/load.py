@@ -29,7 +29,7 @@ from torch import nn
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
 from foundryx.loading.quantize import nf4, rowwise
 from foundryx.loading.reader import Progress, Read, gb, peak_rss_gb, read_all
-from foundryx.models.peft.frozen_base import LowPrecisionLinear, stored_bytes
+from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
 from foundryx.models.peft.lora import inner_model
 from foundryx.parallel import dist
 from foundryx.parallel.materialize import LOADED_ATTR
@@ -173,6 +173,12 @@ def _rows(p: torch.Tensor) -> tuple[int, int, Any]:
     return offset[0], offset[0] + shape[0], group
 
 
+def _offload_rows(t: Target) -> tuple[int, int, Any]:
+    off = t.holders[0][0].offload
+    start, stop = off.shard_range()
+    return start, stop, (torch.distributed.group.WORLD if off.rows is not None else None)
+
+
 def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tensor, group: Any,
              device: torch.device) -> torch.Tensor:
     """The checkpoint ``rows`` in the form the model keeps them: its frozen-base storage, or
@@ -218,7 +224,7 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     reads, jobs = [], {}
     for t in plan.targets:
         like = _current(t)
-        start, stop, group = _rows(like) if t.kind != "offload" else (0, like.shape[0], None)
+        start, stop, group = _rows(like) if t.kind != "offload" else _offload_rows(t)
         r = Read(t.key, t.entry, start, stop)
         reads.append(r)
         jobs[id(r)] = (t, like, group)
@@ -244,6 +250,9 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
 
     with torch.no_grad():
         read_all(reads, use, progress)
+    offloaded = [t.holders[0][0] for t in plan.targets if t.kind == "offload"]
+    if offloaded:
+        pack_offloaded(offloaded)
     if converted and dist.rank() == 0:
         log.info("loading: converted shard by shard: %s", "; ".join(
             f"{k} ({len(v)} tensors)" for k, v in sorted(converted.items())))
