@@ -123,10 +123,9 @@ def _plan(model: nn.Module, folder: str) -> LoadPlan:
     plan = LoadPlan(folder)
     missing, mismatched, used = [], [], set()
     for tensor, holders, names, kind in groups.values():
-        trainable = kind == "param" and tensor.requires_grad
         key = next((k for n in names for k in _candidates(n, prefix) if k in entries), None)
         if key is None:
-            if kind == "param" and not trainable:
+            if kind != "buffer" and not any(".lora_" in n for n in names):
                 missing.append(names[0])
             continue  # adapters, buffers the model computes: initialised, not loaded
         entry = entries[key]
@@ -144,7 +143,7 @@ def _plan(model: nn.Module, folder: str) -> LoadPlan:
             "(that needs pretrained: false)")
     if missing:
         raise PretrainedLoadError(
-            f"{folder}: {len(missing)} frozen weight(s) of the model are in none of its "
+            f"{folder}: {len(missing)} weight(s) of the model are in none of its "
             f"safetensors files: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
             "the files are incomplete or belong to another model")
     plan.unused = sorted(set(entries) - used)
