@@ -144,3 +144,35 @@ def test_every_rank_stops_on_a_problem_only_one_rank_sees(good, tmp_path):
     (folder / "model-00003-of-00003.safetensors").unlink()
     results = run_distributed(_bad_on_one_rank, args=(good, str(folder)), timeout=300)
     assert results[0] == results[1] and "model-00003-of-00003.safetensors" in results[0]
+
+
+@pytest.mark.parametrize("frozen, offload", [(None, 0.0), ("int8", 0.5), ("fp8", 1.0),
+                                             ("nf4", 0.5), ("bf16", 1.0)])
+def test_one_process_meta_load_equals_cpu_load(good, frozen, offload):
+    """On 1 rank too, init_device meta + shard-on-read gives the model init_device cpu builds
+    (every frozen_base dtype, offloaded or not): the same weights, the same loss."""
+    from types import SimpleNamespace
+
+    from hf_tiny import token_batch
+
+    from foundryx import builders
+    from foundryx.models.peft.frozen_base import dequantize
+
+    def build(init_device):
+        section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": good,
+                   "init_device": init_device,
+                   "peft_config": {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}}
+        if frozen:
+            section["frozen_base"] = {"dtype": frozen, "offload_fraction": offload}
+        torch.manual_seed(0)
+        model = builders.build_model(SimpleNamespace(model=section), None)
+        return builders.parallelize_and_load(model, None, device=torch.device("cpu"))
+
+    cpu, meta = build("cpu"), build("meta")
+    a, b = cpu.state_dict(), meta.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(dequantize(a[k], torch.float32), dequantize(b[k], torch.float32)), k
+    batch = token_batch()
+    with torch.no_grad():
+        assert cpu.loss(cpu(batch), batch).item() == meta.loss(meta(batch), batch).item()

@@ -28,7 +28,7 @@ from torch import nn
 
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
 from foundryx.loading.quantize import nf4, rowwise
-from foundryx.loading.reader import Progress, Read, gb, peak_rss_gb, read_all
+from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
 from foundryx.models.peft.lora import inner_model
 from foundryx.parallel import dist
@@ -232,7 +232,7 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     if dist.rank() == 0:
         log.info("loading %s: %d tensors (%s) from %d file(s), %s for this rank, %d reader threads",
                  plan.folder, len(reads), ", ".join(dtypes),
-                 len({t.entry.file for t in plan.targets}), gb(total), 8)
+                 len({t.entry.file for t in plan.targets}), gb(total), THREADS)
     progress = Progress(total, dist.rank() == 0)
     converted: dict[str, set[str]] = {}
 

@@ -12,9 +12,10 @@ import logging
 import resource
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -96,27 +97,39 @@ class Progress:
         return time.monotonic() - self.start
 
 
+AHEAD_BYTES = 256 * 2**20  # reads in flight beyond the one being used (at least one)
+
+
 def read_all(reads: list[Read], use: Callable[[Read, torch.Tensor], None],
              progress: Progress, threads: int = THREADS) -> None:
     """Read every range with ``threads`` readers and hand each tensor to ``use`` in the order
-    of ``reads`` (so collectives inside ``use`` run in the same order on every rank), keeping
-    at most ``threads`` reads ahead in memory."""
+    of ``reads`` (so collectives inside ``use`` run in the same order on every rank), with at
+    most ``AHEAD_BYTES`` (or one read) read ahead, so the transient memory is bounded."""
     if not reads:
         return
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(reads)))) as pool:
-        for r, tensor in zip(reads, _ahead(pool, reads, threads), strict=True):
+        for r, tensor in zip(reads, _ahead(pool, reads), strict=True):
             progress.add(tensor.numel() * tensor.element_size())
             use(r, tensor)
             del tensor
 
 
-def _ahead(pool: ThreadPoolExecutor, reads: Iterable[Read], depth: int) -> Iterator[torch.Tensor]:
-    pending = []
+def _size(r: Read) -> int:
+    begin, end = r.byte_range
+    return end - begin
+
+
+def _ahead(pool: ThreadPoolExecutor, reads: list[Read]) -> Iterator[torch.Tensor]:
+    pending: list[tuple[int, Any]] = []
+    queued = 0
     for r in reads:
-        pending.append(pool.submit(read_rows, r))
-        if len(pending) > depth:
-            yield pending.pop(0).result()
-    for f in pending:
+        while pending and queued + _size(r) > AHEAD_BYTES:
+            size, first = pending.pop(0)
+            queued -= size
+            yield first.result()
+        pending.append((_size(r), pool.submit(read_rows, r)))
+        queued += _size(r)
+    for _, f in pending:
         yield f.result()
 
 
