@@ -84,7 +84,11 @@ def rank_main(rank: int, world: int, init: str, folder: str, dtype: str, offload
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), NODE_RANK="0")
     torch.set_num_threads(1)
-    import transformers.models.llama.modeling_llama  # noqa: F401  (imports: in the baseline)
+    # every library the build imports is in the baseline (imports are not the loader's)
+    import composer.models  # noqa: F401
+    import peft  # noqa: F401
+    import torchao.dtypes.nf4tensor  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
     from foundryx.config.schema import ParallelismConfig
     from foundryx.models.peft.frozen_base import LowPrecisionLinear, stored_bytes

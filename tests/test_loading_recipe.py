@@ -41,7 +41,7 @@ def run(folder: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
             "device_eval_batch_size=2", "max_duration=4ba", "eval_interval=4ba",
             "eval_subset_num_batches=1", "console_log_interval=1ba", "save_folder=null",
             "train_loader.num_workers=0", "eval_loader.num_workers=0",
-            "scheduler.t_warmup=0ba", "callbacks.memory_monitor=null",
+            "scheduler.t_warmup=0ba",
             f"loggers.jsonl.path={out}/metrics.jsonl", "progress_bar=false"]
     cmd = [str(COMPOSER), "-n", "2", "--stderr", str(out / "rank{rank}.err"),
            "--stdout", str(out / "rank{rank}.out"), "train.py",

@@ -97,7 +97,7 @@ class Progress:
         return time.monotonic() - self.start
 
 
-AHEAD_BYTES = 256 * 2**20  # reads in flight beyond the one being used (at least one)
+AHEAD_BYTES = 64 * 2**20  # reads in flight beyond the one being used (at least one)
 
 
 def read_all(reads: list[Read], use: Callable[[Read, torch.Tensor], None],
