@@ -72,5 +72,4 @@ def test_large_model_recipe_loads_shard_by_shard_on_two_ranks(quickstart_data, t
     r = run(folder, quickstart_data, tmp_path / "bad")
     text = logs(tmp_path / "bad", r)
     assert r.returncode != 0 and gone.name in text and "incomplete" in text, text[-4000:]
-    assert "Traceback" not in (tmp_path / "bad" / "rank0.err").read_text()[-3000:]
-    assert "Traceback" not in (tmp_path / "bad" / "rank1.err").read_text()[-3000:]
+    assert "exited with code 2" in text and "Traceback" not in text, text[-4000:]

@@ -201,7 +201,7 @@ def _compose(folder: str) -> dict:
 
 
 @pytest.mark.slow
-def test_lora_composes_with_fsdp2_bf16_rank0_broadcast_and_meta_ac_compile(tmp_path):
+def test_lora_composes_with_fsdp2_bf16_shard_on_read_and_meta_ac_compile(tmp_path):
     folder = hf_folder("llama", tmp_path / "llama")
     results = run_distributed(_compose, args=(str(folder),), timeout=1200)
     cpu_adapters = adapters(mpt(["q", "v", "up"], "cpu"))
