@@ -20,11 +20,15 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
 )
 from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
+from foundryx.loading import load as load_pretrained
+from foundryx.loading import prepare as prepare_pretrained
+from foundryx.loading import wants_pretrained
 from foundryx.models.peft.adapters import load_adapter, section_options
 from foundryx.models.peft.frozen_base import apply_frozen_base
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.parallel import parallelize
+from foundryx.parallel.parallelize import default_device
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +87,25 @@ def build_scheduler(cfg: TrainConfig) -> Any:
 
 def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
     """Apply ``parallelism`` (FSDP2), ``activation_checkpointing``, ``compile`` and
-    ``cpu_matmul`` to ``model`` and materialise meta-device weights; call before building the
-    optimizer. See docs/distributed.md."""
-    return parallelize(model, cfg.parallelism, activation_checkpointing=cfg.activation_checkpointing,
-                       compile=cfg.compile, precision=cfg.precision,
-                       cpu_matmul=cfg.cpu_matmul)
+    ``cpu_matmul`` to ``model`` and materialise meta-device weights: a model built on meta
+    that wants pretrained weights gets them read shard by shard (foundryx.loading; the folder
+    is checked first, on every rank). Call before building the optimizer. See
+    docs/distributed.md."""
+    return parallelize_and_load(model, cfg.parallelism,
+                                activation_checkpointing=cfg.activation_checkpointing,
+                                compile=cfg.compile, precision=cfg.precision,
+                                cpu_matmul=cfg.cpu_matmul)
+
+
+def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> Any:
+    """:func:`foundryx.parallel.parallelize` with ``kwargs``, and the pretrained weights of a
+    meta-built model read into its shards afterwards."""
+    folder = wants_pretrained(model)
+    plan = prepare_pretrained(model, folder) if folder else None
+    model = parallelize(model, parallelism, **kwargs)
+    if plan is not None:
+        load_pretrained(model, plan, kwargs.get("device") or default_device())
+    return model
 
 
 def resolve_autoresume(cfg: TrainConfig) -> bool:

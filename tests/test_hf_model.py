@@ -3,6 +3,7 @@ are reported before anything is built; an offline hub name fails at once."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -59,13 +60,19 @@ def test_fsdp_and_init_hooks_mark_decoder_blocks():
     assert hf.param_init_fn == hf._init_weights
 
 
-def test_meta_init_and_mixed_init_on_rank_zero(tmp_path):
+def test_meta_init_and_mixed_now_meaning_meta(tmp_path, caplog):
     cfg = {"model_type": "llama", **HF_CONFIGS["llama"]}
     meta = ComposerHFCausalLM(config=cfg, pretrained=False, init_device="meta")
     assert all(p.is_meta for p in meta.parameters())
+    assert not any(b.is_meta for b in meta.buffers())  # rotary frequencies: computed for real
+    assert getattr(meta.model, "pretrained_weights_folder", None) is None
     folder = hf_folder("llama", tmp_path / "m")
-    mixed = ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), init_device="mixed")
-    assert not any(p.is_meta for p in mixed.parameters())  # this process is rank 0
+    with caplog.at_level("WARNING"):
+        mixed = ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), init_device="mixed")
+    assert "init_device: mixed is deprecated and now means meta" in caplog.text
+    # every rank on meta; the weights are read shard by shard after sharding (foundryx.loading)
+    assert all(p.is_meta for p in mixed.parameters())
+    assert mixed.model.pretrained_weights_folder == str(folder)
 
 
 def test_flops_per_batch_counts_matmul_params():
@@ -105,10 +112,24 @@ def test_bad_sections_are_reported_by_the_validator(section, needle):
     assert any(p.startswith("model.") and needle in p for p in problems), problems
 
 
-def test_meta_init_with_pretrained_weights_is_refused(tmp_path):
-    folder = hf_folder("gpt2", tmp_path / "m")
-    with pytest.raises(ConfigError, match="use mixed"):
-        ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), init_device="meta")
+def test_every_init_device_builds_float32_from_a_bfloat16_folder(tmp_path):
+    """One dtype rule for every rank: rank 0's from_pretrained and the meta ranks'
+    from_config once disagreed for a bf16 config (fp32 vs bf16: the first all-gather failed)."""
+    from foundryx.loading import load, prepare
+
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(hf_folder("llama", tmp_path / "m")).to(
+        torch.bfloat16).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    built = {d: ComposerHFCausalLM(pretrained_model_name_or_path=str(folder), init_device=d)
+             for d in ("cpu", "meta")}
+    assert {p.dtype for m in built.values() for p in m.parameters()} == {torch.float32}
+    load(built["meta"], prepare(built["meta"], str(folder)), torch.device("cpu"))
+    cpu, meta = built["cpu"].state_dict(), built["meta"].state_dict()
+    assert all(torch.equal(cpu[k], meta[k]) for k in cpu)
 
 
 def test_hub_name_offline_fails_at_once(monkeypatch):

@@ -161,7 +161,7 @@ def test_meta_init_gives_the_adapters_of_a_cpu_build():
 
 def _compose(folder: str) -> dict:
     """hf_causal_lm + LoRA under FSDP2 and bf16 mixed precision,
-    loaded plainly on every rank (init_device: cpu) and by rank 0 with a broadcast (mixed);
+    loaded plainly on every rank (init_device: cpu) and shard by shard (meta);
     then an MPT with logical targets built on meta, initialised per shard, and trained under
     FSDP2, activation checkpointing and torch.compile (aot_eager: dynamo traces the LoRA
     layers without a C++ toolchain)."""
@@ -184,11 +184,11 @@ def _compose(folder: str) -> dict:
         cfg = SimpleNamespace(model=section, optimizer={"name": "adamw", "lr": 1e-2})
         torch.manual_seed(0)
         model = builders.build_model(cfg, None)
-        parallelize(model, ParallelismConfig(mixed_precision="DEFAULT"),
-                    precision="amp_bf16", device=torch.device("cpu"))
+        builders.parallelize_and_load(model, ParallelismConfig(mixed_precision="DEFAULT"),
+                                      precision="amp_bf16", device=torch.device("cpu"))
         return fit(model, cfg)
 
-    plain, rank0 = hf("cpu"), hf("mixed")
+    plain, rank0 = hf("cpu"), hf("meta")
     meta = mpt(["q", "v", "up"], "meta")
     parallelize(meta, ParallelismConfig(),
                 activation_checkpointing=ActivationCheckpointingConfig(enabled=True),
@@ -201,7 +201,7 @@ def _compose(folder: str) -> dict:
 
 
 @pytest.mark.slow
-def test_lora_composes_with_fsdp2_bf16_rank0_broadcast_and_meta_ac_compile(tmp_path):
+def test_lora_composes_with_fsdp2_bf16_shard_on_read_and_meta_ac_compile(tmp_path):
     folder = hf_folder("llama", tmp_path / "llama")
     results = run_distributed(_compose, args=(str(folder),), timeout=1200)
     cpu_adapters = adapters(mpt(["q", "v", "up"], "cpu"))
@@ -209,7 +209,7 @@ def test_lora_composes_with_fsdp2_bf16_rank0_broadcast_and_meta_ac_compile(tmp_p
         for run in (r["plain"], r["rank0"], r["meta"]):
             assert run["base_same"], r["rank"]
             assert run["losses"][-1] < run["losses"][0] - 0.1, run["losses"]
-        # Rank 0's load + broadcast is the plain load: same base, same adapters, same losses.
+        # Shard-on-read is the plain load: same base, same adapters, same losses.
         assert all(torch.equal(r["plain"]["frozen"][n], r["rank0"]["frozen"][n])
                    for n in r["plain"]["frozen"])
         assert all(torch.equal(r["plain"]["start"][n], r["rank0"]["start"][n])

@@ -38,6 +38,9 @@ from foundryx.checkpoint.weights import fit_weights, load_model_weights
 from foundryx.config.components import build_component, component_problems
 from foundryx.config.load import precheck_sections
 from foundryx.errors import CheckpointError, ConfigError, FoundryxError
+from foundryx.loading import load as load_pretrained
+from foundryx.loading import prepare as prepare_pretrained
+from foundryx.loading import wants_pretrained
 from foundryx.models.peft.lora import apply_lora
 from foundryx.parallel.materialize import has_meta, init_meta
 
@@ -181,8 +184,12 @@ def rebuild_model(checkpoint: str | Path, *, run_config: str | Path | None = Non
             apply_lora(model, options)
         if check is not None:
             check(model)
+        folder = wants_pretrained(model)  # init_device: meta with a pretrained folder
+        plan = prepare_pretrained(model, folder) if folder else None
         if has_meta(model):  # e.g. init_device: meta; every tensor is overwritten or initialised
             init_meta(model, torch.device("cpu"))
+        if plan is not None:  # the base an adapter-only checkpoint was trained on
+            load_pretrained(model, plan, torch.device("cpu"))
     weights = load_model_weights(path, verify=verify)
     saved = read_base(path) if path.is_dir() else None
     if saved is not None and saved.get("adapter_only"):

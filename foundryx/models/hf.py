@@ -53,8 +53,10 @@ class HFCausalLMOptions:
     attn_implementation: str | None = option(
         "Hugging Face attention backend, e.g. sdpa or eager", default=None)
     init_device: Literal["cpu", "meta", "mixed"] = option(
-        "cpu; meta (random init materialised after FSDP2 sharding); or mixed (rank 0 loads the "
-        "weights, the other ranks build on meta and receive their shards)", default="cpu")
+        "cpu (every rank builds the whole model: tests, small models) or meta (built without "
+        "memory; after FSDP2 sharding each rank reads only its own shards of the pretrained "
+        "safetensors, or initialises them when pretrained: false); mixed is the old name of "
+        "meta", default="cpu")
     allow_embedding_resizing: bool = option("grow the embeddings when the tokenizer is larger",
                                             default=False)
     peft_config: LoraOptions | None = option(
@@ -78,9 +80,6 @@ class HFCausalLMOptions:
                      "with model_type)")
         if config is not None and self.pretrained:
             p.append("pretrained: a config dict has no weights; set pretrained: false")
-        if self.init_device == "meta" and self.pretrained and path is not None:
-            p.append("init_device: meta would discard the pretrained weights; use mixed (rank 0 "
-                     "loads them, the other ranks receive their shards) or cpu")
         if p or (path is not None and not looks_like_path(path)
                  and not Path(path).expanduser().is_dir()):
             return p  # a hub name: checked when the model is built
@@ -110,7 +109,7 @@ class ComposerHFCausalLM(HuggingFaceModel):
                 f"or model.config_overrides.vocab_size >= {len(tokenizer)} with pretrained: false"
             ])
         model = _build_model(hf_config, source, o.pretrained, o.trust_remote_code,
-                             o.attn_implementation, o.init_device)
+                             o.attn_implementation, init_device(o.init_device))
         attach_parallel_hooks(model)
         super().__init__(
             model=model,
@@ -164,18 +163,64 @@ def build_config(
     return apply_overrides(hf_config, overrides, "model.config_overrides"), source
 
 
+def init_device(value: str) -> str:
+    """``mixed`` (rank 0 loaded the whole model and broadcast it) is now ``meta``: every rank
+    reads its own shards; said in one warning line."""
+    if value == "mixed":
+        log.warning("model.init_device: mixed is deprecated and now means meta (every rank "
+                    "builds on the meta device and reads only its own shards of the "
+                    "safetensors after FSDP2 sharding); write init_device: meta")
+        return "meta"
+    return value
+
+
+def weights_dtype_note(hf_config: Any) -> None:
+    """The one dtype rule, said once when the checkpoint's differs: every rank builds float32
+    parameters (the checkpoint's values converted exactly, shard by shard when loaded on
+    meta): trainable weights need float32, and torch 2.7's FSDP2 needs one dtype per unit."""
+    stored = getattr(hf_config, "torch_dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    if stored is not None and stored != torch.float32:
+        log.info("hf_causal_lm: the weights are stored as %s; the model holds float32 parameters "
+                 "(trainable weights train in float32 and each FSDP2 unit has one dtype); with "
+                 "LoRA, frozen_base {dtype: bf16, fp8, int8 or nf4} keeps the frozen linear "
+                 "weights small", str(stored).removeprefix("torch."))
+
+
+def local_folder(source: tuple[str, bool]) -> str:
+    """The local folder of a pretrained source (a hub name: its cached snapshot)."""
+    if Path(source[0]).expanduser().is_dir():
+        return str(Path(source[0]).expanduser())
+    from huggingface_hub import snapshot_download  # only for a hub name
+
+    try:
+        return snapshot_download(source[0], local_files_only=source[1],
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+    except Exception as e:  # noqa: BLE001  (hub errors have many types)
+        raise ConfigError([f"model.pretrained_model_name_or_path: cannot get {source[0]!r} "
+                           f"from the hub: {_first_line(e)}; download it to a folder "
+                           "(huggingface-cli download NAME --local-dir DIR) and give that "
+                           "folder"]) from None
+
+
 def _build_model(hf_config: Any, source: tuple[str, bool] | None, pretrained: bool,
                  trust_remote_code: bool, attn_implementation: str | None, init_device: str) -> nn.Module:
-    from composer.utils import dist
     from transformers import AutoModelForCausalLM
 
-    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code, "torch_dtype": torch.float32}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
-    on_meta = init_device == "meta" or (init_device == "mixed" and dist.get_global_rank() != 0)
-    if on_meta:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(hf_config, **kw)
+    if pretrained:
+        weights_dtype_note(hf_config)
+    if init_device == "meta":
+        from transformers.integrations.accelerate import init_empty_weights
+
+        # parameters on meta; buffers (rotary frequencies, computed, not stored) built for real
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(hf_config, **kw)
+        if pretrained and source is not None:  # foundryx.loading reads it after sharding
+            model.pretrained_weights_folder = local_folder(source)
+        return model
     if not pretrained:
         return AutoModelForCausalLM.from_config(hf_config, **kw)
     try:

@@ -23,6 +23,11 @@ from foundryx.parallel.policy import init_function
 
 log = logging.getLogger(__name__)
 
+# A module's set of tensor names that a pretrained-weights loader fills after sharding
+# (foundryx.loading): meta materialisation leaves them alone, so no rank initialises (or
+# allocates a full-size temporary for) a weight that is about to be read from the files.
+LOADED_ATTR = "_foundryx_loaded_later"
+
 
 def has_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
@@ -56,7 +61,8 @@ def full_state_on_rank0(model: nn.Module) -> dict[str, Any]:
 def init_meta(model: nn.Module, device: torch.device) -> None:
     """Allocate meta parameters on ``device`` and initialise them, module by module.
 
-    Modules are visited in ``model.modules()`` order, as a single-device init does. A module
+    Modules are visited in ``model.modules()`` order, as a single-device init does; a module
+    whose meta tensors are all marked as loaded later (``LOADED_ATTR``) is skipped. A module
     with sharded (DTensor) parameters is initialised on full-size temporary tensors, of
     which each rank keeps its own shards, so the result equals the unsharded init with the
     same seed, at the memory cost of one module's own parameters.
@@ -66,9 +72,14 @@ def init_meta(model: nn.Module, device: torch.device) -> None:
         fn = init_function(module, inherited.get(module))
         for child in module.children():
             inherited[child] = fn
-        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        later = getattr(module, LOADED_ATTR, ())
+        own = [t for n, t in (*module.named_parameters(recurse=False),
+                              *module.named_buffers(recurse=False)) if n not in later]
         if any(t.is_meta for t in own):
             _init_module(module, fn, device)
+        for name, buf in module.named_buffers(recurse=False):
+            if not buf.is_meta and buf.device != device:  # built for real beside meta params
+                module._buffers[name] = buf.to(device)
 
 
 def _init_module(module: nn.Module, fn: Any, device: torch.device) -> None:

@@ -18,11 +18,14 @@ in the forward pass and again in the backward pass (nothing dense is kept betwee
 LoRA trains in the precision of the run (fp32, or bf16 under autocast).
 
 ``offload_fraction`` keeps that share of the layers' weights out of the model's parameters
-in (pinned, when there is a GPU) host memory: a layer copies its weight to the input's device
-when it runs, forward and backward, and drops it after; while one runs the next offloaded
-layer's copy is started. Offloaded weights are not sharded by FSDP2 (each rank holds the
-whole low-precision weight in host memory) and are not in the model's state dict (a LoRA
-checkpoint holds only the adapters).
+in host memory, sharded: each of N ranks holds its 1/N of the rows (``offload_rows``), in
+the low-precision storage, and all of a rank's offloaded shards live in one exact-size host
+buffer (pinned with ``cudaHostRegister`` when there is a GPU: per-tensor ``pin_memory()``
+rounds every allocation up to a power of two, pytorch#150517). When a layer runs, forward
+and backward, its shard is copied to the device and all-gathered there in its low
+precision, and the whole weight is dropped after use; while one runs, the copy of the next
+offloaded layer's shard is started. Offloaded weights are not in the model's state dict (a
+LoRA checkpoint holds only the adapters).
 """
 
 from __future__ import annotations
@@ -167,16 +170,86 @@ class LowPrecisionLinear(nn.Module):
                f"storage={self.storage}{where}"
 
 
-class _Offloaded:
-    """One layer's frozen weight kept in host memory; :meth:`take` gives a copy on the device
-    (the one prefetched, else a fresh one) and starts the copy of the next layer's weight."""
+def offload_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a ``rows``-row offloaded weight that ``rank`` of ``world``
+    holds (torch.chunk's split, as FSDP2's)."""
+    per = -(-rows // world)
+    return min(rank * per, rows), min((rank + 1) * per, rows)
 
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host.pin_memory() if torch.cuda.is_available() else host
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _take_rows(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """A copy (not a view) of rows ``[start, stop)`` of a frozen-base storage tensor."""
+    if isinstance(storage, RowScaledTensor):
+        return RowScaledTensor(storage.qdata[start:stop].clone(), storage.scale[start:stop].clone(),
+                               dtype=storage.dtype)
+    per = stop - start  # NF4: rows split evenly (to_nf4 checked it)
+    part = storage.split(per)[start // per]
+    out = torch.empty_like(part)
+    out.copy_(part)  # torchao's NF4 copy_ returns None
+    return out
+
+
+def _all_gather(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on all) concatenated along dim 0, in rank order;
+    one-byte float types travel as bytes (gloo has no float8)."""
+    as_bytes = t.dtype.itemsize == 1 and t.dtype != torch.uint8 and t.dtype != torch.int8
+    send = (t.view(torch.uint8) if as_bytes else t).contiguous()
+    parts = [torch.empty_like(send) for _ in range(world)]
+    torch.distributed.all_gather(parts, send)
+    out = torch.cat(parts)
+    return out.view(t.dtype) if as_bytes else out
+
+
+def _gather_rows(local: torch.Tensor, rows: int, world: int) -> torch.Tensor:
+    """The whole weight from every rank's row shard (``local``, on the device), all-gathered
+    in its low-precision form."""
+    if isinstance(local, RowScaledTensor):
+        per, n = -(-rows // world), local.qdata.shape[0]  # the last ranks may hold fewer rows
+        q, sc = local.qdata, local.scale
+        if n < per:
+            q = torch.cat([q, q.new_zeros(per - n, *q.shape[1:])])
+            sc = torch.cat([sc, sc.new_zeros(per - n)])
+        return RowScaledTensor(_all_gather(q, world)[:rows], _all_gather(sc, world)[:rows],
+                               dtype=local.dtype)
+    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs  # heavy import, only here
+
+    whole = torch.Size((rows, *local.shape[1:]))  # NF4: every rank holds equal parts
+    meta = SubclassTensorArgs(whole, (whole[1], 1), 0, local.dtype, local.device, False)
+    return NF4Tensor(meta, local.block_size, local.n_blocks, local.scaler_block_size,
+                     _all_gather(local.quantized_scalers, world),
+                     _all_gather(local.quantization_factor, world), local.scaler_mean,
+                     _all_gather(local.quantized_data, world), local.nf4)
+
+
+class _Offloaded:
+    """One layer's frozen weight kept in host memory (with ``rows`` set: this rank's row
+    shard of it); :meth:`take` gives the whole weight on the device (from the copy prefetched,
+    else a fresh one, all-gathered when sharded) and starts the copy of the next layer's."""
+
+    def __init__(self, host: torch.Tensor, rows: int | None = None, world: int = 1) -> None:
+        self.rows, self.world = rows, world  # rows None: host is the whole weight
+        self.host = host
+        self.set_host(host)
         self.next: _Offloaded | None = None
         self.prev: _Offloaded | None = None
         self.pending: tuple[torch.device, torch.Tensor, object] | None = None
         self.copies = 0  # host -> device copies made (tests count them)
+
+    def set_host(self, host: torch.Tensor) -> None:
+        """Hold ``host`` (this rank's rows when sharded; a meta placeholder until a loader
+        fills it; :func:`pack_offloaded` moves it into the shared host buffer)."""
+        self.host = host
+
+    def shard_range(self) -> tuple[int, int]:
+        """The rows of the whole weight this rank holds."""
+        if self.rows is None:
+            return 0, self.host.shape[0]
+        return offload_rows(self.rows, _rank(), self.world)
 
     def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
         self.copies += 1
@@ -207,6 +280,8 @@ class _Offloaded:
         self.pending = None
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
+        if self.rows is not None:
+            w = _gather_rows(w, self.rows, self.world)
         neighbour = self.prev if backward else self.next  # backward runs the layers reversed
         if neighbour is not None:
             neighbour.prefetch(device)
@@ -224,19 +299,56 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
 
 def offload_layers(layers: list[LowPrecisionLinear], fraction: float) -> list[LowPrecisionLinear]:
     """Move ``fraction`` of ``layers`` (spread evenly over the model, in forward order) to host
-    memory and chain them for prefetching; the offloaded layers."""
+    memory, each rank keeping its row shard of each (a meta weight stays a placeholder for a
+    loader to fill), and chain them for prefetching; the offloaded layers."""
     count = round(fraction * len(layers))
     chosen = [layers[(i * len(layers)) // count] for i in range(count)] if count else []
+    world = _world_size()
     chain: list[_Offloaded] = []
     for layer in chosen:
-        host = layer.weight.detach()
+        whole = layer.weight.detach()
         del layer._parameters["weight"]
         layer.weight = None  # a plain attribute now: not a parameter, not in the state dict
-        layer.offload = _Offloaded(host)
+        rows = whole.shape[0] if world > 1 else None
+        layer.offload = _Offloaded(whole, rows, world)
+        if rows is not None and not whole.is_meta:
+            layer.offload.set_host(_take_rows(whole, *layer.offload.shard_range()))
+        del whole
         chain.append(layer.offload)
     for a, b in zip(chain, chain[1:]):
         a.next, b.prev = b, a
+    if not any(layer.offload.host.is_meta for layer in chosen):
+        pack_offloaded(chosen)
     return chosen
+
+
+def _inner(t: torch.Tensor) -> tuple[list[str], object]:
+    return t.__tensor_flatten__() if hasattr(t, "__tensor_flatten__") else ([], None)
+
+
+def pack_offloaded(layers: list[LowPrecisionLinear]) -> int:
+    """Move every offloaded shard's bytes into one exact-size host buffer (pinned in place
+    with ``cudaHostRegister`` when there is a GPU); its size in bytes."""
+    hosts = [layer.offload for layer in layers if layer.offload is not None]
+    parts = [(o, n, getattr(o.host, n)) for o in hosts for n in _inner(o.host)[0]]
+    align = 64
+    total = sum(-(-t.nbytes // align) * align for _, _, t in parts)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    if torch.cuda.is_available() and total:
+        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
+    at, inner = 0, {}
+    for o, n, t in parts:
+        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        inner.setdefault(id(o), {})[n] = view
+        at += -(-t.nbytes // align) * align
+    for o in hosts:
+        names, meta = _inner(o.host)
+        if names:
+            o.host = type(o.host).__tensor_unflatten__(inner[id(o)], meta, o.host.shape,
+                                                       o.host.stride())
+        o.buffer = buffer  # keeps it alive
+    return total
 
 
 def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -263,8 +375,11 @@ def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions) -> nn.Module
     after = sum(stored_bytes(layer.weight) for layer in layers)
     offloaded = offload_layers(layers, options.offload_fraction)
     off_bytes = sum(stored_bytes(layer.offload.host) for layer in offloaded)
+    if offloaded and offloaded[0].offload.host.is_meta:
+        off_bytes //= _world_size()  # placeholders: each rank will hold its rows
     log.info("frozen_base: %d linear layers stored as %s: %.1f MB -> %.1f MB%s", len(layers),
              options.dtype, before / 2**20, after / 2**20,
-             f"; {len(offloaded)} of them ({off_bytes / 2**20:.1f} MB) offloaded to host memory"
+             f"; {len(offloaded)} of them offloaded to host memory ({off_bytes / 2**20:.1f} MB on "
+             f"each of {_world_size()} ranks)"
              if offloaded else "")
     return model

@@ -32,16 +32,18 @@ MIN_SCALE = 1e-12
 
 def quantize_rows(weight: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(qdata, scale)`` for a 2-D ``weight``: per output row, ``scale = amax / qmax``
-    (bf16: the weight rounded to bfloat16, scales of 1)."""
-    w = weight.detach().to(torch.float32)
+    (bf16: the weight rounded to bfloat16, scales of 1). One float32 working copy, scaled,
+    rounded and clamped in place (a loader quantizes every rank's rows with it)."""
     if kind == "bf16":
-        return w.to(torch.bfloat16), torch.ones(w.shape[0], device=w.device)
-    scale = (w.abs().amax(dim=1) / QMAX[kind]).clamp(min=MIN_SCALE)
-    scaled = w / scale[:, None]
+        return weight.detach().to(torch.bfloat16), torch.ones(weight.shape[0], device=weight.device)
+    w = weight.detach().to(torch.float32, copy=True)
+    amax = torch.maximum(w.amax(dim=1), w.amin(dim=1).neg_()) if w.numel() else w.new_zeros(w.shape[0])
+    scale = (amax / QMAX[kind]).clamp(min=MIN_SCALE)
+    w.div_(scale[:, None])
     if kind == "int8":
-        qdata = scaled.round().clamp(-127, 127).to(torch.int8)
+        qdata = w.round_().clamp_(-127, 127).to(torch.int8)
     else:
-        qdata = scaled.clamp(-QMAX[kind], QMAX[kind]).to(QDTYPES[kind])
+        qdata = w.clamp_(-QMAX[kind], QMAX[kind]).to(QDTYPES[kind])
     return qdata, scale
 
 

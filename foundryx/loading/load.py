@@ -1,0 +1,269 @@
+"""Shard-on-read: a meta-device model, already LoRA-adapted, frozen-base-converted and sharded
+by FSDP2, filled from a Hugging Face safetensors folder, each rank reading only its rows.
+
+Two steps around :func:`foundryx.parallel.parallelize`:
+
+1. :func:`prepare` (before parallelism, on every rank): reads the files' headers, maps each
+   parameter of the model to its tensor in the files (PEFT's ``base_layer`` left out of the
+   name; tied weights once), checks every shape, and marks the parameters it will fill so
+   that meta materialisation does not initialise them. Every rank checks, and the ranks agree
+   on the first problem before anything collective happens, so a bad folder is one
+   :class:`~foundryx.loading.files.PretrainedLoadError` on every rank (exit 2), no rank left
+   waiting.
+2. :func:`load` (after parallelism): for each parameter, the rows of this rank's shard
+   (``Shard(0)``: rows ``[offset, offset + local rows)``) are read as one byte range, converted
+   to the parameter's dtype or quantized to its ``frozen_base`` storage right there
+   (:mod:`foundryx.loading.quantize`), and become the parameter's local shard. No rank holds
+   a full-size copy of any tensor it does not keep whole.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
+from foundryx.loading.quantize import nf4, rowwise
+from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
+from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
+from foundryx.models.peft.lora import inner_model
+from foundryx.parallel import dist
+from foundryx.parallel.materialize import LOADED_ATTR
+
+log = logging.getLogger(__name__)
+
+PRETRAINED_ATTR = "pretrained_weights_folder"  # set by a model built on meta that wants weights
+
+
+@dataclass
+class Target:
+    """One tensor of the model (all the places that hold it: tied weights share one) and the
+    checkpoint tensor it is read from."""
+
+    key: str
+    entry: Entry
+    holders: list[tuple[nn.Module, str]]
+    kind: str  # "param", "buffer" or "offload" (a frozen weight kept in host memory)
+
+
+@dataclass
+class LoadPlan:
+    folder: str
+    targets: list[Target] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+
+
+def wants_pretrained(model: nn.Module) -> str | None:
+    """The folder a meta-built model's weights come from, or None."""
+    for m in (model, inner_model(model)):
+        folder = getattr(m, PRETRAINED_ATTR, None)
+        if folder:
+            return folder
+    return None
+
+
+def _candidates(name: str, prefix: str) -> list[str]:
+    """Checkpoint keys that may hold the model's tensor ``name``: PEFT's ``base_layer`` is not
+    in a base checkpoint; a checkpoint of the bare base model lacks the head's prefix."""
+    key = ".".join(p for p in name.split(".") if p != "base_layer")
+    out = [key]
+    if prefix and key.startswith(prefix + "."):
+        out.append(key[len(prefix) + 1:])
+    elif prefix:
+        out.append(f"{prefix}.{key}")
+    return out
+
+
+def _agree(problem: str | None) -> None:
+    """Raise the same PretrainedLoadError on every rank when any rank found a problem (the
+    lowest rank's), before anything else collective happens."""
+    found = [p for p in dist.all_gather_object(problem) if p]
+    if found:
+        raise PretrainedLoadError(found[0])
+
+
+def prepare(model: nn.Module, folder: str) -> LoadPlan:
+    """Check ``folder`` against ``model`` and mark what :func:`load` will fill (see the module
+    doc). Call on every rank, before parallelism."""
+    problem, plan = None, LoadPlan(folder)
+    try:
+        plan = _plan(model, folder)
+    except PretrainedLoadError as e:
+        problem = str(e)
+    _agree(problem)
+    for t in plan.targets:
+        for module, name in t.holders:
+            loaded = getattr(module, LOADED_ATTR, set())
+            loaded.add(name)
+            setattr(module, LOADED_ATTR, loaded)
+    return plan
+
+
+def _plan(model: nn.Module, folder: str) -> LoadPlan:
+    entries = checkpoint_entries(folder)
+    inner = inner_model(model)
+    prefix = getattr(inner, "base_model_prefix", "") or ""
+    groups: dict[int, tuple[Any, list[tuple[nn.Module, str]], list[str], str]] = {}
+    for mod_name, module in inner.named_modules(remove_duplicate=False):
+        for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+            for name, t in table.items():
+                if t is None or (kind == "buffer" and name in module._non_persistent_buffers_set):
+                    continue
+                full = f"{mod_name}.{name}" if mod_name else name
+                g = groups.setdefault(id(t), (t, [], [], kind))
+                g[1].append((module, name))
+                g[2].append(full)
+        if isinstance(module, LowPrecisionLinear) and module.offload is not None:
+            full = f"{mod_name}.weight" if mod_name else "weight"
+            groups[id(module.offload)] = (module.offload.host, [(module, "weight")], [full], "offload")
+    plan = LoadPlan(folder)
+    missing, mismatched, used = [], [], set()
+    for tensor, holders, names, kind in groups.values():
+        key = next((k for n in names for k in _candidates(n, prefix) if k in entries), None)
+        if key is None:
+            if kind != "buffer" and not any(".lora_" in n for n in names):
+                missing.append(names[0])
+            continue  # adapters, buffers the model computes: initialised, not loaded
+        entry = entries[key]
+        if tuple(tensor.shape) != entry.shape:
+            mismatched.append(f"{key!r} in {entry.file.name} is {list(entry.shape)} but the "
+                              f"model's {names[0]} is {list(tensor.shape)}")
+            continue
+        used.add(key)
+        plan.targets.append(Target(key, entry, holders, kind))
+    if mismatched:
+        raise PretrainedLoadError(
+            f"{folder}: {len(mismatched)} tensor(s) do not match the model's config: "
+            f"{'; '.join(mismatched[:3])}{' ...' if len(mismatched) > 3 else ''}; the folder's "
+            "config.json and weights disagree, or config_overrides change a weight's shape "
+            "(that needs pretrained: false)")
+    if missing:
+        raise PretrainedLoadError(
+            f"{folder}: {len(missing)} weight(s) of the model are in none of its "
+            f"safetensors files: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; "
+            "the files are incomplete or belong to another model")
+    plan.unused = sorted(set(entries) - used)
+    return plan
+
+
+def _rows(p: torch.Tensor) -> tuple[int, int, Any]:
+    """``(start, stop, group)``: the rows of ``p``'s dim 0 this rank holds, and the process
+    group the rows are split over (None when it holds them all)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rows = p.shape[0] if p.dim() else 1
+    if not isinstance(p, DTensor):
+        return 0, rows, None
+    group = None
+    for i, pl in enumerate(p.placements):
+        if isinstance(pl, Shard) and pl.dim == 0:
+            group = p.device_mesh.get_group(i)
+        elif not isinstance(pl, Replicate):
+            raise PretrainedLoadError(f"cannot load into a parameter placed as {p.placements}: "
+                                      "only Shard(0) and Replicate are supported")
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if not p.dim():
+        return 0, 1, None
+    return offset[0], offset[0] + shape[0], group
+
+
+def _offload_rows(t: Target) -> tuple[int, int, Any]:
+    off = t.holders[0][0].offload
+    start, stop = off.shard_range()
+    return start, stop, (torch.distributed.group.WORLD if off.rows is not None else None)
+
+
+def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tensor, group: Any,
+             device: torch.device) -> torch.Tensor:
+    """The checkpoint ``rows`` in the form the model keeps them: its frozen-base storage, or
+    its dtype, on ``device`` (offloaded weights stay in host memory)."""
+    local_like = getattr(like, "_local_tensor", like)
+    if t.kind != "buffer" and isinstance(module, LowPrecisionLinear) and t.holders[0][1] == "weight":
+        rows = rows if t.kind == "offload" else rows.to(device)
+        if module.storage == "nf4":
+            return nf4(rows, local_like, like.dtype, group)
+        return rowwise(rows, module.storage, like.dtype)
+    return rows.to(device=device, dtype=like.dtype)
+
+
+def _place(t: Target, like: torch.Tensor, local: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor
+
+    if t.kind == "offload":
+        t.holders[0][0].offload.set_host(local)
+        return
+    value = local
+    if isinstance(like, DTensor):
+        value = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                   shape=like.shape, stride=like.stride())
+    if t.kind == "param":
+        value = nn.Parameter(value, requires_grad=like.requires_grad)
+    for module, name in t.holders:
+        (module._parameters if t.kind == "param" else module._buffers)[name] = value
+        getattr(module, LOADED_ATTR, set()).discard(name)
+
+
+def _current(t: Target) -> torch.Tensor:
+    module, name = t.holders[0]
+    if t.kind == "offload":
+        return module.offload.host
+    return (module._parameters if t.kind == "param" else module._buffers)[name]
+
+
+def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, Any]:
+    """Fill the tensors :func:`prepare` marked, each rank its own rows (see the module doc);
+    logs progress on rank 0 and a summary (load time, peak host memory per rank). Returns
+    the numbers of that summary."""
+    rss0 = peak_rss_gb()
+    reads, jobs = [], {}
+    for t in plan.targets:
+        like = _current(t)
+        start, stop, group = _rows(like) if t.kind != "offload" else _offload_rows(t)
+        r = Read(t.key, t.entry, start, stop)
+        reads.append(r)
+        jobs[id(r)] = (t, like, group)
+    total = sum(r.byte_range[1] - r.byte_range[0] for r in reads)
+    dtypes = sorted({str(t.entry.dtype).removeprefix("torch.") for t in plan.targets})
+    if dist.rank() == 0:
+        log.info("loading %s: %d tensors (%s) from %d file(s), %s for this rank, %d reader threads",
+                 plan.folder, len(reads), ", ".join(dtypes),
+                 len({t.entry.file for t in plan.targets}), gb(total), THREADS)
+    progress = Progress(total, dist.rank() == 0)
+    converted: dict[str, set[str]] = {}
+
+    def use(r: Read, rows: torch.Tensor) -> None:
+        t, like, group = jobs[id(r)]
+        module = t.holders[0][0]
+        local = _convert(t, module, rows, like, group, device)
+        if local.dtype != rows.dtype or type(local) is not torch.Tensor:
+            what = getattr(module, "storage", None) if isinstance(module, LowPrecisionLinear) \
+                and t.kind != "buffer" else str(local.dtype).removeprefix("torch.")
+            converted.setdefault(f"{str(rows.dtype).removeprefix('torch.')} -> {what}",
+                                 set()).add(t.key)
+        _place(t, like, local)
+
+    with torch.no_grad():
+        read_all(reads, use, progress)
+    offloaded = [t.holders[0][0] for t in plan.targets if t.kind == "offload"]
+    if offloaded:
+        pack_offloaded(offloaded)
+    if converted and dist.rank() == 0:
+        log.info("loading: converted shard by shard: %s", "; ".join(
+            f"{k} ({len(v)} tensors)" for k, v in sorted(converted.items())))
+    stored = sum(stored_bytes(_current(t)) for t in plan.targets)
+    peaks = dist.all_gather_object((peak_rss_gb(), peak_rss_gb() - rss0, stored))
+    summary = {"seconds": progress.seconds, "bytes_read": total, "peak_rss_gb": [p[0] for p in peaks],
+               "stored_bytes": [p[2] for p in peaks]}
+    if dist.rank() == 0:
+        log.info("loaded %s in %.1f s (%s read by rank 0, %.2f GB/s); peak host memory per rank: "
+                 "%s GB; weights kept per rank: %s%s", plan.folder, progress.seconds, gb(total),
+                 total / 1e9 / max(progress.seconds, 1e-9),
+                 ", ".join(f"{p[0]:.2f}" for p in peaks), ", ".join(gb(p[2]) for p in peaks),
+                 f"; {len(plan.unused)} tensors of the files unused ({', '.join(plan.unused[:3])}"
+                 f"{' ...' if len(plan.unused) > 3 else ''})" if plan.unused else "")
+    return summary

@@ -1,0 +1,178 @@
+"""Bad pretrained folders under shard-on-read (init_device: meta): each is one
+PretrainedLoadError (exit code 2) naming the file or tensor and the fix, raised before any
+weight is read, on every rank (2 ranks: the rank with a good folder does not wait for the
+other); and loading logs its progress and summary."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from hf_tiny import HF_CONFIGS
+
+from foundryx.errors import CheckpointError
+from foundryx.loading import PretrainedLoadError, load, prepare
+from foundryx.models.hf import ComposerHFCausalLM
+
+
+def saved(folder, shard="40KB") -> str:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", **HF_CONFIGS["llama"], torch_dtype="bfloat16")
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder, max_shard_size=shard)
+    return str(folder)
+
+
+def meta_model(folder: str, **overrides):
+    return ComposerHFCausalLM(pretrained_model_name_or_path=folder, init_device="meta",
+                              config_overrides=overrides)
+
+
+def check(folder: str, **overrides) -> str:
+    with pytest.raises(PretrainedLoadError) as e:
+        prepare(meta_model(folder, **overrides), folder)
+    assert isinstance(e.value, CheckpointError) and e.value.exit_code == 2
+    return str(e.value)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return saved(tmp_path_factory.mktemp("good") / "llama")
+
+
+def copy(good: str, tmp_path) -> str:
+    return shutil.copytree(good, tmp_path / "m")
+
+
+def test_index_naming_a_missing_file(good, tmp_path):
+    folder = copy(good, tmp_path)
+    (folder / "model-00002-of-00003.safetensors").unlink()
+    msg = check(str(folder))
+    assert "model-00002-of-00003.safetensors" in msg and "not in" in msg and "incomplete" in msg
+
+
+def test_index_naming_a_tensor_its_file_lacks(good, tmp_path):
+    folder = copy(good, tmp_path)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name, file = next(iter(index["weight_map"].items()))
+    index["weight_map"] = {**index["weight_map"], "model.extra.weight": file}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert "'model.extra.weight'" in check(str(folder)) and file in check(str(folder))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda b: b[:5], "too short for a safetensors header"),
+    (lambda b: (10**9).to_bytes(8, "little") + b[8:], "header claims 1000000000 bytes"),
+    (lambda b: b[:8] + b"{" + b"x" * (int.from_bytes(b[:8], "little") - 1) + b[8 + int.from_bytes(b[:8], "little"):],
+     "header is not valid JSON"),
+    (lambda b: b[:-100], "ends at byte"),
+])
+def test_truncated_or_corrupt_file(good, tmp_path, damage, needle):
+    folder = copy(good, tmp_path)
+    file = folder / "model-00001-of-00003.safetensors"
+    file.write_bytes(damage(file.read_bytes()))
+    msg = check(str(folder))
+    assert str(file) in msg and needle in msg and "truncated or not a safetensors file" in msg
+
+
+def test_shape_not_matching_the_config(good):
+    msg = check(good, intermediate_size=48)
+    assert "'model.layers.0.mlp.gate_proj.weight'" in msg and "[64, 32]" in msg
+    assert "[48, 32]" in msg and "config_overrides" in msg
+
+
+def test_pickle_checkpoint_is_refused_with_the_conversion(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "bin"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **HF_CONFIGS["llama"])) \
+        .save_pretrained(folder, safe_serialization=False)
+    msg = check(str(folder))
+    assert "pytorch_model.bin" in msg and "no safetensors" in msg
+    assert "save_pretrained(" in msg and "safe_serialization=True" in msg
+
+
+def test_missing_tensor_is_named(good, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "one"
+    folder.mkdir()
+    shutil.copy(f"{good}/config.json", folder)
+    state = {}
+    for f in sorted(Path(good).glob("*.safetensors")):
+        state.update(load_file(f))
+    state.pop("model.norm.weight")
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    msg = check(str(folder))
+    assert "model.norm.weight" in msg and "in none of its safetensors files" in msg
+
+
+def test_load_logs_progress_and_summary(good, caplog, monkeypatch):
+    import foundryx.loading.reader as reader
+
+    monkeypatch.setattr(reader, "LOG_EVERY_S", 0.0)
+    model = meta_model(good)
+    plan = prepare(model, good)
+    with caplog.at_level("INFO"):
+        summary = load(model, plan, torch.device("cpu"))
+    text = caplog.text
+    assert "loading: " in text and "GB/s" in text and "s left" in text
+    assert f"loaded {good} in" in text and "peak host memory per rank" in text
+    assert summary["bytes_read"] == sum(p.numel() * 2 for p in model.parameters())
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def _bad_on_one_rank(good: str, bad: str) -> str:
+    from foundryx.parallel import dist
+
+    folder = bad if dist.rank() == 1 else good
+    try:
+        prepare(meta_model(folder), folder)
+    except PretrainedLoadError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_every_rank_stops_on_a_problem_only_one_rank_sees(good, tmp_path):
+    folder = copy(good, tmp_path)
+    (folder / "model-00003-of-00003.safetensors").unlink()
+    results = run_distributed(_bad_on_one_rank, args=(good, str(folder)), timeout=300)
+    assert results[0] == results[1] and "model-00003-of-00003.safetensors" in results[0]
+
+
+@pytest.mark.parametrize("frozen, offload", [(None, 0.0), ("int8", 0.5), ("fp8", 1.0),
+                                             ("nf4", 0.5), ("bf16", 1.0)])
+def test_one_process_meta_load_equals_cpu_load(good, frozen, offload):
+    """On 1 rank too, init_device meta + shard-on-read gives the model init_device cpu builds
+    (every frozen_base dtype, offloaded or not): the same weights, the same loss."""
+    from types import SimpleNamespace
+
+    from hf_tiny import token_batch
+
+    from foundryx import builders
+    from foundryx.models.peft.frozen_base import dequantize
+
+    def build(init_device):
+        section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": good,
+                   "init_device": init_device,
+                   "peft_config": {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}}
+        if frozen:
+            section["frozen_base"] = {"dtype": frozen, "offload_fraction": offload}
+        torch.manual_seed(0)
+        model = builders.build_model(SimpleNamespace(model=section), None)
+        return builders.parallelize_and_load(model, None, device=torch.device("cpu"))
+
+    cpu, meta = build("cpu"), build("meta")
+    a, b = cpu.state_dict(), meta.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(dequantize(a[k], torch.float32), dequantize(b[k], torch.float32)), k
+    batch = token_batch()
+    with torch.no_grad():
+        assert cpu.loss(cpu(batch), batch).item() == meta.loss(meta(batch), batch).item()

@@ -1,0 +1,121 @@
+"""Shard-on-read on 2 gloo ranks: each rank reads only its rows of a tiny Llama saved in
+several safetensors files with an index, and gets exactly what loading everything gives
+(``from_pretrained``; every rank loading and quantizing the whole weight, ``init_device:
+cpu``); offloaded frozen weights are sharded and train to the same losses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from distributed import run_distributed
+from hf_tiny import HF_CONFIGS, train_steps
+
+pytestmark = pytest.mark.slow
+
+LORA = {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}
+
+
+def save_llama(folder, dtype: torch.dtype, shard: str = "40KB") -> str:
+    """A tiny random Llama saved as ``dtype`` in several files with an index."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", **HF_CONFIGS["llama"], torch_dtype=str(dtype).split(".")[1])
+    AutoModelForCausalLM.from_config(cfg).to(dtype).save_pretrained(folder, max_shard_size=shard)
+    return str(folder)
+
+
+def _build(folder: str, init_device: str, frozen: str | None = None, offload: float = 0.0,
+           lora: bool = True):
+    from foundryx import builders
+    from foundryx.config.schema import ParallelismConfig
+
+    section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": folder,
+               "init_device": init_device, **({"peft_config": LORA} if lora else {})}
+    if frozen:
+        section["frozen_base"] = {"dtype": frozen, "offload_fraction": offload}
+    cfg = SimpleNamespace(model=section, optimizer={"name": "adamw", "lr": 1e-2})
+    torch.manual_seed(0)
+    model = builders.build_model(cfg, None)
+    model = builders.parallelize_and_load(model, ParallelismConfig(), device=torch.device("cpu"))
+    return model, builders.build_optimizer(cfg, model)
+
+
+def _local_bytes(t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors a (sharded) parameter really stores on this rank, by name."""
+    local = getattr(t, "_local_tensor", t)
+    if hasattr(local, "__tensor_flatten__"):
+        return {n: getattr(local, n).clone() for n in local.__tensor_flatten__()[0]}
+    return {"": local.detach().clone()}
+
+
+def _on_ranks(folders: dict[str, str]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from foundryx.models.peft.frozen_base import LowPrecisionLinear, stored_bytes
+    from foundryx.parallel import dist
+
+    out: dict = {"rank": dist.rank()}
+    # 1. the whole model, no LoRA: bit for bit from_pretrained's (float32) weights
+    for name, folder in folders.items():
+        model, _ = _build(folder, "meta", lora=False)
+        ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).state_dict()
+        mine = {k.removeprefix("model."): p.full_tensor() for k, p in model.state_dict().items()}
+        out[f"exact_{name}"] = sorted(k for k in ref if not torch.equal(ref[k], mine[k]))
+        out[f"keys_{name}"] = sorted(set(ref) ^ set(mine))
+    folder = folders["bf16"]
+    # 2. quantize on load: each rank's stored bytes = quantizing the whole weight, then sharding
+    for frozen in (None, "int8", "fp8", "nf4"):  # fp8 and nf4: the bytes (fp8 trains as int8)
+        runs = {}
+        for init in ("cpu", "meta"):
+            model, opt = _build(folder, init, frozen)
+            state = {n: _local_bytes(p) for n, p in model.named_parameters()}
+            runs[init] = (state, train_steps(model, 3, opt=opt) if frozen != "fp8" else [])
+        (cpu_state, cpu_losses), (meta_state, meta_losses) = runs["cpu"], runs["meta"]
+        out[f"same_{frozen}"] = sorted(
+            n for n in cpu_state if n.endswith("weight") and not all(
+                torch.equal(a, meta_state[n][k]) for k, a in cpu_state[n].items()))
+        out[f"losses_{frozen}"] = (cpu_losses, meta_losses)
+    # 3. sharded offload: same losses, each rank holds half the offloaded bytes
+    for frozen in ("int8", "nf4"):
+        for offload in (0.0, 0.5, 1.0):
+            for init in ("meta", "cpu") if offload == 1.0 and frozen == "int8" else ("meta",):
+                model, opt = _build(folder, init, frozen, offload)
+                off = [m.offload for m in model.modules()
+                       if isinstance(m, LowPrecisionLinear) and m.offload is not None]
+                held = sum(stored_bytes(o.host) for o in off)
+                out[f"offload_{frozen}_{offload}_{init}"] = {
+                    "losses": train_steps(model, 3, opt=opt), "held": held, "n": len(off),
+                    "rows": [(o.rows, o.host.shape[0]) for o in off]}
+    return out
+
+
+def test_shard_on_read_is_exact_and_trains_as_loading_everything(tmp_path):
+    folders = {"bf16": save_llama(tmp_path / "bf16", torch.bfloat16),
+               "fp32": save_llama(tmp_path / "fp32", torch.float32)}
+    assert (tmp_path / "bf16" / "model.safetensors.index.json").is_file()
+    results = run_distributed(_on_ranks, args=(folders,), timeout=900)
+    for r in results:
+        for name in folders:
+            assert r[f"keys_{name}"] == [] and r[f"exact_{name}"] == [], (r["rank"], name)
+        for frozen in (None, "int8", "fp8", "nf4"):
+            assert r[f"same_{frozen}"] == [], (frozen, r[f"same_{frozen}"])
+            cpu, meta = r[f"losses_{frozen}"]
+            assert cpu == meta, (frozen, cpu, meta)
+        for frozen in ("int8", "nf4"):
+            base = r[f"offload_{frozen}_0.0_meta"]
+            assert base["n"] == 0
+            for key in ("0.5_meta", "1.0_meta", "1.0_cpu") if frozen == "int8" else ("0.5_meta", "1.0_meta"):
+                run = r[f"offload_{frozen}_{key}"]
+                assert run["losses"] == base["losses"], (frozen, key, run["losses"], base["losses"])
+                assert run["n"] > 0
+                # each rank holds its half of every offloaded weight's rows
+                assert all(host == rows // 2 for rows, host in run["rows"]), run["rows"]
+    # the two ranks together hold each offloaded weight once: total / N each
+    for frozen in ("int8", "nf4"):
+        held = [r[f"offload_{frozen}_1.0_meta"]["held"] for r in results]
+        assert held[0] == held[1] > 0
+    assert results[0]["offload_int8_1.0_meta"]["held"] == results[0]["offload_int8_1.0_cpu"]["held"]
+    assert results[0]["losses_int8"] == results[1]["losses_int8"]
