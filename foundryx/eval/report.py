@@ -15,13 +15,14 @@ import yaml
 from foundryx.errors import EvalError
 from foundryx.runtime import write_together
 
-KINDS = ("task", "category", "gauntlet")
+KINDS = ("task", "category", "metric", "gauntlet")
 
 
 @dataclass
 class EvalResults:
     """Scores of every model on every result key (``task/N-shot``, ``task/N-shot/category``,
-    ``gauntlet/name``), in the order they were added."""
+    ``task/N-shot/acc_norm`` (a further metric), ``gauntlet/name``), in the order they were
+    added."""
 
     models: list[str] = field(default_factory=list)
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -41,7 +42,7 @@ class EvalResults:
     def keys(self, *kinds: str) -> list[str]:
         """Result keys of the given kinds (all by default), tasks first, gauntlet last."""
         wanted = kinds or KINDS
-        order = {"task": 0, "category": 0, "gauntlet": 1}
+        order = {"task": 0, "category": 0, "metric": 0, "gauntlet": 1}
         keys = [k for k in self.kinds if self.kinds[k] in wanted]
         return sorted(keys, key=lambda k: order[self.kinds[k]])
 
@@ -54,7 +55,7 @@ def markdown_table(results: EvalResults) -> str:
     head = ["result", "examples", *results.models]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for key in results.keys():
-        name = ("  " if results.kinds[key] == "category" else "") + key
+        name = ("  " if results.kinds[key] in ("category", "metric") else "") + key
         cells = [name, str(results.examples.get(key, ""))] + [results.cell(m, key) for m in results.models]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
