@@ -7,7 +7,8 @@ example itself. So a task file gives the same prompts here as there, on every ra
 With ``scoring: lm_eval`` the draw is lm-eval-harness's (its ContextSampler with the few-shot
 split being the test split): one ``random.Random(fewshot_random_seed)`` per task, consumed in
 file order; for each example ``num_fewshot + 1`` documents are sampled, those equal to the
-example are dropped and the first ``num_fewshot`` kept.
+example are dropped and the first ``num_fewshot`` kept (too few left, when the file holds copies
+of the example: ``num_fewshot`` are drawn again from the rows unequal to it).
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ def render_lm_eval(task_type: ICLTaskType, examples: list[Example], num_fewshot:
         before = cfg.prompt_string
         if num_fewshot > 0:
             drawn = [docs[j] for j in rng.sample(range(len(docs)), num_fewshot + 1)]
-            for doc in [d for d in drawn if d != docs[i]][:num_fewshot]:
+            shots = [d for d in drawn if d != docs[i]][:num_fewshot]
+            if len(shots) < num_fewshot:  # copies of the example were drawn: lm-eval draws again
+                pool = [d for d in docs if d != docs[i]]
+                shots = [pool[j] for j in rng.sample(range(len(pool)), num_fewshot)]
+            for doc in shots:
                 before += task_type.lm_eval_solved(doc) + "\n\n"
         out.append(Rendered(i, ex.line, ex.category, tuple(task_type.lm_eval_queries(docs[i], before)),
                             task_type.gold(ex.data), (), task_type.lm_eval_lengths(docs[i])))

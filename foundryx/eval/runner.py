@@ -176,3 +176,5 @@ def add_model_results(results: EvalResults, label: str, task_results: list[TaskR
         for name, score in gauntlet_scores(loaded.gauntlet, scores, sizes).items():
             results.add(label, f"gauntlet/{name}", score, "gauntlet")
         results.baselines.update(loaded.gauntlet.baselines)
+        results.groups = {name: [b.key for b in benches]
+                          for name, benches in loaded.gauntlet.categories.items()}

@@ -19,9 +19,9 @@ followed directly by its answer.
   the example has a chain of thought (as LLM Foundry's has_cot).
 
 ``scoring: lm_eval`` (multiple_choice and schema) renders lm-eval-harness's way instead: a
-document's text is ``prelimiter + TEXT + continuation_delimiter`` with trailing whitespace
-removed (TEXT: the query, or a schema's context option), read from the file unstripped, as
-lm-eval-harness reads it; the target delimiter is one space and few-shot examples end with
+document's text is ``prelimiter + TEXT + continuation_delimiter`` with the delimiter's trailing
+whitespace removed (TEXT: the query, or a schema's context option, read from the file
+unstripped, as lm-eval-harness reads it); the target delimiter is one space and few-shot examples end with
 ``"\n\n"`` (see :func:`foundryx.eval.prompts.render_lm_eval`).
 
 A plugin adds a task type by subclassing :class:`ICLTaskType` and registering it.
@@ -80,7 +80,7 @@ class ICLTaskType:
     # lm-eval-harness's multiple_choice output type (scoring: lm_eval)
     def lm_eval_text(self, text: str) -> str:
         c = self.cfg
-        return (c.prelimiter + text + c.continuation_delimiter).rstrip()
+        return c.prelimiter + text + c.continuation_delimiter.rstrip()
 
     def lm_eval_solved(self, raw: dict[str, Any]) -> str:
         """``raw`` (the file's JSON object) as a few-shot example: text, space, answer."""
