@@ -19,14 +19,14 @@ def config(tmp_path):
     gauntlet; returns (path, output_dir)."""
     save_fake(FakeLM("q a b".split()), tmp_path / "model")
 
-    def write(task: dict, rows: list[dict], gauntlet_task: str | None = None):
+    def write(task: dict, rows: list[dict], gauntlet_task: str | None = None, shots: int = 0):
         write_jsonl(tmp_path / "t.jsonl", rows)
         entry = {"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "multiple_choice", **task}
         cfg = {"models": [{"label": "m", "hf": str(tmp_path / "model")}], "icl_tasks": [entry],
                "icl_data_root": str(tmp_path), "output_dir": str(tmp_path / "out"),
                "device": "cpu", "progress_bar": False,
                "eval_gauntlet": {"categories": [{"name": "c", "benchmarks": [
-                   {"name": gauntlet_task or "t", "num_fewshot": 0}]}]}}
+                   {"name": gauntlet_task or "t", "num_fewshot": shots}]}]}}
         path = tmp_path / "eval.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path, tmp_path / "out"
@@ -58,8 +58,8 @@ def test_bad_input_exits_2_with_one_message_and_writes_nothing(config, capsys, t
 
 def test_too_many_shots_for_a_category(config, capsys):
     rows = [{**MC[0], "category": c} for c in ("big", "big", "big", "small", "small")]
-    path, out = config({"num_fewshot": 2, "has_categories": True}, rows, "t")
-    assert main(["eval", str(path), "eval_gauntlet.categories.0.benchmarks.0.num_fewshot=2"]) == 2
+    path, out = config({"num_fewshot": 2, "has_categories": True}, rows, "t", shots=2)
+    assert main(["eval", str(path)]) == 2
     assert ("task 't' asks for 2 few-shot examples, but category 'small' has 2 examples (1 besides "
             "the one asked)") in capsys.readouterr().err
     assert not out.exists()
