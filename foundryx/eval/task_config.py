@@ -52,7 +52,8 @@ class ICLTaskConfig:
     batch_size: int | None = doc("examples per batch; default: device_eval_batch_size", default=None)
     metric: str | None = doc("a metrics registry key; default: the task type's", default=None)
     max_new_tokens: int | None = doc(
-        "generation: tokens to generate; default: the longest answer's token count", default=None
+        "generation: tokens to generate; default: LLM Foundry's rule, the longest answer's "
+        "tokens (after its chain of thought), + 10 with cot_delimiter", default=None
     )
     stop_sequences: list[str] = doc("generation: output is cut at the first of these",
                                     default_factory=list)
