@@ -12,9 +12,8 @@ foundryx task file (default: the quick suite, every task on ../shared/eval_data)
 LLM Foundry converted to its option names with absolute paths. Each side runs in a fresh
 process: foundryx's ``run_eval``, LLM Foundry's ``eval_from_yaml``; the time is that call
 (model load, data preparation and evaluation; not the imports), whole-process seconds beside
-it. ``--examples N`` evaluates the first N examples of each task (LLM Foundry:
-``icl_subset_num_batches``; use a multiple of the batch size, at least 16 so jeopardy's
-categories are whole on both sides). ``--profile`` runs foundryx once more under cProfile and
+it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least 16 so
+jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
 prints where the time goes.
 """
 
@@ -101,14 +100,25 @@ def build_model(work: Path, hidden: int = 64, layers: int = 2, seed: int = 0) ->
     return folder
 
 
-def task_entries(tasks_file: str, data_root: Path) -> list[dict]:
-    """The task file's entries with absolute dataset paths (foundryx's names)."""
+def task_entries(tasks_file: str, data_root: Path, examples: int | None = None,
+                 work: Path | None = None) -> list[dict]:
+    """The task file's entries with absolute dataset paths (foundryx's names); with
+    ``examples``, each reads a copy of the first N lines of its file (both sides then draw
+    few-shot examples from, and evaluate, the same N rows: LLM Foundry's icl_subset_num_batches
+    counts batches of rows, batch_size // choices examples for multiple choice)."""
     data = yaml.safe_load(Path(tasks_file).read_text())
     root = data_root if data_root else Path(data.get("data_root", "."))
     out = []
     for t in data["icl_tasks"]:
         t = dict(t)
-        t["dataset_uri"] = str((root / t["dataset_uri"]).resolve())
+        path = (root / t["dataset_uri"]).resolve()
+        if examples and work is not None:
+            copy = work / f"data-{examples}" / t["dataset_uri"]
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            with path.open(encoding="utf-8") as f:
+                copy.write_text("".join(line for _, line in zip(range(examples), f)), encoding="utf-8")
+            path = copy
+        t["dataset_uri"] = str(path)
         out.append(t)
     return out
 
@@ -135,9 +145,6 @@ def configs(work: Path, model: Path, entries: list[dict], examples: int | None, 
           "icl_tasks": llmfoundry_entries(entries), "max_seq_len": MAX_LEN,
           "device_eval_batch_size": batch, "precision": "fp32", "seed": 17, "loggers": {},
           "python_log_level": "warning"}
-    if examples:
-        fx["icl_max_examples"] = examples
-        lf["icl_subset_num_batches"] = -(-examples // batch)
     paths = {}
     for side, cfg in (("foundryx", fx), ("llmfoundry", lf)):
         paths[side] = work / f"{side}.yaml"
@@ -202,7 +209,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     lf_py = ensure_llmfoundry(args.venv) if args.only != "foundryx" else None
     model = build_model(args.work, hidden=args.hidden)
-    entries = task_entries(args.tasks, args.data_root)
+    entries = task_entries(args.tasks, args.data_root, args.examples, args.work)
     cfgs = configs(args.work, model, entries, args.examples, args.batch_size)
     pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
     rows = []
