@@ -45,14 +45,20 @@ def test_results_table_files_and_dump(setup, capsys):
     path, out = setup
     assert main(["eval", str(path), "--dump-examples", "2"]) == 0
     printed = capsys.readouterr().out
-    assert "| mc/0-shot | 4 | 1.0000 | 0.0000 |" in printed  # ties go to the first choice
-    assert "| gauntlet/all |  | 1.0000 | -0.2500 |" in printed
+    assert "| result | category | examples | random baseline | good | bad |" in printed
+    assert "| mc/0-shot | all | 4 | 0.333333 | 1.0000 | 0.0000 |" in printed  # ties: first choice
+    assert "| lm/1-shot |  | 3 |  | 1.0000 | 0.0000 |" in printed  # not in the gauntlet
+    assert "| gauntlet/all |  |  |  | 1.0000 | -0.2500 |" in printed
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [r["result"] for r in rows] == ["mc/0-shot", "lm/0-shot", "lm/1-shot", "gauntlet/all",
                                            "gauntlet/average"]
     assert float(rows[1]["good"]) == 1.0 and float(rows[1]["bad"]) == 0.0
     data = json.loads((out / "results.json").read_text())
     assert data["scores"]["bad"]["mc/0-shot"] == 0.0 and data["random_baselines"]["mc/0-shot"] == pytest.approx(1 / 3)
+    assert data["gauntlet_categories"] == {"all": ["mc/0-shot", "lm/0-shot"]}
+    assert data["table"][0] == {"result": "mc/0-shot", "kind": "task", "category": "all", "examples": 4,
+                                "random_baseline": pytest.approx(1 / 3),
+                                "scores": {"good": 1.0, "bad": 0.0}}
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     assert yaml.safe_load((out / "scores" / "good.yaml").read_text())["lm/1-shot"] == 1.0
     dumped = [json.loads(line) for line in (out / "examples.jsonl").read_text().splitlines()]

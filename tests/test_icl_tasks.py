@@ -7,6 +7,7 @@ import math
 import pytest
 from icl_fakes import FakeLM, run, task, write_jsonl
 
+from foundryx.eval.data import prepare_task
 from foundryx.eval.metrics import clean_output, normalize_answer
 
 WORDS = "q a b c d x y z w m n k Question: ans paris london stop because #### 42 so".split()
@@ -89,12 +90,14 @@ def test_generation_chain_of_thought_answer_after_the_delimiter(fake, tmp_path):
     path = write_jsonl(tmp_path / "cot.jsonl", [
         {"context": "q ans", "chain_of_thought": "because so", "answer": "42"},
         {"context": "q ans", "chain_of_thought": "because", "answer": "so"}])
-    (res,) = run(fake.model, fake.tokenizer, task(
-        path, "generation_task_with_answers", cot_delimiter=" #### ", stop_sequences=["stop"],
-        do_normalization=False, continuation_delimiter="", num_fewshot=0), dump=2)
+    cfg = task(path, "generation_task_with_answers", cot_delimiter=" #### ", stop_sequences=["stop"],
+               do_normalization=False, continuation_delimiter="", num_fewshot=0)
+    (res,) = run(fake.model, fake.tokenizer, cfg, dump=2)
     assert res.outcomes == {0: True, 1: False}
-    # the longest answer text "because so #### 42" sets max_new_tokens
-    assert res.dumped[0]["output"].split() == ["because", "so", "####", "42"]
+    # LLM Foundry's rule: the longest answer text "because so #### 42" (4 tokens) + 10, so the
+    # generation runs on to the stop sequence
+    assert prepare_task(cfg, fake.tokenizer, 64)[0].max_new_tokens == 14
+    assert res.dumped[0]["output"].split() == ["because", "so", "####", "42", "stop"]
 
 
 def test_categories_give_one_score_each_and_their_mean(fake, tmp_path):

@@ -197,7 +197,7 @@ def test_eval_outputs(eval_setup, capsys, monkeypatch, where):  # noqa: F811
     assert tree(out.parent) == before
     assert_one_error(r, f"could not write the eval results to {out} ({FULL})",
                       "the files there are unchanged")
-    assert "| mc/0-shot | 4 | 1.0000 | 0.0000 |" in r.stderr  # the scores are not lost
+    assert "| mc/0-shot | all | 4 | 0.333333 | 1.0000 | 0.0000 |" in r.stderr  # the scores are not lost
     assert r.stdout == ""
 
 
@@ -242,7 +242,7 @@ def test_report(tmp_path, monkeypatch, previous, where):
         assert len(calls) == 2 and calls[0].parent == out  # it did fail half-way
     assert isinstance(raised, EvalError), repr(raised)
     assert str(raised).startswith(f"could not write the eval results to {out} ({FULL})")
-    assert "| mc/0-shot | 10 | 0.7500 | 0.7500 |" in str(raised)  # the scores are not lost
+    assert "| mc/0-shot |  | 10 | 0.25 | 0.7500 | 0.7500 |" in str(raised)  # the scores are not lost
     assert isinstance(raised.__cause__, OSError)
 
     write_results(results(0.75), out, "second.yaml")  # once the disk has room: complete

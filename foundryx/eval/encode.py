@@ -90,8 +90,41 @@ def encode_prompts(tokenizer: Any, prompts: list[str], max_len: int) -> list[Enc
     return out
 
 
-def count_tokens(tokenizer: Any, texts: list[str]) -> int:
-    """The most tokens any of ``texts`` takes (no special tokens)."""
-    if not texts:
-        return 0
-    return max(len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"])
+def encode_rows_lm_eval(tokenizer: Any, rows: list[tuple[str, str]], max_len: int) -> list[Encoded | str]:
+    """Rows tokenized as lm-eval-harness's Hugging Face model does (``scoring: lm_eval``): the
+    context's trailing whitespace moves to the continuation; ``context + continuation`` and the
+    context are tokenized apart (each with the tokenizer's own special tokens) and the
+    continuation is the whole's tokens past the context's. Rows longer than ``max_len`` lose
+    tokens on the left."""
+    moved = []
+    for context, continuation in rows:
+        stripped = context.rstrip()
+        moved.append((stripped, context[len(stripped):] + continuation))
+    whole = tokenizer([c + cont for c, cont in moved], verbose=False)["input_ids"]
+    contexts = tokenizer([c for c, _ in moved], verbose=False)["input_ids"]
+    out: list[Encoded | str] = []
+    for ids, ctx in zip(whole, contexts):
+        start = len(ctx)
+        if start == 0:
+            out.append("the context is empty; lm_eval scoring needs a text before each choice")
+        elif start >= len(ids):
+            out.append("the continuation has no tokens of its own")
+        else:
+            cut = max(0, len(ids) - max_len)
+            if start - cut < 1:
+                out.append(f"the continuation ({len(ids) - start} tokens) plus one context token "
+                           f"does not fit in max_seq_len {max_len}; raise max_seq_len")
+                continue
+            out.append(Encoded(tuple(ids[cut:]), start - cut, len(ids) - cut, cut))
+    return out
+
+
+def max_answer_tokens(tokenizer: Any, responses: list[str], cot: bool) -> int:
+    """LLM Foundry's generation length: the most tokens of any response (an answer or alias,
+    after its chain of thought), tokenized alone with the tokenizer's special tokens and no
+    leading space, plus a buffer of 10 for chain-of-thought tasks; at least 1."""
+    longest = max((len(ids) for ids in tokenizer(responses, verbose=False)["input_ids"]), default=0)
+    return max(longest + (COT_BUFFER if cot else 0), 1)
+
+
+COT_BUFFER = 10  # LLM Foundry's _MAX_ANSWER_BUFFER_LENGTH

@@ -18,6 +18,7 @@ class Example:
     line: int  # 1-based line number in the file
     data: dict[str, Any]  # the JSON object, top-level strings stripped (as LLM Foundry does)
     category: str  # "" without has_categories
+    raw: dict[str, Any] | None = None  # the JSON object as in the file (lm-eval-harness reads that)
 
 
 def read_examples(path: str | Path, task_type: ICLTaskType) -> list[Example]:
@@ -31,24 +32,25 @@ def read_examples(path: str | Path, task_type: ICLTaskType) -> list[Example]:
         )
     examples, problems = [], []
     with path.open(encoding="utf-8") as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
+        for n, text in enumerate(f, start=1):
+            if not text.strip():
                 continue
             try:
-                data = json.loads(raw)
+                data = json.loads(text)
             except json.JSONDecodeError as e:
                 problems.append(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})")
                 continue
             if not isinstance(data, dict):
                 problems.append(f"{path}:{n}: expected a JSON object, got {type(data).__name__}")
                 continue
-            data = {k: v.strip() if isinstance(v, str) else v for k, v in data.items()}
+            raw, data = data, {k: v.strip() if isinstance(v, str) else v for k, v in data.items()}
             found = task_type.problems(data)
             if task_type.cfg.has_categories and not isinstance(data.get("category"), str):
                 found.append("missing field 'category' (has_categories is true)")
             problems += [f"{path}:{n}: {p}" for p in found]
             if not found:
-                examples.append(Example(n, data, data.get("category", "") if task_type.cfg.has_categories else ""))
+                category = data.get("category", "") if task_type.cfg.has_categories else ""
+                examples.append(Example(n, data, category, raw))
     if problems:
         more = len(problems) - MAX_REPORTED
         listed = problems[:MAX_REPORTED] + ([f"... and {more} more"] if more > 0 else [])

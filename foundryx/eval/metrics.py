@@ -125,6 +125,54 @@ class ICLMultipleChoiceAccuracy(ICLMetric):
         return ids, chosen == gold, category
 
 
+class ICLLMEvalAccuracy(ICLMetric):
+    """lm-eval-harness's multiple-choice metrics (``scoring: lm_eval``): ``acc``, the row with
+    the highest sum of the continuation's log-probabilities wins; ``acc_norm``, the highest sum
+    divided by the choice's length (lm-eval's ``len(choice)``: characters). Ties go to the
+    lowest index, as numpy's argmax gives them. ``compute`` gives ``acc``."""
+
+    extra_states = ("choice", "gold", "loglik", "norm_len")
+
+    def update(self, batch: dict[str, Any], outputs: torch.Tensor, labels: Any = None) -> None:
+        mask = _span_mask(batch, outputs.shape[1])
+        logprobs = torch.log_softmax(outputs[:, :-1][mask].float(), dim=-1)
+        token_lp = logprobs.gather(1, batch["input_ids"][:, 1:][mask][:, None])[:, 0]
+        rows = mask.nonzero()[:, 0]
+        n = len(mask)
+        loglik = torch.zeros(n, device=token_lp.device, dtype=torch.float64).index_add_(
+            0, rows, token_lp.double())
+        self._add(batch, choice=batch["choice"], gold=batch["gold"], loglik=loglik,
+                  norm_len=batch["norm_len"].double())
+        self.last_update = {"loglik": loglik.tolist()}
+
+    def _winners(self, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        r = self._rows()
+        ids, inverse = torch.unique(r["example_id"], return_inverse=True)
+        n = len(ids)
+        best = torch.full((n,), -float("inf"), dtype=score.dtype, device=ids.device)
+        best = best.scatter_reduce(0, inverse, score, reduce="amax")
+        big = torch.iinfo(torch.long).max
+        winner = torch.where(score == best[inverse], r["choice"].long(), big)
+        chosen = torch.full((n,), big, device=ids.device).scatter_reduce(0, inverse, winner,
+                                                                           reduce="amin")
+        gold = torch.zeros(n, dtype=torch.long, device=ids.device).scatter(0, inverse, r["gold"].long())
+        category = torch.zeros(n, dtype=torch.long, device=ids.device).scatter(
+            0, inverse, r["category"].long())
+        return ids, chosen == gold, category
+
+    def outcomes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._winners(self._rows()["loglik"])
+
+    def norm_outcomes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Like :meth:`outcomes`, for ``acc_norm``."""
+        r = self._rows()
+        return self._winners(r["loglik"] / r["norm_len"])
+
+    def acc_norm(self) -> float:
+        _, correct, _ = self.norm_outcomes()
+        return correct.double().mean().item() if len(correct) else float("nan")
+
+
 _PUNCTUATION = set(string.punctuation + "‘’´`")
 
 

@@ -3,6 +3,12 @@
 The draw is LLM Foundry's: one ``random.Random(fewshot_random_seed)`` per category (or per
 task), consumed in file order, ``num_fewshot`` distinct examples that never include the
 example itself. So a task file gives the same prompts here as there, on every rank.
+
+With ``scoring: lm_eval`` the draw is lm-eval-harness's (its ContextSampler with the few-shot
+split being the test split): one ``random.Random(fewshot_random_seed)`` per task, consumed in
+file order; for each example ``num_fewshot + 1`` documents are sampled, those equal to the
+example are dropped and the first ``num_fewshot`` kept (too few left, when the file holds copies
+of the example: ``num_fewshot`` are drawn again from the rows unequal to it).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class Rendered:
     queries: tuple[tuple[str, str], ...]  # (context, continuation) per scored row
     gold: int
     answers: tuple[str, ...]  # generation tasks
+    norm_lengths: tuple[int, ...] = ()  # scoring lm_eval: acc_norm's divisor per row
 
 
 def fewshot_indices(n: int, k: int, idx: int, rng: random.Random) -> list[int]:
@@ -61,3 +68,27 @@ def render(task_type: ICLTaskType, examples: list[Example], num_fewshot: int) ->
             out[i] = Rendered(i, ex.line, ex.category, queries, task_type.gold(ex.data),
                               task_type.answers(ex.data))
     return out  # type: ignore[return-value]
+
+
+def render_lm_eval(task_type: ICLTaskType, examples: list[Example], num_fewshot: int) -> list[Rendered]:
+    """Every example as lm-eval-harness renders it (see module doc and
+    :mod:`foundryx.eval.task_types`): ``prompt_string``, then each few-shot example's text, a
+    space, its answer and ``"\n\n"``, then the example's text; each continuation is a space
+    and the choice."""
+    cfg = task_type.cfg
+    rng = random.Random(cfg.fewshot_random_seed)
+    docs = [ex.raw if ex.raw is not None else ex.data for ex in examples]
+    out = []
+    for i, ex in enumerate(examples):
+        before = cfg.prompt_string
+        if num_fewshot > 0:
+            drawn = [docs[j] for j in rng.sample(range(len(docs)), num_fewshot + 1)]
+            shots = [d for d in drawn if d != docs[i]][:num_fewshot]
+            if len(shots) < num_fewshot:  # copies of the example were drawn: lm-eval draws again
+                pool = [d for d in docs if d != docs[i]]
+                shots = [pool[j] for j in rng.sample(range(len(pool)), num_fewshot)]
+            for doc in shots:
+                before += task_type.lm_eval_solved(doc) + "\n\n"
+        out.append(Rendered(i, ex.line, ex.category, tuple(task_type.lm_eval_queries(docs[i], before)),
+                            task_type.gold(ex.data), (), task_type.lm_eval_lengths(docs[i])))
+    return out

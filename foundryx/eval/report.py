@@ -1,4 +1,9 @@
-"""Eval results as a markdown table, CSV, JSON, per-model score YAMLs and a PNG bar chart."""
+"""Eval results as a markdown table, CSV, JSON, per-model score YAMLs and a PNG bar chart.
+
+One table holds every model side by side (one column each): the tasks grouped by their gauntlet
+category (with their categories and further metrics such as ``acc_norm`` under them), the tasks
+outside the gauntlet, then the gauntlet's category scores and averages.
+"""
 
 from __future__ import annotations
 
@@ -15,19 +20,21 @@ import yaml
 from foundryx.errors import EvalError
 from foundryx.runtime import write_together
 
-KINDS = ("task", "category", "gauntlet")
+KINDS = ("task", "category", "metric", "gauntlet")
 
 
 @dataclass
 class EvalResults:
     """Scores of every model on every result key (``task/N-shot``, ``task/N-shot/category``,
-    ``gauntlet/name``), in the order they were added."""
+    ``task/N-shot/acc_norm`` (a further metric), ``gauntlet/name``), in the order they were
+    added."""
 
     models: list[str] = field(default_factory=list)
     scores: dict[str, dict[str, float]] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)
     examples: dict[str, int] = field(default_factory=dict)
     baselines: dict[str, float] = field(default_factory=dict)
+    groups: dict[str, list[str]] = field(default_factory=dict)  # gauntlet category -> task keys
 
     def add(self, model: str, key: str, score: float, kind: str, examples: int | None = None) -> None:
         if model not in self.scores:
@@ -38,26 +45,56 @@ class EvalResults:
         if examples is not None:
             self.examples[key] = examples
 
+    def task_of(self, key: str) -> str:
+        """The ``task/N-shot`` a result belongs to (itself for a task)."""
+        return "/".join(key.split("/")[:2])
+
+    def category_of(self, key: str) -> str:
+        """The gauntlet category of a task result (``""`` outside the gauntlet)."""
+        task = self.task_of(key)
+        return next((c for c, tasks in self.groups.items() if task in tasks), "")
+
     def keys(self, *kinds: str) -> list[str]:
-        """Result keys of the given kinds (all by default), tasks first, gauntlet last."""
+        """Result keys of the given kinds (all by default): tasks in the gauntlet's order (each
+        followed by its categories and metrics), then the other tasks, gauntlet last."""
         wanted = kinds or KINDS
-        order = {"task": 0, "category": 0, "gauntlet": 1}
-        keys = [k for k in self.kinds if self.kinds[k] in wanted]
-        return sorted(keys, key=lambda k: order[self.kinds[k]])
+        tasks = [k for k in self.kinds if self.kinds[k] == "task"]
+        grouped = [t for g in self.groups.values() for t in g if t in self.kinds]
+        order = {t: i for i, t in enumerate(dict.fromkeys([*grouped, *tasks]))}
+        rest = [k for k in self.kinds if self.kinds[k] != "gauntlet"]
+        rest.sort(key=lambda k: order.get(self.task_of(k), len(order)))  # stable: task first
+        keys = rest + [k for k in self.kinds if self.kinds[k] == "gauntlet"]
+        return [k for k in keys if self.kinds[k] in wanted]
 
     def cell(self, model: str, key: str) -> str:
         v = self.scores.get(model, {}).get(key)
         return "-" if v is None or math.isnan(v) else f"{v:.4f}"
 
 
+def _baseline(results: EvalResults, key: str) -> str:
+    v = results.baselines.get(key) if results.kinds[key] == "task" else None
+    return "" if v is None else f"{v:g}"
+
+
 def markdown_table(results: EvalResults) -> str:
-    head = ["result", "examples", *results.models]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    head = ["result", "category", "examples", "random baseline", *results.models]
+    lines = ["| " + " | ".join(head) + " |",
+             "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for key in results.keys():
-        name = ("  " if results.kinds[key] == "category" else "") + key
-        cells = [name, str(results.examples.get(key, ""))] + [results.cell(m, key) for m in results.models]
-        lines.append("| " + " | ".join(cells) + " |")
+        kind = results.kinds[key]
+        name = ("  " if kind in ("category", "metric") else "") + key
+        cells = [name, results.category_of(key) if kind == "task" else "",
+                 str(results.examples.get(key, "")), _baseline(results, key)]
+        lines.append("| " + " | ".join(cells + [results.cell(m, key) for m in results.models]) + " |")
     return "\n".join(lines)
+
+
+def result_rows(results: EvalResults) -> list[dict]:
+    """The table as JSON rows: result, kind, category, examples, random baseline, scores."""
+    return [{"result": k, "kind": results.kinds[k], "category": results.category_of(k) or None,
+             "examples": results.examples.get(k), "random_baseline": results.baselines.get(k),
+             "scores": {m: results.scores[m].get(k) for m in results.models}}
+            for k in results.keys()]
 
 
 def bar_chart(results: EvalResults, path: Path) -> None:
@@ -131,13 +168,14 @@ def write_results(results: EvalResults, out_dir: str | Path, source: str = "",
     stage(paths["md"]).write_text(markdown_table(results) + "\n", encoding="utf-8")
     with stage(paths["csv"]).open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["result", "kind", "examples", *results.models])
+        w.writerow(["result", "kind", "category", "examples", *results.models])
         for key in results.keys():
-            w.writerow([key, results.kinds[key], results.examples.get(key, ""),
+            w.writerow([key, results.kinds[key], results.category_of(key), results.examples.get(key, ""),
                         *[results.scores[m].get(key, "") for m in results.models]])
     stage(paths["json"]).write_text(json.dumps({
         "config": source, "models": results.models, "scores": results.scores,
         "kinds": results.kinds, "examples": results.examples, "random_baselines": results.baselines,
+        "gauntlet_categories": results.groups, "table": result_rows(results),
     }, indent=2) + "\n", encoding="utf-8")
     for model in results.models:
         p = out / "scores" / f"{model.replace('/', '_')}.yaml"

@@ -17,7 +17,7 @@ from foundryx.eval.config import LoadedEvalConfig, load_eval_config
 from foundryx.eval.models import EvalModels
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
-from foundryx.eval.runner import add_model_results, evaluate_model
+from foundryx.eval.runner import add_model_results, evaluate_model, read_tasks
 from foundryx.runtime import pick_device, setup_logging
 
 log = logging.getLogger("foundryx")
@@ -106,12 +106,13 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
             log.info("setup %s: wrote %s", name, ", ".join(map(str, written.values())))
     dist.barrier()
 
+    examples = read_tasks(loaded)  # bad data fails before any model loads
     results, dumped = EvalResults(), {}
     models = EvalModels()  # models sharing a Hugging Face base load it once
     for spec in models.order(loaded.models):
         model, tokenizer = models.load(spec)
         device.module_to_device(model)
-        task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump)
+        task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump, examples=examples)
         add_model_results(results, spec.label, task_results, loaded)
         dumped[spec.label] = [{"model": spec.label, **rec} for r in task_results for rec in r.dumped]
         del model

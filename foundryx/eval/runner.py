@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from foundryx import registry
 from foundryx.eval.config import LoadedEvalConfig
-from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task
+from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task, read_task
+from foundryx.eval.examples import Example
 from foundryx.eval.gauntlet import gauntlet_scores
 from foundryx.eval.metrics import macro_average
 from foundryx.eval.models import model_max_len
@@ -35,6 +36,7 @@ class TaskResult:
     categories: dict[str, float] = field(default_factory=dict)  # with has_categories
     outcomes: dict[int, bool] = field(default_factory=dict)  # example id -> correct
     dumped: list[dict[str, Any]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # more scores, e.g. acc_norm
 
 
 def _row_records(task: PreparedTask, tokenizer: Any, batch: dict[str, Any], info: dict[str, Any],
@@ -58,7 +60,7 @@ def _row_records(task: PreparedTask, tokenizer: Any, batch: dict[str, Any], info
                "scored_tokens": tokenizer.convert_ids_to_tokens(list(enc.ids[enc.cont_start:enc.cont_end]))}
         if enc.truncated:
             rec["tokens_cut_on_the_left"] = enc.truncated
-        for k in ("loss", "tokens", "correct"):
+        for k in ("loss", "loglik", "tokens", "correct"):
             if k in info:
                 rec[k] = info[k][i]
         if "predicted" in info:
@@ -83,6 +85,8 @@ def _group_records(task: PreparedTask, rows: list[dict[str, Any]], outcomes: dic
             rec.update({"gold": ex.gold, "rows": rows, "correct": outcomes.get(eid)})
             if "loss" in rows[0]:
                 rec["chosen"] = min(rows, key=lambda r: (r["loss"], r["choice"]))["choice"]
+            elif "loglik" in rows[0]:
+                rec["chosen"] = min(rows, key=lambda r: (-r["loglik"], r["choice"]))["choice"]
         out.append(rec)
     return out
 
@@ -106,9 +110,12 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
                 model.update_metric(batch, outputs, metric)
             if dump:
                 rows += _row_records(task, tokenizer, batch, metric.last_update, dump)
+    more = {}
     with metric.sync_context():  # every process's rows
         ids, correct, _ = metric.outcomes()
         by_category = metric.category_scores()
+        if hasattr(metric, "acc_norm"):
+            more["acc_norm"] = metric.acc_norm()
     outcomes = dict(zip(ids.tolist(), correct.tolist()))
     cats = {}
     if task.cfg.has_categories:
@@ -116,12 +123,26 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
     if world > 1 and dump:
         rows = [r for part in dist.all_gather_object(rows) for r in part]
     return TaskResult(task.key, macro_average(by_category), len(task.examples), cats, outcomes,
-                      _group_records(task, rows, outcomes) if dump else [])
+                      _group_records(task, rows, outcomes) if dump else [], more)
+
+
+def read_tasks(loaded: LoadedEvalConfig) -> dict[str, list[Example]]:
+    """Every task's examples by label, read and checked before any model loads (a bad row or
+    too many few-shot examples fails here, with nothing evaluated or written); tasks whose
+    file is absent are left out with ``skip_missing_data``."""
+    out = {}
+    for task_cfg in loaded.tasks:
+        if loaded.cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
+            continue
+        out[task_cfg.label] = read_task(task_cfg)
+    return out
 
 
 def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device: Any, *,
-                   dump: int = 0) -> list[TaskResult]:
-    """Every task of ``loaded`` at every few-shot count, for one model."""
+                   dump: int = 0, examples: dict[str, list[Example]] | None = None
+                   ) -> list[TaskResult]:
+    """Every task of ``loaded`` at every few-shot count, for one model (``examples``: the
+    tasks' examples from :func:`read_tasks`; read here without)."""
     cfg = loaded.cfg
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:
@@ -132,7 +153,8 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
             log.info("skipping task %s: %s is absent (skip_missing_data)", task_cfg.label,
                      task_cfg.dataset_uri)
             continue
-        for task in prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit):
+        for task in prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit,
+                                 (examples or {}).get(task_cfg.label)):
             results.append(evaluate_task(model, task, tokenizer, batch_size=cfg.device_eval_batch_size,
                                          device=device, precision=cfg.precision, dump=dump,
                                          progress=cfg.progress_bar))
@@ -146,9 +168,13 @@ def add_model_results(results: EvalResults, label: str, task_results: list[TaskR
         results.add(label, r.key, r.score, "task", r.examples)
         for name, score in r.categories.items():
             results.add(label, f"{r.key}/{name}", score, "category")
+        for name, score in r.metrics.items():
+            results.add(label, f"{r.key}/{name}", score, "metric")
     if loaded.gauntlet is not None:
         scores = {r.key: r.score for r in task_results}
         sizes = {r.key: r.examples for r in task_results}
         for name, score in gauntlet_scores(loaded.gauntlet, scores, sizes).items():
             results.add(label, f"gauntlet/{name}", score, "gauntlet")
         results.baselines.update(loaded.gauntlet.baselines)
+        results.groups = {name: [b.key for b in benches]
+                          for name, benches in loaded.gauntlet.categories.items()}

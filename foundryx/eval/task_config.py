@@ -3,6 +3,9 @@
 A task file (``eval/yamls/tasks.yaml``) is YAML with ``icl_tasks:`` (a list of entries) and an
 optional ``data_root:``; a relative ``dataset_uri`` is joined to the data root: the config's
 ``icl_data_root`` if set, else the task file's ``data_root``, else the current directory.
+
+LLM Foundry's task files load as they are: its key names ``early_stopping_criteria`` and
+``question_prelimiter`` are read as ``stop_sequences`` and ``prelimiter``.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from foundryx import registry
 from foundryx.config.load import read_yaml, resolve
@@ -20,6 +23,10 @@ from foundryx.errors import ConfigError, RegistryError
 
 # Options read only by generation tasks; other task types reject them.
 GENERATION_OPTIONS = frozenset({"max_new_tokens", "stop_sequences", "cot_delimiter", "do_normalization"})
+# LLM Foundry's names of options (its task files use them) -> ours.
+LLMFOUNDRY_NAMES = {"early_stopping_criteria": "stop_sequences", "question_prelimiter": "prelimiter"}
+# Task types `scoring: lm_eval` applies to (lm-eval-harness's multiple_choice output type).
+LM_EVAL_TYPES = ("multiple_choice", "schema")
 
 
 @dataclass
@@ -45,7 +52,8 @@ class ICLTaskConfig:
     batch_size: int | None = doc("examples per batch; default: device_eval_batch_size", default=None)
     metric: str | None = doc("a metrics registry key; default: the task type's", default=None)
     max_new_tokens: int | None = doc(
-        "generation: tokens to generate; default: the longest answer's token count", default=None
+        "generation: tokens to generate; default: LLM Foundry's rule, the longest answer's "
+        "tokens (after its chain of thought), + 10 with cot_delimiter", default=None
     )
     stop_sequences: list[str] = doc("generation: output is cut at the first of these",
                                     default_factory=list)
@@ -53,6 +61,10 @@ class ICLTaskConfig:
                              default="")
     do_normalization: bool = doc(
         "generation: lower-case, drop punctuation and articles before matching", default=True
+    )
+    scoring: Literal["llmfoundry", "lm_eval"] = doc(
+        "multiple choice: llmfoundry (lowest mean per-token loss wins) or lm_eval "
+        "(lm-eval-harness's prompts and acc / acc_norm; see docs/eval.md)", default="llmfoundry"
     )
 
     @property
@@ -62,6 +74,18 @@ class ICLTaskConfig:
     def key(self, shots: int) -> str:
         """The result key of this task at ``shots`` few-shot examples: ``label/N-shot``."""
         return f"{self.label}/{shots}-shot"
+
+
+def _our_names(entry: dict[str, Any], path: str) -> tuple[dict[str, Any], list[str]]:
+    """``entry`` with LLM Foundry's option names replaced by ours."""
+    out, problems = dict(entry), []
+    for theirs, ours in LLMFOUNDRY_NAMES.items():
+        if theirs in out:
+            if ours in out:
+                problems.append(f"{join(path, theirs)}: LLM Foundry's name for {ours}, which is "
+                                "set too; keep one")
+            out[ours] = out.pop(theirs)
+    return out, problems
 
 
 def _entry_problems(entry: Any, path: str) -> list[str]:
@@ -78,6 +102,15 @@ def _entry_problems(entry: Any, path: str) -> list[str]:
     own = getattr(task_cls, "options", frozenset())
     for key in sorted(GENERATION_OPTIONS & set(entry) - own):
         problems.append(f"{join(path, key)}: not an option of {kind} tasks; remove it")
+    if entry.get("scoring") == "lm_eval":
+        if kind not in LM_EVAL_TYPES:
+            problems.append(f"{join(path, 'scoring')}: lm_eval is for multiple-choice tasks "
+                            f"({', '.join(LM_EVAL_TYPES)}); {entry['label']!r} is a {kind} task. "
+                            "Remove scoring, or set it to llmfoundry")
+        elif entry.get("has_categories"):
+            problems.append(f"{join(path, 'scoring')}: lm_eval scores a task as one (as "
+                            "lm-eval-harness does); set has_categories: false, or split the file "
+                            "by category into tasks")
     shots = entry.get("num_fewshot", 0)
     shots = [shots] if isinstance(shots, int) else shots
     if not shots or min(shots) < 0:
@@ -128,7 +161,10 @@ def load_icl_tasks(
     tasks: list[ICLTaskConfig] = []
     for i, entry in enumerate(entries):
         path = join(where, i)
-        found = _entry_problems(entry, path)
+        found = []
+        if isinstance(entry, dict):
+            entry, found = _our_names(entry, path)
+        found += _entry_problems(entry, path)
         problems += found
         if not found:
             tasks.append(ICLTaskConfig(**entry))

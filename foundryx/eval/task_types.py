@@ -13,8 +13,16 @@ followed directly by its answer.
   loss of the continuation wins.
 - ``schema`` (context_options, continuation, gold): the continuation scored under each
   context; the lowest mean per-token loss wins.
-- ``generation_task_with_answers`` (context, answer, aliases): greedy generation, cut at stop
-  sequences, optionally normalised; correct when it starts with the answer or an alias.
+- ``generation_task_with_answers`` (context, answer, aliases, chain_of_thought): greedy
+  generation, cut at stop sequences, optionally normalised; correct when it starts with the
+  answer or an alias. A few-shot answer is ``chain_of_thought + cot_delimiter + answer`` where
+  the example has a chain of thought (as LLM Foundry's has_cot).
+
+``scoring: lm_eval`` (multiple_choice and schema) renders lm-eval-harness's way instead: a
+document's text is ``prelimiter + TEXT + continuation_delimiter`` with the delimiter's trailing
+whitespace removed (TEXT: the query, or a schema's context option, read from the file
+unstripped, as lm-eval-harness reads it); the target delimiter is one space and few-shot examples end with
+``"\n\n"`` (see :func:`foundryx.eval.prompts.render_lm_eval`).
 
 A plugin adds a task type by subclassing :class:`ICLTaskType` and registering it.
 """
@@ -68,6 +76,23 @@ class ICLTaskType:
     def answers(self, ex: dict[str, Any]) -> tuple[str, ...]:
         """Accepted answers of a generation example."""
         return ()
+
+    # lm-eval-harness's multiple_choice output type (scoring: lm_eval)
+    def lm_eval_text(self, text: str) -> str:
+        c = self.cfg
+        return c.prelimiter + text + c.continuation_delimiter.rstrip()
+
+    def lm_eval_solved(self, raw: dict[str, Any]) -> str:
+        """``raw`` (the file's JSON object) as a few-shot example: text, space, answer."""
+        raise NotImplementedError
+
+    def lm_eval_queries(self, raw: dict[str, Any], before: str) -> list[tuple[str, str]]:
+        """The (context, continuation) rows after the few-shot text ``before``."""
+        raise NotImplementedError
+
+    def lm_eval_lengths(self, raw: dict[str, Any]) -> tuple[int, ...]:
+        """acc_norm's divisor per row: the length of each choice (lm-eval's ``len(choice)``)."""
+        raise NotImplementedError
 
 
 def _json_type(tp: type) -> str:
@@ -123,6 +148,16 @@ class MultipleChoice(ICLTaskType):
     def gold(self, ex):
         return ex["gold"]
 
+    def lm_eval_solved(self, raw):
+        return self.lm_eval_text(raw["query"]) + " " + raw["choices"][raw["gold"]]
+
+    def lm_eval_queries(self, raw, before):
+        context = before + self.lm_eval_text(raw["query"])
+        return [(context, " " + choice) for choice in raw["choices"]]
+
+    def lm_eval_lengths(self, raw):
+        return tuple(len(c) for c in raw["choices"])
+
 
 class Schema(ICLTaskType):
     fields = {"context_options": list, "continuation": str, "gold": int}
@@ -141,6 +176,17 @@ class Schema(ICLTaskType):
     def gold(self, ex):
         return ex["gold"]
 
+    # lm-eval's multiple-input form: one context per option, the continuation scored after each
+    def lm_eval_solved(self, raw):
+        return self.lm_eval_text(raw["context_options"][raw["gold"]]) + " " + raw["continuation"]
+
+    def lm_eval_queries(self, raw, before):
+        return [(before + self.lm_eval_text(c), " " + raw["continuation"])
+                for c in raw["context_options"]]
+
+    def lm_eval_lengths(self, raw):
+        return tuple(len(c) for c in raw["context_options"])  # lm-eval divides by the options'
+
 
 class GenerationWithAnswers(ICLTaskType):
     fields = {"context": str, "answer": str}
@@ -155,13 +201,17 @@ class GenerationWithAnswers(ICLTaskType):
                 [] if isinstance(ex["aliases"], list) else ["field 'aliases' must be a list"])
         if self.cfg.cot_delimiter and not isinstance(ex.get("chain_of_thought"), str):
             out.append("missing field 'chain_of_thought' (cot_delimiter is set)")
+        elif "chain_of_thought" in ex and not isinstance(ex["chain_of_thought"], str):
+            out.append(f"field 'chain_of_thought' must be a string, got {ex['chain_of_thought']!r:.60}")
         return out
 
-    def answer_text(self, ex: dict[str, Any]) -> str:
-        """The answer as a few-shot example shows it (with its chain of thought)."""
-        if self.cfg.cot_delimiter:
-            return ex["chain_of_thought"] + self.cfg.cot_delimiter + ex["answer"]
-        return ex["answer"]
+    def answer_text(self, ex: dict[str, Any], answer: str | None = None) -> str:
+        """An answer (default: the example's) as a few-shot example shows it: after the
+        example's chain of thought and the cot delimiter where it has one (LLM Foundry's)."""
+        answer = ex["answer"] if answer is None else answer
+        if "chain_of_thought" in ex:
+            return ex["chain_of_thought"] + self.cfg.cot_delimiter + answer
+        return answer
 
     def solved(self, ex, first):
         return self.context(ex["context"], first) + self.answer_text(ex)

@@ -1,0 +1,262 @@
+"""foundryx eval vs LLM Foundry 0.22's eval on the same model, tasks and machine: per-task
+numbers side by side, and the wall time of each, alternating.
+
+    python benchmarks/eval_vs_llmfoundry.py [--tasks eval/yamls/tasks.yaml] [--examples N]
+            [--rounds 1] [--batch-size 4] [--profile] [--out benchmarks/RESULTS.md]
+
+Installs LLM Foundry 0.22 in its own venv as benchmarks/vs_llmfoundry.py does (once, under
+``--venv``). Builds one Hugging Face model folder both sides read: a byte-level BPE (vocab
+8192) trained on ../shared/corpus/tinyshakespeare.txt and a seeded random Llama-style model
+(``--hidden`` 64, 2 layers, 2048 positions, fp32) saved beside it; no hub. The tasks are a
+foundryx task file (default: the quick suite, every task on ../shared/eval_data), handed to
+LLM Foundry converted to its option names with absolute paths. Each side runs in a fresh
+process: foundryx's ``run_eval``, LLM Foundry's ``eval_from_yaml``; the time is that call
+(model load, data preparation and evaluation; not the imports), whole-process seconds beside
+it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least 16 so
+jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
+prints where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_llmfoundry import ensure_llmfoundry  # noqa: E402  (the same pinned venv)
+
+VOCAB, MAX_LEN = 8192, 2048
+
+FOUNDRYX_RUN = """
+import json, sys, time
+t0 = time.perf_counter()
+from foundryx.eval.run import load_eval_config, run_eval
+t1 = time.perf_counter()
+out = run_eval(load_eval_config(sys.argv[1]), write=False)
+t2 = time.perf_counter()
+res = out.results
+scores = {k: v for k, v in res.scores[res.models[0]].items() if res.kinds[k] in ("task", "metric")}
+json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores}, open(sys.argv[2], "w"))
+"""
+
+LLMFOUNDRY_RUN = """
+import json, sys, time
+t0 = time.perf_counter()
+from llmfoundry.command_utils import eval_from_yaml
+t1 = time.perf_counter()
+trainers, _ = eval_from_yaml(sys.argv[1], [])
+t2 = time.perf_counter()
+by_task = {}
+for label, metrics in trainers[0].state.eval_metrics.items():
+    task = "/".join(label.split("/")[:2])  # jeopardy/3-shot/<category> -> jeopardy/3-shot
+    for metric in metrics.values():
+        by_task.setdefault(task, []).append(float(metric.compute()))
+scores = {k: sum(v) / len(v) for k, v in by_task.items()}  # categories: their mean, as LLM Foundry reports
+json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores}, open(sys.argv[2], "w"))
+"""
+
+
+def log(msg: str) -> None:
+    print(f"[eval_vs_llmfoundry] {msg}", file=sys.stderr, flush=True)
+
+
+def build_model(work: Path, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A BPE tokenizer and a seeded random Llama-style model in one HF folder (reused)."""
+    folder = work / f"llama-h{hidden}-l{layers}-s{seed}"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foundryx.data.tokenizers import train_bpe_tokenizer
+
+    corpus = SHARED / "corpus" / "tinyshakespeare.txt"
+    if not corpus.exists():
+        sys.exit(f"eval_vs_llmfoundry: needs {corpus} (../shared beside the checkout)")
+    tok = train_bpe_tokenizer(corpus.read_text(encoding="utf-8").split("\n\n"), VOCAB, folder)
+    tok.model_max_length = MAX_LEN
+    tok.save_pretrained(folder)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 4,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=MAX_LEN, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False, torch_dtype="float32",
+                      initializer_range=0.2)  # sharper preferences than 0.02 gives
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(folder)
+    return folder
+
+
+def task_entries(tasks_file: str, data_root: Path, examples: int | None = None,
+                 work: Path | None = None) -> list[dict]:
+    """The task file's entries with absolute dataset paths (foundryx's names); with
+    ``examples``, each reads a copy of the first N lines of its file (both sides then draw
+    few-shot examples from, and evaluate, the same N rows: LLM Foundry's icl_subset_num_batches
+    counts batches of rows, batch_size // choices examples for multiple choice)."""
+    data = yaml.safe_load(Path(tasks_file).read_text())
+    root = data_root if data_root else Path(data.get("data_root", "."))
+    out = []
+    for t in data["icl_tasks"]:
+        t = dict(t)
+        path = (root / t["dataset_uri"]).resolve()
+        if examples and work is not None:
+            copy = work / f"data-{examples}" / t["dataset_uri"]
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            with path.open(encoding="utf-8") as f:
+                copy.write_text("".join(line for _, line in zip(range(examples), f)), encoding="utf-8")
+            path = copy
+        t["dataset_uri"] = str(path)
+        out.append(t)
+    return out
+
+
+def llmfoundry_entries(entries: list[dict]) -> list[dict]:
+    names = {"stop_sequences": "early_stopping_criteria"}
+    out = []
+    for t in entries:
+        t = {names.get(k, k): v for k, v in t.items()}
+        t["num_fewshot"] = t["num_fewshot"] if isinstance(t["num_fewshot"], list) else [t["num_fewshot"]]
+        out.append(t)
+    return out
+
+
+def configs(work: Path, model: Path, entries: list[dict], examples: int | None, batch: int) -> dict:
+    fx = {"models": [{"label": "bench", "hf": str(model)}], "icl_tasks": entries,
+          "max_seq_len": MAX_LEN, "device_eval_batch_size": batch, "precision": "fp32",
+          "device": "cpu", "progress_bar": False, "output_dir": str(work / "fx-out"),
+          "python_log_level": "warning"}
+    lf = {"models": [{"model_name": "bench",
+                      "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(model),
+                                "pretrained": True},
+                      "tokenizer": {"name": str(model), "kwargs": {"model_max_length": MAX_LEN}}}],
+          "icl_tasks": llmfoundry_entries(entries), "max_seq_len": MAX_LEN,
+          "device_eval_batch_size": batch, "precision": "fp32", "seed": 17, "loggers": {},
+          "python_log_level": "warning"}
+    paths = {}
+    for side, cfg in (("foundryx", fx), ("llmfoundry", lf)):
+        paths[side] = work / f"{side}.yaml"
+        paths[side].write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return paths
+
+
+def run_side(side: str, py: Path, cfg: Path, work: Path, i: int, profile: bool = False) -> dict:
+    result, script = work / f"{side}-{i}.json", work / f"{side}_run.py"
+    script.write_text(FOUNDRYX_RUN if side == "foundryx" else LLMFOUNDRY_RUN)
+    prof = ["-m", "cProfile", "-o", str(work / "foundryx.prof")] if profile else []
+    cmd = [str(py), *prof, str(script), str(cfg), str(result)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    if side == "foundryx":
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    start = time.perf_counter()
+    p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"eval_vs_llmfoundry: {side} failed:\n{p.stderr[-6000:]}")
+    out = json.loads(result.read_text())
+    out["process_s"] = time.perf_counter() - start
+    return out
+
+
+def profile_summary(work: Path, top: int = 25) -> str:
+    import io
+    import pstats
+
+    s = io.StringIO()
+    pstats.Stats(str(work / "foundryx.prof"), stream=s).sort_stats("cumulative").print_stats(top)
+    return s.getvalue()
+
+
+def scores_table(fx: dict, lf: dict) -> tuple[str, int, int]:
+    keys = list(dict.fromkeys([*fx, *lf]))
+    lines = ["| result | foundryx | LLM Foundry 0.22 | same |", "|---|---:|---:|---|"]
+    same = 0
+    for k in keys:
+        a, b = fx.get(k), lf.get(k)
+        eq = a is not None and b is not None and abs(a - b) < 1e-12
+        same += eq
+        cell = lambda v: "-" if v is None else f"{v:.6f}"  # noqa: E731
+        lines.append(f"| {k} | {cell(a)} | {cell(b)} | {'yes' if eq else 'no'} |")
+    compared = sum(1 for k in keys if k in fx and k in lf)
+    return "\n".join(lines), same, compared
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", default=str(ROOT / "eval/yamls/tasks.yaml"))
+    ap.add_argument("--data-root", type=Path, default=SHARED / "eval_data")
+    ap.add_argument("--examples", type=int, help="the first N examples of each task")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--profile", action="store_true", help="profile one more foundryx run")
+    ap.add_argument("--only", choices=["foundryx", "llmfoundry"], help="run one side only")
+    ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-eval-vs-llmfoundry"))
+    ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    lf_py = ensure_llmfoundry(args.venv) if args.only != "foundryx" else None
+    model = build_model(args.work, hidden=args.hidden)
+    entries = task_entries(args.tasks, args.data_root, args.examples, args.work)
+    cfgs = configs(args.work, model, entries, args.examples, args.batch_size)
+    pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
+    rows = []
+    for i in range(args.rounds):
+        order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
+        order = [s for s in order if args.only in (None, s)]
+        row = {"round": i + 1, "first": order[0]}
+        for side in order:
+            log(f"round {i + 1}/{args.rounds}: {side}")
+            row[side] = run_side(side, pys[side], cfgs[side], args.work, i)
+            log(f"  {side}: {row[side]['eval_s']:.1f} s (process {row[side]['process_s']:.1f} s)")
+            with (args.work / "runs.jsonl").open("a") as f:
+                f.write(json.dumps({"round": i + 1, "side": side, **row[side]}) + "\n")
+        rows.append(row)
+    if args.profile:
+        log("profiling foundryx")
+        run_side("foundryx", pys["foundryx"], cfgs["foundryx"], args.work, 99, profile=True)
+        print(profile_summary(args.work))
+    if args.only:
+        print(json.dumps(rows, indent=1))
+        return
+    times = "\n".join(
+        f"| {r['round']} | {r['first']} | {r['foundryx']['eval_s']:.1f} / {r['foundryx']['process_s']:.1f} "
+        f"| {r['llmfoundry']['eval_s']:.1f} / {r['llmfoundry']['process_s']:.1f} "
+        f"| {r['llmfoundry']['eval_s'] / r['foundryx']['eval_s']:.2f} |" for r in rows)
+    ratios = [r["llmfoundry"]["eval_s"] / r["foundryx"]["eval_s"] for r in rows]
+    table, same, compared = scores_table(rows[0]["foundryx"]["scores"], rows[0]["llmfoundry"]["scores"])
+    import torch
+    cmd = (f"python benchmarks/eval_vs_llmfoundry.py --tasks {os.path.relpath(args.tasks, ROOT)} "
+           f"--rounds {args.rounds} --batch-size {args.batch_size} --hidden {args.hidden}"
+           + (f" --examples {args.examples}" if args.examples else ""))
+    text = (f"\n## foundryx eval vs LLM Foundry 0.22 eval, CPU (issue 25)\n\n{datetime.date.today()}. "
+            f"{platform.machine()}, {os.cpu_count()} cores (shared with other work); torch "
+            f"{torch.__version__} both sides; transformers: foundryx's venv vs LLM Foundry's pin "
+            f"(4.51.3). Command: `{cmd}`. Model: seeded random Llama (hidden {args.hidden}, 2 "
+            f"layers), byte-level BPE 8192 on tinyshakespeare; fp32, batch {args.batch_size}, "
+            f"max_seq_len {MAX_LEN}; {'first ' + str(args.examples) if args.examples else 'all'} "
+            f"examples of each task.\n\n| round | first | foundryx s (call / process) | LLM Foundry s "
+            f"(call / process) | LLM Foundry / foundryx |\n|---|---|---:|---:|---:|\n{times}\n\n"
+            f"Speed-up (LLM Foundry / foundryx, the eval call): median {statistics.median(ratios):.2f} "
+            f"(min {min(ratios):.2f}, max {max(ratios):.2f}).\n\nScores (round 1): {same} of "
+            f"{compared} results identical.\n\n{table}\n")
+    print(text)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
