@@ -50,7 +50,8 @@ def stored_bytes(opts: Any, total: int, notes: list[str]) -> int:
     dtype = "float32"
     config = folder / "config.json"
     if config.is_file():
-        dtype = str(json.loads(config.read_text()).get("torch_dtype") or "float32")
+        saved = json.loads(config.read_text())  # transformers >= 4.56 writes "dtype"
+        dtype = str(saved.get("torch_dtype") or saved.get("dtype") or "float32")
     per = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
     notes.append(f"no safetensors in {folder}: the checkpoint is taken as {total / 1e9:,.2f}B "
                  f"parameters x {per} bytes ({dtype}, the config's torch_dtype)")
