@@ -3,24 +3,33 @@
 User errors (:class:`foundryx.errors.FoundryxError`) print one message, no traceback, and
 exit with code 2 (a :class:`~foundryx.errors.RunError`, such as a killed dataloader worker:
 code 1, printed by the rank that saw it). Training, eval and export load torch and Composer
-(seconds); their modules are imported when the command runs, so ``foundryx --help`` and the
-data commands start fast.
+(seconds); their modules are imported when the command runs, after the config passed the
+checks that need none of them (:func:`foundryx.config.load.precheck`), so ``foundryx --help``,
+the data commands and a config's mistakes answer in a fraction of a second.
+
+``train``, ``plan``, ``eval``, ``doctor`` and ``export`` take ``key=value`` overrides anywhere
+on the line (:func:`split_overrides`), before or after the flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import platform
 import sys
 from pathlib import Path
 
-from foundryx import registry
+from foundryx import __version__, known_warnings, registry
 from foundryx.config.help import component_help, config_help
+from foundryx.config.load import is_override, precheck, precheck_sections
 from foundryx.data import partitions
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.quickstart import prepare_quickstart
 from foundryx.data.tokenizers import build_hf_tokenizer
+from foundryx.devices import run_problems
 from foundryx.errors import ConfigError, FoundryxError
+from foundryx.eval.config import load_eval_config, run_config_icl_problems
 from foundryx.plan.command import add_parser as add_plan_parser
 from foundryx.runtime import setup_logging
 
@@ -35,6 +44,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise FoundryxError("foundryx train: give a run config, e.g. yamls/quickstart.yaml")
+    # Before torch: the config's mistakes in a fraction of a second. A dry run lists what this
+    # machine cannot run after its plan (a GPU recipe checked on a laptop still shows one).
+    precheck(args.config, args.overrides,
+             checks=(run_config_icl_problems,) + (() if args.dry_run else (run_problems,)))
     from foundryx import train as training  # torch + Composer: only when a run is loaded
 
     if args.dry_run:  # the config, derived numbers and plan, then the problems (exit 2)
@@ -102,10 +115,17 @@ def cmd_data_merge(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.overrides and not args.config:
+        raise FoundryxError(f"foundryx export: the overrides {' '.join(args.overrides)} change a "
+                            "run config: give it with --config RUN_YAML (without one the "
+                            "checkpoint's own record of its model is used, as it was trained)")
+    if args.config:  # before torch: the run config's mistakes in a fraction of a second
+        precheck_sections(args.config, args.overrides,
+                          ("model",) if args.tokenizer else ("model", "tokenizer"))
     from foundryx.export import export_checkpoint  # torch + transformers: only for an export
 
     setup_logging("info")
-    config, *overrides = args.config or [None]
+    config, overrides = args.config, args.overrides
     out = export_checkpoint(
         args.checkpoint, args.out, config=config, overrides=overrides,
         tokenizer=args.tokenizer, fmt=args.format, dtype=args.dtype, overwrite=args.overwrite,
@@ -118,16 +138,20 @@ def cmd_export(args: argparse.Namespace) -> int:
 def _add_export_parser(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "export", help="checkpoint → Hugging Face folder (safetensors, config, tokenizer)",
-        usage="foundryx export CHECKPOINT OUT [--config RUN_YAML [KEY=VALUE ...]] [--tokenizer T] "
+        usage="foundryx export CHECKPOINT [OUT] [--config RUN_YAML] [KEY=VALUE ...] [--tokenizer T] "
               "[--format auto|llama|mpt] [--dtype fp32|bf16|fp16] [--overwrite] [--no-verify] "
               "[--no-progress] [--merged]",
     )
     e.add_argument("checkpoint", help="a checkpoint folder, a save_folder (its newest checkpoint), "
                    "or a weights file (.pt, .safetensors)")
-    e.add_argument("out", help="the folder to write (appears complete or not at all)")
-    e.add_argument("--config", nargs="+", metavar="RUN_YAML", help="run YAML the checkpoint was "
-                   "trained with (model and tokenizer), then any key=value overrides; default: "
-                   "the checkpoint's own record (components.json, or hf/ in older ones)")
+    e.add_argument("out", nargs="?", help="the folder to write (appears complete or not at all); "
+                   "default: the run folder's export/hf (export/adapter for a LoRA run, "
+                   "export/merged with --merged)")
+    e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides of the --config "
+                   "run YAML, e.g. model.peft_config.r=16")
+    e.add_argument("--config", metavar="RUN_YAML", help="run YAML the checkpoint was trained with "
+                   "(its model and tokenizer); default: the checkpoint's own record "
+                   "(components.json, or hf/ in older ones)")
     e.add_argument("--tokenizer", help="tokenizer folder or hub name to write instead of the config's")
     e.add_argument("--format", default="auto", help="auto (default), llama or mpt; see docs/hf.md")
     e.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: as trained)")
@@ -141,9 +165,12 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0, or 1 when --compare-to finds a result short of the reference."""
-    from foundryx.eval.run import load_eval_config, run_eval  # torch + Composer: only for an eval
+    loaded = load_eval_config(args.config, args.overrides)  # before torch: mistakes answer fast
+    cannot = run_problems({"device": loaded.cfg.device})  # (eval on a CPU runs in fp32)
+    if cannot:
+        raise ConfigError(cannot, source=str(args.config))
+    from foundryx.eval.run import run_eval  # torch + Composer: only for an eval
 
-    loaded = load_eval_config(args.config, args.overrides)
     outcome = run_eval(loaded, compare_to=args.compare_to, tolerance=args.tolerance,
                        dump_examples=args.dump_examples)
     if _is_rank_zero():
@@ -177,6 +204,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     cfg = None
     if args.config:
+        precheck(args.config, args.overrides, checks=(run_config_icl_problems,))  # before torch
         from foundryx import train as training
 
         cfg = training.load_run_config(args.config, args.overrides).cfg
@@ -208,9 +236,43 @@ def _add_report_and_doctor_parsers(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(fn=cmd_doctor)
 
 
+DESCRIPTION = """LLM training on Composer: train, evaluate, export and plan runs from one YAML config.
+
+Commands that take a config also take key=value overrides of it, anywhere on the line:
+  foundryx train yamls/quickstart.yaml max_duration=20ba --dry-run
+  foundryx plan yamls/mpt-1b.yaml --gpus 8 global_train_batch_size=512
+"""
+
+
+def versions() -> str:
+    """``foundryx --version``: foundryx and what it runs on (read without importing them)."""
+    def v(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"foundryx {__version__} (composer {v('mosaicml')}, torch {v('torch')}, "
+            f"transformers {v('transformers')}, python {platform.python_version()})")
+
+
+class _Version(argparse.Action):
+    """``--version``: the versions are read only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the versions of foundryx and what it runs on, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(versions())
+        parser.exit()
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="foundryx", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="foundryx", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action=_Version)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", help="train from a run config (same as `composer train.py`)")
     t.add_argument("config", nargs="?", help="run config YAML, e.g. yamls/quickstart.yaml")
@@ -268,8 +330,71 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands whose config takes key=value overrides (their ``overrides`` argument).
+OVERRIDE_COMMANDS = ("train", "plan", "eval", "doctor", "export")
+
+
+def _subcommands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next((a.choices for a in p._actions if isinstance(a, argparse._SubParsersAction)), {})
+
+
+def _innermost(p: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command parser the words ``argv`` end up in, e.g. ``foundryx data convert``'s."""
+    for word in argv:
+        inner = _subcommands(p).get(word)
+        if inner is not None:
+            p = inner
+    return p
+
+
+def _takes_value(sub: argparse.ArgumentParser, word: str) -> bool:
+    """Whether ``word`` is one of ``sub``'s options that is followed by its value."""
+    if not word.startswith("-") or "=" in word:
+        return False
+    action = sub._option_string_actions.get(word)
+    if action is None:  # an abbreviation (--gpu-mem): argparse accepts unique prefixes
+        found = [a for o, a in sub._option_string_actions.items() if o.startswith(word)]
+        action = found[0] if len({id(a) for a in found}) == 1 else None
+    return action is not None and action.nargs != 0
+
+
+def split_overrides(sub: argparse.ArgumentParser, words: list[str]) -> tuple[list[str], list[str]]:
+    """``(words without the key=value overrides, the overrides)``: an override is a word of
+    the form ``key=value`` (``a.b[0]=x``) anywhere, except as the value of an option."""
+    rest, overrides = [], []
+    for i, word in enumerate(words):
+        after_option = i > 0 and _takes_value(sub, words[i - 1])
+        (overrides if is_override(word) and not after_option else rest).append(word)
+    return rest, overrides
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line as a Namespace; a usage error exits 2 with the usage of the command
+    it is in (``foundryx plan: error: ...``), not the top-level one."""
+    p = parser()
+    command = next((w for w in argv if not w.startswith("-")), None)
+    sub = _subcommands(p).get(command) if command in OVERRIDE_COMMANDS else None
+    overrides: list[str] = []
+    if sub is not None:
+        at = argv.index(command) + 1
+        rest, overrides = split_overrides(sub, argv[at:])
+        argv = argv[:at] + rest
+    args, extras = p.parse_known_args(argv)
+    if sub is None:
+        if extras:
+            _innermost(p, argv).error(f"unrecognized arguments: {' '.join(extras)}")
+        return args
+    # Words after the flags that are not key=value: shown as malformed overrides, not a usage.
+    args.overrides = [*args.overrides, *overrides, *(w for w in extras if not w.startswith("-"))]
+    flags = [w for w in extras if w.startswith("-")]
+    if flags:
+        sub.error(f"unrecognized arguments: {' '.join(flags)} (see foundryx {command} --help)")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    args = parse(list(sys.argv[1:] if argv is None else argv))
+    known_warnings.install(preimport=False)  # every subcommand: see docs/operations.md
     try:
         return args.fn(args)
     except FoundryxError as e:

@@ -1,5 +1,6 @@
-"""Peak dense FLOP/s of accelerators: the one table foundryx reads (the speed monitor's MFU,
-the planner).
+"""What a device can do: peak dense FLOP/s of accelerators (the one table foundryx reads: the
+speed monitor's MFU, the planner), and whether this machine can run a config's ``device`` and
+``precision`` (:func:`run_problems`, checked up front with the rest of the config).
 
     >>> peak_flops("NVIDIA H100 80GB HBM3", "bf16")
     989000000000000.0
@@ -15,14 +16,25 @@ peaks (an "MI250X/MI250", an H100/H200 NVL), gets no number: :func:`peak_flops` 
 warning naming the device and how to give the number (the speed monitor's ``peak_flops``
 option) and returns None.
 
+Whether this machine has a GPU is known without torch in the common cases (no NVIDIA or AMD
+device files, every GPU hidden by ``CUDA_VISIBLE_DEVICES``, a CPU-only torch build): the
+command line checks a config before it imports torch (seconds), and again with torch, which
+also knows the GPU's model, before a run starts.
+
 Imports nothing of foundryx: any part may use it.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.metadata
+import importlib.util
 import logging
+import os
 import re
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -122,3 +134,98 @@ def why_no_peak(device_name: str, dtype: str) -> str:
         return (f"peak FLOP/s of {device_name!r} ({device.key}): the table lists bf16, fp16 and "
                 f"fp8 peaks only, not {dtype!r}; {fix}")
     return f"peak FLOP/s of {device_name!r}: {device.key} has no {key} peak in its datasheet; {fix}"
+
+
+# -- can this machine run a config's device and precision? -------------------------------------
+@dataclass(frozen=True)
+class Machine:
+    """This machine's GPUs as far as they are known: ``gpus`` 0 (none, ``why_none`` says how
+    that is known), None (not known without torch), or the count torch sees; ``name`` and
+    ``capability`` (NVIDIA compute capability; None on ROCm) of the first GPU, from torch."""
+
+    gpus: int | None
+    why_none: str = ""
+    name: str | None = None
+    capability: tuple[int, int] | None = None
+
+
+def machine_without_torch() -> Machine:
+    """What is known of this machine's GPUs without importing torch (a fraction of a second)."""
+    for var in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
+        value = os.environ.get(var)
+        if value is not None and value.strip() in ("", "-1"):
+            return Machine(0, f"{var}={value!r} hides every GPU")
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch_version = None
+    if torch_version is not None and "+cpu" in torch_version:
+        return Machine(0, f"torch {torch_version} is a CPU-only build")
+    if sys.platform == "darwin":
+        return Machine(0, "macOS: torch has no CUDA or ROCm there")
+    if sys.platform.startswith("linux") and not (
+            glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")):
+        return Machine(0, "no NVIDIA or AMD GPU device: no /dev/nvidia*, no /dev/kfd")
+    return Machine(None)
+
+
+def machine_from_torch() -> Machine:
+    """This machine's GPUs as torch sees them (imports torch: seconds)."""
+    import torch  # heavy: only where a run or a dry run loads it anyway
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None and torch.version.hip is None:
+            return Machine(0, f"torch {torch.__version__} is a CPU-only build")
+        light = machine_without_torch()
+        return Machine(0, light.why_none or "torch sees no GPU (check nvidia-smi or rocm-smi, "
+                       "and CUDA_VISIBLE_DEVICES)")
+    capability = None if torch.version.hip else tuple(torch.cuda.get_device_capability(0))
+    return Machine(torch.cuda.device_count(), name=torch.cuda.get_device_name(0),
+                   capability=capability)
+
+
+def this_machine() -> Machine:
+    """With torch when it is already imported (it then knows the GPU), else without."""
+    return machine_from_torch() if "torch" in sys.modules else machine_without_torch()
+
+
+def run_problems(data: dict[str, Any], machine: Machine | None = None) -> list[str]:
+    """One line per setting of a resolved run config (``device``, ``precision``) that
+    ``machine`` (default: :func:`this_machine`) cannot run, naming what it has and what to set
+    instead. A setting it may be able to run, as far as is known, is no problem."""
+    device, precision = data.get("device"), data.get("precision", "fp32")
+    if device not in (None, "cpu", "gpu") or not isinstance(precision, str):
+        return []  # a schema problem, reported as such
+    m = machine or this_machine()
+    if device == "gpu" and m.gpus == 0:
+        also = "" if precision == "fp32" else f" and precision=fp32 ({precision} needs a GPU)"
+        return [f"device: 'gpu' cannot run here: this machine has no GPU that torch can use "
+                f"({m.why_none}). Fix: set device=cpu{also}, or run on a machine with a GPU"]
+    on_cpu = device == "cpu" or (device is None and m.gpus == 0)
+    if on_cpu and precision != "fp32":
+        where = ("the config sets device: cpu" if device == "cpu"
+                 else f"this run is on the CPU: no device is set and this machine has no GPU "
+                      f"({m.why_none})")
+        return [f"precision: {precision!r} cannot run here: Composer trains on a CPU in fp32 "
+                f"only, and {where}. Fix: set precision=fp32"
+                + (", or device=gpu on a machine with a GPU" if device == "cpu" else "")]
+    if precision == "amp_fp8":
+        return fp8_problems(m)
+    if precision == "amp_bf16" and m.capability is not None and m.capability < (8, 0):
+        return [f"precision: 'amp_bf16' cannot run here: bf16 needs an NVIDIA GPU of compute "
+                f"capability 8.0 (Ampere) or newer, and this machine's {m.name} is "
+                f"{m.capability[0]}.{m.capability[1]}. Fix: set precision=amp_fp16"]
+    return []
+
+
+def fp8_problems(m: Machine) -> list[str]:
+    """Composer's ``amp_fp8`` runs through NVIDIA TransformerEngine on compute capability 8.9+."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return ["precision: 'amp_fp8' cannot run here: Composer's fp8 needs NVIDIA "
+                "TransformerEngine, which is not installed. Fix: set precision=amp_bf16, or "
+                "install transformer-engine on a GPU of compute capability 8.9 or newer"]
+    if m.capability is not None and m.capability < (8, 9):
+        return [f"precision: 'amp_fp8' cannot run here: fp8 needs an NVIDIA GPU of compute "
+                f"capability 8.9 (Ada, Hopper) or newer, and this machine's {m.name} is "
+                f"{m.capability[0]}.{m.capability[1]}. Fix: set precision=amp_bf16"]
+    return []

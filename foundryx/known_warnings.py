@@ -2,8 +2,9 @@
 
 Each filter names the warning's start (a regular expression matched against the start of the
 message, as :func:`warnings.filterwarnings` does), its category and why it is harmless in
-foundryx. Everything else still reaches the output. :func:`install` is called by
-``foundryx train`` (foundryx.train) before it builds anything. To see every warning again,
+foundryx. Everything else still reaches the output. :func:`install` is called by the CLI for
+every subcommand (``foundryx train``, ``eval``, ``export``, ... and ``train.py``/``eval/eval.py``)
+and again by ``foundryx train`` (foundryx.train) before it builds anything. To see every warning again,
 set ``FOUNDRYX_ALL_WARNINGS=1``.
 
 Imports nothing of foundryx: any part may use it.
@@ -89,17 +90,22 @@ class _DropKnownPrints(logging.Filter):
         return not any(re.match(k.message, record.getMessage()) for k in KNOWN_PRINTS)
 
 
-def install() -> None:
-    """Ignore the :data:`KNOWN` warnings (not when ``FOUNDRYX_ALL_WARNINGS=1``) and import the
-    modules that print :data:`KNOWN_PRINTS` with those lines dropped."""
+def install(preimport: bool = True) -> None:
+    """Ignore the :data:`KNOWN` warnings (not when ``FOUNDRYX_ALL_WARNINGS=1``), and with
+    ``preimport`` import the modules that print :data:`KNOWN_PRINTS` with those lines dropped
+    (that imports torch: the CLI installs the filters without it for every subcommand, before
+    anything heavy is imported; ``foundryx train`` installs them whole)."""
     if os.environ.get("FOUNDRYX_ALL_WARNINGS") == "1":
         return
+    install_import_filters()
     for known in KNOWN:
         warnings.filterwarnings("ignore", message=known.message, category=known.category)
     for name in KNOWN_PRINT_LOGGERS:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnownPrints) for f in logger.filters):
             logger.addFilter(_DropKnownPrints())
+    if not preimport:
+        return
     with filtered_stderr():
         with contextlib.suppress(Exception):
             import torch.utils.cpp_extension  # noqa: F401  (prints on import; see KNOWN_PRINTS)

@@ -25,6 +25,12 @@ class RunFacts:
     checkpoint: str | None = None     # the newest checkpoint folder, when known
     metrics: str | None = None        # the jsonl logger's file
     eval_config: str | None = None    # an eval YAML to suggest
+    lora_base: str | None = None      # a LoRA run: the Hugging Face base it adapts
+
+
+# A run folder's layout (foundryx.checkpoint.layout.EXPORT_DIR and EVAL_DIR): the folder above
+# the save_folder holds export/ (hf, adapter, merged) and eval/ beside metrics.jsonl and report/.
+EXPORT_DIR, EVAL_DIR = "export", "eval"
 
 
 def _duration(seconds: float) -> str:
@@ -40,6 +46,37 @@ def _tokens(n: int) -> str:
     return str(n)
 
 
+def _q(path: str | Path) -> str:
+    return shlex.quote(str(path))
+
+
+def next_commands(f: RunFacts) -> list[str]:
+    """The commands that follow this run, each on the paths the one before it writes: eval of
+    the checkpoint (a LoRA run: export of its adapter, then eval of the adapter on its base),
+    the export, and the report; eval results and exports go under the run folder (the
+    save_folder's parent), where ``foundryx report`` finds them."""
+    nxt = []
+    if f.save_folder:
+        run_dir = Path(f.save_folder).parent
+        if f.lora_base:
+            adapter = run_dir / EXPORT_DIR / "adapter"
+            nxt.append(f"foundryx export {_q(f.save_folder)} {_q(adapter)}")
+            if f.eval_config:
+                model = f"[{{label: {f.run_name}, hf: {f.lora_base}, adapter: {adapter}}}]"
+                nxt.append(f"foundryx eval {f.eval_config} models={shlex.quote(model)} "
+                           f"output_dir={_q(run_dir / EVAL_DIR)}")
+        else:
+            if f.eval_config:
+                model = f"[{{label: {f.run_name}, checkpoint: {f.save_folder}}}]"
+                nxt.append(f"foundryx eval {f.eval_config} models={shlex.quote(model)} "
+                           f"output_dir={_q(run_dir / EVAL_DIR)}")
+            nxt.append(f"foundryx export {_q(f.save_folder)} {_q(run_dir / EXPORT_DIR / 'hf')}")
+    if f.metrics:
+        folder = Path(f.metrics).parent
+        nxt.append(f"foundryx report {_q(folder)}   # writes {folder / 'report' / 'report.md'}")
+    return nxt
+
+
 def summary(f: RunFacts) -> str:
     """The summary block (no trailing newline)."""
     what = f"{f.batches} batches" + (f" (to batch {f.last_batch})" if f.batches != f.last_batch else "")
@@ -51,19 +88,8 @@ def summary(f: RunFacts) -> str:
     else:
         lines.append("  checkpoint  none (save_folder is not set)")
     if f.metrics:
-        folder = Path(f.metrics).parent
         lines.append(f"  metrics     {f.metrics}")
-        lines.append(f"  report      {folder / 'report' / 'report.md'} (written by foundryx report)")
-    nxt = []
-    if f.save_folder:
-        run_dir = Path(f.save_folder).parent
-        if f.eval_config:
-            model = f"[{{label: {f.run_name}, checkpoint: {f.save_folder}}}]"
-            nxt.append(f"foundryx eval {f.eval_config} models={shlex.quote(model)}")
-        nxt.append(f"foundryx export {shlex.quote(f.save_folder)} "
-                   f"{shlex.quote(str(run_dir / 'hf'))}")
-    if f.metrics:
-        nxt.append(f"foundryx report {shlex.quote(str(Path(f.metrics).parent))}")
+    nxt = next_commands(f)
     if nxt:
         lines.append("next:")
         lines += [f"  {c}" for c in nxt]

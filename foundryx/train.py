@@ -21,12 +21,14 @@ from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.workers import worker_death_error
+from foundryx.devices import machine_from_torch, run_problems
 from foundryx.doctor.facts import environment
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.plan.census import NotPlannable
 from foundryx.plan.planner import plan_here, render
 from foundryx.plan.prelaunch import check_fits, host_problem
 from foundryx.run_summary import RunFacts, summary
@@ -52,8 +54,10 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
     on this machine's GPU, or on the default GPU where there is none). It is shown even when
     sections have problems that do not stop it from being resolved, e.g. a data folder that
     exists only on the cluster: those sections are then left unchecked for the text, and
-    their problems are returned with every other. A config that cannot be resolved at all
-    raises its ConfigError, as ``foundryx train`` would."""
+    their problems are returned with every other, as are a ``device`` or ``precision`` this
+    machine cannot run and the problems found while building the model (on the meta device,
+    for the plan). A config that cannot be resolved at all raises its ConfigError, as
+    ``foundryx train`` would."""
     problems: list[str] = []
     try:
         loaded = load_run_config(path, overrides)
@@ -65,6 +69,7 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
             loaded = load_config(path, overrides, component_sections=sections)
         except ConfigError:
             raise e from None
+    problems += run_problems(loaded.resolved, machine_from_torch())
     parts = [f"# resolved config of {loaded.source}", loaded.to_yaml(), "# derived numbers",
              loaded.derived.table(), "# plan (`foundryx plan` for other devices)"]
     try:
@@ -77,14 +82,23 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
                             "GiB; see the plan's suggestions above")
         if not plan.host_fits and here_on_gpu and loaded.cfg.plan_check:
             problems.append(host_problem(plan) + "; see the plan's host fixes above")
-    except FoundryxError as e:  # a model the planner does not size, a hub name not cached, ...
+    except NotPlannable as e:  # a plugin model, ...: it may train all the same
         parts.append(f"no plan: {e}")
+    except ConfigError as e:  # building the model: e.g. LoRA target_modules that match nothing
+        parts.append("no plan: the model cannot be built; see the problems below")
+        problems += e.problems
+    except FoundryxError as e:  # a hub name not cached, ...: the run would stop there too
+        parts.append("no plan: the model cannot be built; see the problems below")
+        problems.append(f"model: {e}")
     return "\n".join(parts), problems
 
 
 def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
     cfg, derived = loaded.cfg, loaded.derived
+    cannot = run_problems({"device": cfg.device, "precision": cfg.precision}, machine_from_torch())
+    if cannot:  # before anything is set up or written
+        raise ConfigError(cannot, source=loaded.source)
     setup_logging(cfg.python_log_level)
     known_warnings.install()
     picked = pick_device(cfg.device)
@@ -129,14 +143,15 @@ def train(loaded: LoadedConfig):
         optimizers=optimizer,
         schedulers=builders.build_scheduler(cfg),
         algorithms=algorithms,
-        callbacks=builders.build_named("callbacks", cfg.callbacks) + icl_callbacks
+        callbacks=builders.build_named("callbacks", run_callbacks(cfg)) + icl_callbacks
         + ([checkpointer] if checkpointer else []),
         loggers=loggers,
         precision=cfg.precision,
         device=device,
         device_train_microbatch_size=derived.device_train_microbatch_size,
-        eval_interval=cfg.eval_interval,
-        eval_subset_num_batches=cfg.eval_subset_num_batches,
+        # without evaluators these only make Composer warn that they have no effect: its defaults
+        eval_interval=cfg.eval_interval if evaluators else 1,
+        eval_subset_num_batches=cfg.eval_subset_num_batches if evaluators else -1,
         seed=cfg.seed,
         console_log_interval=cfg.console_log_interval,
         log_to_console=False,  # foundryx's console logger (build_loggers) prints instead
@@ -153,6 +168,20 @@ def train(loaded: LoadedConfig):
         console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
         console.write(text) if console is not None else log.info("%s", text)
     return trainer
+
+
+def run_callbacks(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
+    """The ``callbacks`` section, with ``preemption`` added wherever a ``save_folder`` is set
+    (said in one log line): a scheduler's SIGTERM then ends the run with a checkpoint, not
+    with exit 143. A callback set to null is off: ``callbacks.preemption: null``."""
+    callbacks = {name: kwargs for name, kwargs in cfg.callbacks.items() if kwargs is not None}
+    if cfg.save_folder and "preemption" not in cfg.callbacks:  # null (off) or the user's own
+        callbacks["preemption"] = {}
+        if dist.get_global_rank() == 0:
+            log.info("preemption: on (save_folder is set): on SIGTERM or SIGUSR1 the run saves a "
+                     "checkpoint after the current batch and exits 0; callbacks.preemption: null "
+                     "turns it off")
+    return callbacks
 
 
 def build_loggers(cfg: TrainConfig) -> list[Any]:
@@ -180,15 +209,19 @@ def run_facts(trainer: Trainer, loaded: LoadedConfig, first_batch: int, seconds:
     if cfg.save_folder and Path(cfg.save_folder).is_dir():
         found = complete_checkpoints(cfg.save_folder)
         checkpoint = str(found[0][0]) if found else None
+    # the run's own eval YAML, else the quickstart's: its tasks are generated offline (any model)
     eval_config = next((str(p) for p in (Path("eval/yamls") / f"{Path(loaded.source).stem}.yaml",
-                                         Path("eval/yamls/hf_eval.yaml")) if p.is_file()), None)
+                                         Path("eval/yamls/quickstart.yaml")) if p.is_file()), None)
+    lora_base = None
+    if cfg.model.get("peft_config") is not None and cfg.model.get("pretrained_model_name_or_path"):
+        lora_base = str(cfg.model["pretrained_model_name_or_path"])
     last_batch = int(state.timestamp.batch)
     return RunFacts(
         run_name=state.run_name, config=str(loaded.source), batches=last_batch - first_batch,
         last_batch=last_batch, tokens=int(state.timestamp.token), seconds=seconds,
         first_loss=getattr(console, "first_loss", None), last_loss=getattr(console, "last_loss", None),
         save_folder=cfg.save_folder, checkpoint=checkpoint,
-        metrics=str(metrics) if metrics else None, eval_config=eval_config,
+        metrics=str(metrics) if metrics else None, eval_config=eval_config, lora_base=lora_base,
     )
 
 

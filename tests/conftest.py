@@ -45,6 +45,7 @@ MODERN_LEG_SLOW_FILES = {
     "test_remote_checkpoint.py",
     "test_quickstart_e2e.py",
     "test_plugin_model.py",
+    "test_walkthrough.py",
 }
 
 

@@ -53,7 +53,7 @@ def train(data: Path, out: Path, *extra: str, nproc: int = 2, kill: str = "", la
 
 def losses(out: Path) -> dict[int, float]:
     """Loss of each batch (1-based); a batch trained twice keeps its last value."""
-    return {row["batch"] + 1: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
+    return {row["batch"]: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
 
 
 def names(ckpt: Path) -> list[str]:

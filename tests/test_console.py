@@ -111,12 +111,25 @@ def test_summary_names_outputs_and_next_commands():
         "done: quickstart: 200 batches in 2m31s, 409.6k tokens, loss 8.0155 -> 2.9000",
         "  checkpoint  runs/quickstart/checkpoints/ep0-ba200",
         "  metrics     runs/quickstart/metrics.jsonl",
-        "  report      runs/quickstart/report/report.md (written by foundryx report)",
         "next:",
         "  foundryx eval eval/yamls/quickstart.yaml "
-        "models='[{label: quickstart, checkpoint: runs/quickstart/checkpoints}]'",
-        "  foundryx export runs/quickstart/checkpoints runs/quickstart/hf",
-        "  foundryx report runs/quickstart",
+        "models='[{label: quickstart, checkpoint: runs/quickstart/checkpoints}]' "
+        "output_dir=runs/quickstart/eval",
+        "  foundryx export runs/quickstart/checkpoints runs/quickstart/export/hf",
+        "  foundryx report runs/quickstart   # writes runs/quickstart/report/report.md",
+    ]
+    lora = summary(RunFacts(
+        run_name="llama-lora", config="yamls/finetune/llama-lora.yaml", batches=50, last_batch=50,
+        tokens=1, seconds=1, save_folder="runs/llama-lora/checkpoints",
+        metrics="runs/llama-lora/metrics.jsonl", eval_config="eval/yamls/quickstart.yaml",
+        lora_base="./runs/quickstart/export/hf"))
+    assert lora.splitlines()[-4:] == [
+        "next:",
+        "  foundryx export runs/llama-lora/checkpoints runs/llama-lora/export/adapter",
+        "  foundryx eval eval/yamls/quickstart.yaml models='[{label: llama-lora, hf: "
+        "./runs/quickstart/export/hf, adapter: runs/llama-lora/export/adapter}]' "
+        "output_dir=runs/llama-lora/eval",
+        "  foundryx report runs/llama-lora   # writes runs/llama-lora/report/report.md",
     ]
     bare = summary(RunFacts(run_name="r", config="r.yaml", batches=5, last_batch=5, tokens=10, seconds=3))
     assert bare.splitlines() == ["done: r: 5 batches in 3s, 10 tokens",

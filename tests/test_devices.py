@@ -127,3 +127,65 @@ def test_bad_options_name_the_yaml_path():
         SpeedMonitor(window_size=0, peak_flops="fast")
     text = str(e.value)
     assert "callbacks.speed_monitor.window_size" in text and "callbacks.speed_monitor.peak_flops" in text
+
+
+# -- can this machine run a config's device and precision? -------------------------------------
+NO_GPU = devices.Machine(0, "no NVIDIA or AMD GPU device: no /dev/nvidia*, no /dev/kfd")
+V100 = devices.Machine(1, name="Tesla V100-SXM2-16GB", capability=(7, 0))
+A100 = devices.Machine(1, name="NVIDIA A100-SXM4-40GB", capability=(8, 0))
+UNKNOWN = devices.Machine(None)  # device files present, torch not imported yet
+
+
+@pytest.mark.parametrize("data, machine, needles", [
+    ({"device": "gpu"}, NO_GPU, ["device: 'gpu' cannot run here", "/dev/nvidia*",
+                                 "Fix: set device=cpu, or run on a machine with a GPU"]),
+    ({"device": "gpu", "precision": "amp_bf16"}, NO_GPU,
+     ["Fix: set device=cpu and precision=fp32 (amp_bf16 needs a GPU)"]),
+    ({"device": "cpu", "precision": "amp_fp16"}, A100,
+     ["precision: 'amp_fp16' cannot run here", "the config sets device: cpu",
+      "Fix: set precision=fp32, or device=gpu"]),
+    ({"precision": "amp_bf16"}, NO_GPU, ["this run is on the CPU: no device is set",
+                                         "Fix: set precision=fp32"]),
+    ({"device": "gpu", "precision": "amp_bf16"}, V100,
+     ["bf16 needs an NVIDIA GPU of compute capability 8.0", "Tesla V100-SXM2-16GB is 7.0",
+      "Fix: set precision=amp_fp16"]),
+], ids=["gpu-without-gpu", "gpu-and-bf16-without-gpu", "fp16-on-cpu", "bf16-no-device-no-gpu",
+        "bf16-on-v100"])
+def test_what_this_machine_cannot_run_is_one_line_with_the_fix(data, machine, needles):
+    problems = devices.run_problems(data, machine)
+    assert len(problems) == 1 and "\n" not in problems[0], problems
+    for needle in needles:
+        assert needle in problems[0], problems[0]
+
+
+@pytest.mark.parametrize("data, machine", [
+    ({}, NO_GPU), ({"device": "cpu"}, NO_GPU), ({"precision": "amp_bf16"}, A100),
+    ({"device": "gpu", "precision": "amp_fp16"}, V100),
+    ({"device": "gpu", "precision": "amp_bf16"}, UNKNOWN),  # torch decides, later
+    ({"device": "tpu"}, NO_GPU),  # the schema's problem, reported as such
+])
+def test_what_this_machine_can_run_is_no_problem(data, machine):
+    assert devices.run_problems(data, machine) == []
+
+
+def test_amp_fp8_needs_transformer_engine(monkeypatch):
+    monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: None)
+    (problem,) = devices.run_problems({"device": "gpu", "precision": "amp_fp8"}, A100)
+    assert "TransformerEngine, which is not installed" in problem
+    assert "Fix: set precision=amp_bf16" in problem
+    monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: object())
+    (problem,) = devices.run_problems({"device": "gpu", "precision": "amp_fp8"}, A100)
+    assert "compute capability 8.9" in problem and "is 8.0" in problem
+
+
+def test_no_gpu_is_known_without_torch(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    m = devices.machine_without_torch()
+    assert m.gpus == 0 and "CUDA_VISIBLE_DEVICES=''" in m.why_none
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert devices.machine_without_torch().gpus == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_available():  # then device files are present: torch decides
+        assert devices.machine_without_torch().gpus in (None, 0)
+    else:
+        assert devices.machine_from_torch().gpus == 0

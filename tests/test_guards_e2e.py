@@ -61,7 +61,7 @@ def finish(p: subprocess.Popen, out: Path, timeout: float = 900) -> tuple[int, s
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {row["batch"] + 1: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
+    return {row["batch"]: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
 
 
 def wait_for(test, what: str, p: subprocess.Popen, timeout: float = 300) -> None:
@@ -119,9 +119,9 @@ def test_sigterm_saves_at_the_next_batch_exits_0_and_autoresume_ends_as_uninterr
     acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     events = acc.Scalars(LOSS)
-    assert sorted({e.step for e in events}) == list(range(16))
+    assert sorted({e.step for e in events}) == list(range(1, 17))  # batches 1..16, as printed
     by_step = {e.step: e.value for e in events}
-    assert all(abs(by_step[b - 1] - want[b]) < 1e-5 for b in want)
+    assert all(abs(by_step[b] - want[b]) < 1e-5 for b in want)
 
 
 @pytest.mark.slow

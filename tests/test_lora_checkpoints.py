@@ -67,7 +67,7 @@ def train(data: Path, out: Path, base: Path, nproc: int = 2) -> subprocess.Compl
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {row["batch"] + 1: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
+    return {row["batch"]: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
 
 
 def ok(out: Path, r: subprocess.CompletedProcess) -> str:

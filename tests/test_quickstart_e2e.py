@@ -73,14 +73,17 @@ def test_quickstart_console_page(quickstart_data, tmp_path):
     assert len(lines) < 60, out
     assert [int(m[1]) for m in re.finditer(r"^batch +(\d+)/20  loss ", out, re.M)] == list(range(2, 21, 2))
     assert out.count("eval at batch") == 2 and "Train time/" not in out
-    for noise in ("TypedStorage is deprecated", "torch.distributed is disabled", "No CUDA runtime"):
+    for noise in ("TypedStorage is deprecated", "torch.distributed is disabled", "No CUDA runtime",
+                  "Skipping import of cpp extensions"):
         assert noise not in out
     assert re.search(r"^done: quickstart: 20 batches in .*, loss \d+\.\d+ -> \d+\.\d+$", out, re.M), out
     (ckpt, _), *_ = complete_checkpoints(tmp_path / "ckpt")
     assert f"  checkpoint  {ckpt}" in lines and f"  metrics     {tmp_path}/metrics.jsonl" in lines
-    assert f"  foundryx export {tmp_path}/ckpt {tmp_path}/hf" in lines
-    assert f"  foundryx report {tmp_path}" in lines
-    assert f"  foundryx eval eval/yamls/quickstart.yaml models='[{{label: quickstart, checkpoint: {tmp_path}/ckpt}}]'" in lines
+    assert f"  foundryx export {tmp_path}/ckpt {tmp_path}/export/hf" in lines
+    assert f"  foundryx report {tmp_path}   # writes {tmp_path}/report/report.md" in lines
+    assert (f"  foundryx eval eval/yamls/quickstart.yaml models='[{{label: quickstart, checkpoint: "
+            f"{tmp_path}/ckpt}}]' output_dir={tmp_path}/eval") in lines
+    assert "preemption: on (save_folder is set)" in out
 
 
 def test_quickstart_two_processes_gloo(quickstart_data, tmp_path):

@@ -51,7 +51,7 @@ def logs(out: Path, r=None) -> str:
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {row["batch"] + 1: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
+    return {row["batch"]: row[LOSS] for row in read_metrics(out / "metrics.jsonl") if LOSS in row}
 
 
 def folders(s3, bucket: str, prefix: str = "run/") -> dict[str, set[str]]:

@@ -1,6 +1,8 @@
 """``preemption``: on SIGTERM or SIGUSR1, save a checkpoint at the next batch boundary and exit 0.
 
-YAML::
+On by default wherever a ``save_folder`` is set (``foundryx train`` adds it and says so in one
+log line, foundryx.train.run_callbacks); ``callbacks.preemption: null`` turns it off. YAML, for
+other signals::
 
     callbacks:
       preemption:

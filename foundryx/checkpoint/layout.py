@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +40,16 @@ RNG_DIR = "rng"
 LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 CORRUPT_SUFFIX = ".corrupt"
+
+
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def file_and_rank(path: str | Path) -> str:
+    """``path`` with the rank that wrote it, e.g. ``ckpt/dcp/__1_0.distcp (written by rank 1)``:
+    DCP names each rank's data file ``__<rank>_<n>.distcp``."""
+    m = _RANK_FILE.match(Path(path).name)
+    return f"{path} (written by rank {m[1]})" if m else str(path)
 
 
 @dataclass
@@ -169,6 +180,33 @@ def point_latest(save_folder: Path, name: str) -> None:
         tmp.unlink()
     os.symlink(name, tmp)
     os.replace(tmp, link)
+
+
+# A run folder (runs/<name>/) holds the save_folder and, by default, what follows a run:
+#   runs/<name>/checkpoints/   save_folder          runs/<name>/metrics.jsonl, run.json, report/
+#   runs/<name>/export/hf      foundryx export      runs/<name>/export/adapter, export/merged (LoRA)
+#   runs/<name>/eval/          foundryx eval        (foundryx report finds results.json there)
+EXPORT_DIR = "export"
+EVAL_DIR = "eval"
+
+
+def run_folder(path: str | Path) -> Path | None:
+    """The run folder ``path`` belongs to: the save_folder's parent for a checkpoint folder,
+    its manifest or a save_folder (``runs/x`` for ``runs/x/checkpoints/ep0-ba8``), the export
+    folder's parent for an export (``runs/x`` for ``runs/x/export/adapter``); None for anything
+    else (a weights file, a folder of another layout, an ``s3://`` URL)."""
+    p = Path(path)
+    if "://" in str(path):
+        return None
+    if p.name == MANIFEST:
+        p = p.parent
+    if is_checkpoint(p):
+        return p.parent.parent
+    if p.is_dir() and complete_checkpoints(p):
+        return p.parent
+    if p.parent.name == EXPORT_DIR:
+        return p.parent.parent
+    return None
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -133,13 +133,13 @@ def load(state: Any, folder: Path, weights_only: bool = False,
         model_sd, partial = {b: model_sd[k] for b, k in names.items()}, True
     check_model_matches(folder, model_sd)
     target: dict[str, Any] = {"model": model_sd} if weights_only else {"model": model_sd, "optim": optim_sd}
+    reader = SafeFileSystemReader(str(folder / DCP_DIR))
     try:
-        dcp_load(target, storage_reader=SafeFileSystemReader(str(folder / DCP_DIR)),
-                 planner=SafeLoadPlanner())
+        dcp_load(target, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
         raise
     except DCP_ERRORS as e:
-        raise CheckpointError(f"{folder / DCP_DIR}: cannot load ({dcp_error_text(e)}); the "
+        raise CheckpointError(f"{reader.where()}: cannot load ({dcp_error_text(e)}); the "
                               "checkpoint is damaged: use an earlier one") from None
     loaded = target["model"] if names is None else {names[k]: v for k, v in target["model"].items()}
     options = StateDictOptions(strict=not partial)

@@ -36,7 +36,7 @@ from foundryx.checkpoint.metadata import COMPONENTS, METADATA_DIR, metadata_fold
 from foundryx.checkpoint.remote import fetch, is_remote
 from foundryx.checkpoint.weights import fit_weights, load_model_weights
 from foundryx.config.components import build_component, component_problems
-from foundryx.config.load import read_merged, resolve
+from foundryx.config.load import precheck_sections
 from foundryx.errors import CheckpointError, ConfigError, FoundryxError
 from foundryx.models.peft.lora import apply_lora
 from foundryx.parallel.materialize import has_meta, init_meta
@@ -72,12 +72,9 @@ def run_config_sections(path: str | Path, overrides: list[str] | None = None,
     """The resolved ``model`` (and ``tokenizer``) sections of a run YAML, checked as
     ``load_config`` checks them; the rest of the config (data folders that may live on
     another machine, batch sizes, ...) is not needed to rebuild a model and not checked."""
-    merged, problems = read_merged(path, overrides)
-    names = ("model", "tokenizer") if with_tokenizer else ("model",)
-    sections = {name: resolve(merged.get(name), name, problems) for name in names}
-    problems += [f"{name}: missing; rebuilding the model needs it" for name in names
-                 if not isinstance(sections[name], dict)]
-    problems += component_problems({k: v for k, v in sections.items() if isinstance(v, dict)})
+    sections = precheck_sections(path, overrides, ("model", "tokenizer") if with_tokenizer
+                                 else ("model",))
+    problems = component_problems(sections)
     if problems:
         raise ConfigError(problems, source=str(path))
     return sections

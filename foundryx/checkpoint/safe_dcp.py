@@ -19,6 +19,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, Metadata
 from torch.distributed.checkpoint.api import CheckpointException
 
+from foundryx.checkpoint.layout import file_and_rank
 from foundryx.errors import CheckpointError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
@@ -89,7 +90,34 @@ def read_metadata(dcp_dir: str | Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose metadata is unpickled with an allow-list."""
+    """FileSystemReader whose metadata is unpickled with an allow-list. ``failed_file`` is the
+    data file a failed ``read_data`` was reading (None: none failed, or before any file), so
+    that an error can name it: see :meth:`where`."""
+
+    failed_file: Path | None = None
+
+    def read_data(self, plan, planner):
+        fs, reader = self.fs, self
+
+        class _Tracking:  # the parent opens each data file through fs.create_stream
+            def __getattr__(self, name: str) -> Any:
+                return getattr(fs, name)
+
+            def create_stream(self, path: Any, mode: str) -> Any:
+                reader.failed_file = Path(path)  # cleared below when every read succeeds
+                return fs.create_stream(path, mode)
+
+        self.fs = _Tracking()
+        try:
+            result = super().read_data(plan, planner)
+        finally:
+            self.fs = fs
+        self.failed_file = None
+        return result
+
+    def where(self) -> str:
+        """The file a failed read was reading, with the rank that wrote it; else the folder."""
+        return file_and_rank(self.failed_file) if self.failed_file is not None else str(self.path)
 
     def read_metadata(self) -> Metadata:
         from torch.distributed.checkpoint.metadata import StorageMeta

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from foundryx.checkpoint.layout import MANIFEST, Manifest
+from foundryx.checkpoint.layout import MANIFEST, Manifest, file_and_rank
 from foundryx.errors import CheckpointError
 
 _CHUNK = 1 << 22
@@ -29,14 +29,15 @@ def file_problems(folder: Path, files: Mapping[str, Mapping[str, Any]], names: I
     problems = []
     for rel in names:
         want, path = files[rel], folder / rel
+        named = file_and_rank(path)  # a data file: with the rank that wrote it
         if not path.is_file():
-            problems.append(f"{path}: missing (listed in {MANIFEST})")
+            problems.append(f"{named}: missing (listed in {MANIFEST})")
             continue
         size = path.stat().st_size
         if size != want["size"]:
-            problems.append(f"{path}: {size} bytes, {MANIFEST} says {want['size']} (truncated or replaced)")
+            problems.append(f"{named}: {size} bytes, {MANIFEST} says {want['size']} (truncated or replaced)")
         elif file_digest(path)["sha256"] != want["sha256"]:
-            problems.append(f"{path}: sha256 differs from {MANIFEST} (corrupt or replaced)")
+            problems.append(f"{named}: sha256 differs from {MANIFEST} (corrupt or replaced)")
     return problems
 
 

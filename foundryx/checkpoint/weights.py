@@ -66,14 +66,15 @@ def load_model_weights(path: str | Path, verify: bool = True) -> dict[str, torch
     state = {f"{MODEL_KEY}.{k}": torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
     from torch.distributed.checkpoint import load
 
+    reader = SafeFileSystemReader(str(dcp_dir))
     try:
-        load(state, storage_reader=SafeFileSystemReader(str(dcp_dir)), planner=SafeLoadPlanner(),
-             no_dist=True)
+        load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     except CheckpointError:
         raise
     except DCP_ERRORS as e:
-        raise CheckpointError(f"{dcp_dir}: cannot read the model tensors ({dcp_error_text(e)}); "
-                              "the checkpoint is damaged: use an earlier one") from None
+        raise CheckpointError(f"{reader.where()}: cannot read the model tensors "
+                              f"({dcp_error_text(e)}); the checkpoint is damaged: use an earlier "
+                              "one") from None
     return {k[len(MODEL_KEY) + 1:]: v for k, v in state.items()}
 
 

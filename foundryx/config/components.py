@@ -137,6 +137,38 @@ def model_facts(model_section: Any) -> ModelFacts:
                       uses_sequence_id=get("uses_sequence_id") is True)
 
 
+def component_name_problems(data: dict[str, Any], sections: Collection[str] | None = None) -> list[str]:
+    """The registry names of every registry-backed section (or only of ``sections``) that no
+    entry has, found without loading any entry's code (:func:`component_problems` checks the
+    options too, and loads each entry)."""
+    named: list[tuple[str, str, Any]] = []  # (registry, YAML path of the name, the name)
+    for section, reg_name in COMPONENT_SECTIONS.items():
+        value = data.get(section) if sections is None or section in sections else None
+        if isinstance(value, dict):  # missing or mistyped sections: the schema check's
+            named.append((reg_name, f"{section}.name", value.get("name", _MISSING)))
+    for section, reg_name in NAMED_SECTIONS.items():
+        value = data.get(section) if sections is None or section in sections else None
+        if isinstance(value, dict):
+            named += [(reg_name, join(section, name), name) for name in value]
+    problems = []
+    for reg_name, path, name in named:
+        reg = registry.get_registry(reg_name)
+        if name is _MISSING:
+            problems.append(f"{path}: missing; choose one of: {', '.join(reg.names())}")
+        elif not isinstance(name, str):
+            problems.append(f"{path}: expected the name of an entry in registry {reg_name!r}, "
+                            f"got {name!r}")
+        else:
+            try:
+                reg.entry(name)
+            except RegistryError as e:
+                problems.append(f"{path}: {e}")
+    return problems
+
+
+_MISSING = object()
+
+
 def component_problems(data: dict[str, Any], sections: Collection[str] | None = None) -> list[str]:
     """Problems of every registry-backed section of a resolved config (or only of
     ``sections``), each alone and then against the model (``problems_with``)."""

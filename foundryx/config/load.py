@@ -1,7 +1,15 @@
-"""Load a run config: YAML + dotlist overrides + ``${variables.x}`` → validated TrainConfig."""
+"""Load a run config: YAML + dotlist overrides + ``${variables.x}`` → validated TrainConfig.
+
+Two stages, so that a mistake is reported in a fraction of a second: :func:`precheck` needs no
+component's code (no torch, Composer or transformers: the YAML, the overrides, the variables,
+the schema, the registry names, the derived numbers); :func:`load_config` also checks each
+component's options against its code, and is what a run uses. The command line runs the first
+before it imports anything heavy, and the second after.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +19,12 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from foundryx.config.components import component_problems
+from foundryx.config.components import component_name_problems, component_problems
 from foundryx.config.deprecations import upgrade as upgrade_deprecated
 from foundryx.config.derived import Derived, derive, world_size_from_env
 from foundryx.config.schema import TrainConfig
 from foundryx.config.types import dataclass_problems, join
+from foundryx.config.yaml_errors import describe as describe_yaml_error
 from foundryx.errors import ConfigError
 
 
@@ -37,13 +46,23 @@ def read_yaml(path: Path) -> DictConfig:
         raise ConfigError([f"{path}: no such config file{hint}; see yamls/ for examples"])
     try:
         node = OmegaConf.load(path)
-    except (yaml.YAMLError, OmegaConfBaseException) as e:
+    except yaml.YAMLError as e:
+        raise ConfigError([describe_yaml_error(e, path)]) from None
+    except OmegaConfBaseException as e:
         raise ConfigError([f"{path}: not valid YAML: {str(e).strip()}"]) from None
     except OSError:  # OmegaConf's word for "the document is a scalar"
         node = None
     if not isinstance(node, DictConfig):
         raise ConfigError([f"{path}: the top level must be a mapping of keys to values"])
     return node
+
+
+OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[\w-]+|\[\d+\])*=")
+
+
+def is_override(word: str) -> bool:
+    """Whether a command-line word is a ``key=value`` override (``a.b[0]=x``), not a path."""
+    return OVERRIDE.match(word) is not None
 
 
 def parse_overrides(overrides: list[str]) -> tuple[DictConfig, list[str]]:
@@ -104,9 +123,57 @@ def expand_switches(data: dict[str, Any]) -> dict[str, Any]:
             for k, v in data.items()}
 
 
+Check = Callable[[dict[str, Any]], list[str]]
+
+
+def read_resolved(path: Path, overrides: list[str] | None) -> tuple[dict[str, Any], list[str]]:
+    """The run config's plain data (merged, resolved, old forms upgraded) and its problems."""
+    merged, problems = read_merged(path, overrides)
+    data = resolve(merged, "", problems)
+    data, old_forms = upgrade_deprecated(data)  # e.g. fsdp_config -> parallelism, ...
+    return expand_switches(data), problems + old_forms
+
+
+def precheck(path: str | Path, overrides: list[str] | None = None,
+             world_size: int | None = None, checks: Sequence[Check] = (),
+             component_sections: Collection[str] | None = None) -> dict[str, Any]:
+    """The checks of :func:`load_config` that need no component's code: the YAML, overrides,
+    variables, schema, registry names (not the components' options) and derived numbers, then
+    ``checks`` (e.g. the device and precision against this machine). Raise ConfigError with
+    every problem found; return the resolved data. Imports nothing heavy, so it answers in a
+    fraction of a second; a config it passes can still fail :func:`load_config`."""
+    path = Path(path)
+    data, problems = read_resolved(path, overrides)
+    problems += dataclass_problems(TrainConfig, data)
+    problems += component_name_problems(data, component_sections)
+    if not problems:
+        cfg = TrainConfig(**{k: v for k, v in data.items() if k != "variables"})
+        problems += derive(cfg, world_size or world_size_from_env())[1]
+    for check in checks:
+        problems += check(data)
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return data
+
+
+def precheck_sections(path: str | Path, overrides: list[str] | None,
+                      names: Sequence[str]) -> dict[str, Any]:
+    """:func:`precheck` of only the sections ``names`` of a run config (e.g. the model and
+    tokenizer that an export rebuilds; data folders may live on another machine): each must be
+    there, resolve and name registry entries that exist. Return them."""
+    merged, problems = read_merged(path, overrides)
+    sections = {name: resolve(merged.get(name), name, problems) for name in names}
+    problems += [f"{name}: missing; rebuilding the model needs it" for name in names
+                 if not isinstance(sections[name], dict)]
+    problems += component_name_problems(sections, names)
+    if problems:
+        raise ConfigError(problems, source=str(path))
+    return sections
+
+
 def load_config(
     path: str | Path, overrides: list[str] | None = None, world_size: int | None = None,
-    checks: Sequence[Callable[[dict[str, Any]], list[str]]] = (),
+    checks: Sequence[Check] = (),
     component_sections: Collection[str] | None = None,
 ) -> LoadedConfig:
     """Read, merge, resolve and validate a run config; raise ConfigError with every problem.
@@ -116,11 +183,7 @@ def load_config(
     (``foundryx.train.RUN_CONFIG_CHECKS``). ``component_sections``: check only these
     registry-backed sections' options (the planner checks the model, not the data paths)."""
     path = Path(path)
-    merged, problems = read_merged(path, overrides)
-    data = resolve(merged, "", problems)
-    data, old_forms = upgrade_deprecated(data)  # e.g. fsdp_config -> parallelism, ...
-    data = expand_switches(data)
-    problems += old_forms
+    data, problems = read_resolved(path, overrides)
     problems += dataclass_problems(TrainConfig, data)
     problems += component_problems(data, component_sections)
     for check in checks:  # e.g. the ICL tasks and gauntlet, which foundryx.eval checks

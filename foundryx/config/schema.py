@@ -140,7 +140,9 @@ class TrainConfig:
 
     # -- extensions ---------------------------------------------------------------------
     algorithms: dict[str, dict[str, Any]] = doc("{<algorithms key>: kwargs}", default_factory=dict)
-    callbacks: dict[str, dict[str, Any]] = doc("{<callbacks key>: kwargs}", default_factory=dict)
+    callbacks: dict[str, dict[str, Any] | None] = doc(
+        "{<callbacks key>: kwargs}; null turns a callback off (preemption, on by default "
+        "with a save_folder: callbacks.preemption: null)", default_factory=dict)
     loggers: dict[str, dict[str, Any]] = doc("{<loggers key>: kwargs}", default_factory=dict)
 
     # -- hardware -----------------------------------------------------------------------

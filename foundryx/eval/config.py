@@ -54,7 +54,10 @@ class EvalConfig:
     precision: Precision = doc("fp32, amp_bf16, ...", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("default: gpu when available", default=None)
     seed: int = doc("torch seed (few-shot draws have their own seeds)", default=17)
-    output_dir: str = doc("where results.{md,csv,json,png} go", default="eval_results")
+    output_dir: str | None = doc(
+        "where results.{md,csv,json,png} go; default: the eval/ folder of the run that the first "
+        "checkpoint or adapter model comes from (runs/<name>/eval, where foundryx report finds "
+        "it), else eval_results", default=None)
     compare_to: str | None = doc(
         "a model label of this config, or a YAML of task -> score; see docs/eval.md", default=None)
     tolerance: float = doc("how far below the reference a score may be", default=0.02)

@@ -7,11 +7,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from composer.core import Callback, State
+from composer.loggers import Logger
+
 from foundryx import registry
 from foundryx.config import TrainConfig
 from foundryx.errors import ConfigError
 from foundryx.eval.data import build_dataspec, prepare_task
-from foundryx.eval.gauntlet import GauntletCallback, load_gauntlet
+from foundryx.eval.gauntlet import Gauntlet, gauntlet_scores, load_gauntlet
 from foundryx.eval.models import model_max_len
 from foundryx.eval.task_config import load_icl_tasks
 
@@ -66,3 +69,23 @@ def build_icl_evaluators(cfg: TrainConfig, tokenizer: Any, model: Any,
         callbacks.append(GauntletCallback(gauntlet, {p.key: names[p.metric] for p in prepared},
                                           {p.key: len(p.examples) for p in prepared}))
     return evaluators, callbacks
+
+
+class GauntletCallback(Callback):
+    """Logs ``icl/gauntlet/<name>`` after each evaluation: during training and after
+    ``Trainer.eval()``."""
+
+    def __init__(self, gauntlet: Gauntlet, metric_names: dict[str, str], sizes: dict[str, int]):
+        self.gauntlet, self.metric_names, self.sizes = gauntlet, metric_names, sizes
+
+    def eval_standalone_end(self, state: State, logger: Logger) -> None:
+        self.eval_after_all(state, logger)
+
+    def eval_after_all(self, state: State, logger: Logger) -> None:
+        scores = {}
+        for key, name in self.metric_names.items():
+            metric = state.eval_metrics.get(key, {}).get(name)
+            if metric is not None:
+                scores[key] = float(metric.compute())
+        composite = gauntlet_scores(self.gauntlet, scores, self.sizes)
+        logger.log_metrics({f"icl/gauntlet/{k}": v for k, v in composite.items()})

@@ -18,9 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from composer.core import Callback, State
-from composer.loggers import Logger
-
 from foundryx.config.load import read_yaml, resolve
 from foundryx.config.schema import doc
 from foundryx.config.types import dataclass_problems, join
@@ -152,22 +149,3 @@ def gauntlet_scores(g: Gauntlet, scores: dict[str, float], sizes: dict[str, int]
             log.info("gauntlet: average %s left out: a category is missing", name)
     return out
 
-
-class GauntletCallback(Callback):
-    """Logs ``icl/gauntlet/<name>`` after each evaluation: during training and after
-    ``Trainer.eval()``."""
-
-    def __init__(self, gauntlet: Gauntlet, metric_names: dict[str, str], sizes: dict[str, int]):
-        self.gauntlet, self.metric_names, self.sizes = gauntlet, metric_names, sizes
-
-    def eval_standalone_end(self, state: State, logger: Logger) -> None:
-        self.eval_after_all(state, logger)
-
-    def eval_after_all(self, state: State, logger: Logger) -> None:
-        scores = {}
-        for key, name in self.metric_names.items():
-            metric = state.eval_metrics.get(key, {}).get(name)
-            if metric is not None:
-                scores[key] = float(metric.compute())
-        composite = gauntlet_scores(self.gauntlet, scores, self.sizes)
-        logger.log_metrics({f"icl/gauntlet/{k}": v for k, v in composite.items()})

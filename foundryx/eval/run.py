@@ -10,6 +10,7 @@ from pathlib import Path
 
 from composer.utils import dist, get_device, reproducibility
 
+from foundryx.checkpoint.layout import EVAL_DIR, run_folder
 from foundryx.errors import ConfigError
 from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
 from foundryx.eval.config import LoadedEvalConfig, load_eval_config
@@ -123,9 +124,26 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     if compare_to is not None:
         outcome.comparisons = _compare(results, loaded, compare_to, ref_label, ref_file, tolerance)
     if write and dist.get_global_rank() == 0:
-        outcome.paths = _write_outputs(outcome, dumped if dump else None, cfg.output_dir,
-                                       loaded.source)
+        outcome.paths = _write_outputs(outcome, dumped if dump else None,
+                                       cfg.output_dir or default_output_dir(loaded), loaded.source)
     return outcome
+
+
+def default_output_dir(loaded: LoadedEvalConfig) -> str:
+    """``output_dir`` when the config sets none: the ``eval/`` folder of the run folder that the
+    first checkpoint or adapter among the models belongs to (``runs/x/eval`` for
+    ``runs/x/checkpoints`` or ``runs/x/export/adapter``), else ``eval_results``; said in one line."""
+    for spec in loaded.models:
+        for path in (spec.checkpoint, spec.adapter):
+            run = run_folder(path) if path else None
+            if run is not None:
+                out = run / EVAL_DIR
+                log.info("eval: results to %s (the run folder of model %s; output_dir= to change)",
+                         out, spec.label)
+                return str(out)
+    log.info("eval: results to eval_results (no model is a checkpoint or an adapter in a run "
+             "folder; output_dir= to change)")
+    return "eval_results"
 
 
 def _write_outputs(outcome: EvalOutcome, dumped: list[dict] | None, output_dir: str,

@@ -21,6 +21,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
+from foundryx.checkpoint.layout import EXPORT_DIR, run_folder
+from foundryx.checkpoint.lora import read_base
 from foundryx.checkpoint.metadata import has_model_record
 from foundryx.checkpoint.rebuild import checkpoint_path, rebuild_model
 from foundryx.checkpoint.weights import fit_weights
@@ -152,7 +154,27 @@ def export_weights(state: Mapping[str, torch.Tensor], spec: ExportSpec, out: str
                         progress=progress, source=source)
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, config: str | Path | None = None,
+def default_out(checkpoint: str | Path, *, fmt: str = "auto", merged: bool = False) -> Path:
+    """Where ``foundryx export CHECKPOINT`` writes without OUT: the run folder's ``export/``
+    (``runs/x/export/hf`` for ``runs/x/checkpoints``; ``export/adapter`` for a LoRA run,
+    ``export/merged`` with ``merged``, ``export/<fmt>`` for a format other than auto).
+    ExportError when the checkpoint is not in a run folder (a weights file, a URL)."""
+    run = run_folder(checkpoint)
+    if run is None:
+        raise ExportError(f"{checkpoint} is not a checkpoint in a run folder (runs/<name>/"
+                          f"<save_folder>), so there is no default output: give one, e.g. "
+                          f"foundryx export {checkpoint} exports/my-model")
+    if merged:
+        kind = "merged"
+    elif read_base(checkpoint_path(checkpoint)) is not None:
+        kind = "adapter"
+    else:
+        kind = "hf" if fmt == "auto" else fmt
+    return run / EXPORT_DIR / kind
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, *,
+                      config: str | Path | None = None,
                       overrides: list[str] | None = None, tokenizer: str | None = None,
                       fmt: str = "auto", dtype: str | None = None, overwrite: bool = False,
                       progress: bool = True, verify: bool = True, merged: bool = False) -> Path:
@@ -161,12 +183,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, config: str | 
     The model is rebuilt with :func:`~foundryx.checkpoint.rebuild.rebuild_model`: from
     ``config`` (the run YAML, with dotlist ``overrides``) when given, else from the
     checkpoint's own record; ``tokenizer`` (a folder or hub name) replaces its tokenizer.
-    Nothing is read or written before the options are checked.
+    Nothing is read or written before the options are checked. Without ``out``: the run
+    folder's ``export/`` (:func:`default_out`).
 
     A LoRA run's checkpoint is written as a PEFT adapter folder for the base of the chosen
     format, or with ``merged`` as the plain model with the adapters folded in (see
     :mod:`foundryx.export.lora`).
     """
+    if out is None:
+        out = default_out(checkpoint, fmt=fmt, merged=merged)
+        log.info("export: to %s (the run folder's %s/; give OUT to write elsewhere)", out, EXPORT_DIR)
     check_target(out, overwrite)
     check_dtype(dtype)
     path = checkpoint_path(checkpoint)

@@ -135,8 +135,9 @@ def write_adapter(model: nn.Module, options: LoraOptions, tokenizer: Any, out: s
             tokenizer.save_pretrained(tmp)
 
     out = write_atomically(out, fill, overwrite)
-    log.info("exported the LoRA adapter of %s (%d weights, for a %s base) to %s", source or "the model",
-             len(tensors), {"llama": "Llama", "mpt": "foundryx_mpt"}.get(fmt, "its Hugging Face"), out)
+    kind = {"llama": "a Llama", "mpt": "a foundryx_mpt"}.get(fmt, "its Hugging Face")
+    log.info("exported the LoRA adapter of %s (%d weights, for %s base%s) to %s",
+             source or "the model", len(tensors), kind, f" {base}" if base else "", out)
     return out
 
 

@@ -11,10 +11,13 @@ from composer.core import State
 from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
+from foundryx.loggers.steps import BatchNumbered
 
-class DeferredDestination(LoggerDestination):
+
+class DeferredDestination(BatchNumbered, LoggerDestination):
     """Subclasses set ``self.options`` (with ``rank_zero_only``) and implement ``opened``,
-    ``_open(state)`` and ``_write(kind, data, step)``, kind ``hyperparameters`` or ``metrics``."""
+    ``_open(state)`` and ``_write(kind, data, step)``, kind ``hyperparameters`` or ``metrics``;
+    ``step`` is the batch's number, 1..N (foundryx.loggers.steps)."""
 
     def __init__(self) -> None:
         self._enabled = False
@@ -51,7 +54,7 @@ class DeferredDestination(LoggerDestination):
         self._log("hyperparameters", hyperparameters, None)
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
-        self._log("metrics", metrics, step)
+        self._log("metrics", metrics, self.batch_number(step))
 
     def _log(self, kind: str, data: dict[str, Any], step: int | None) -> None:
         if not self._enabled:

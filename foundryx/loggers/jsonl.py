@@ -15,12 +15,15 @@ from composer.loggers import Logger, LoggerDestination
 from composer.utils import dist
 
 from foundryx.loggers.files import RUN_FILE, read_hyperparameters, read_metrics
+from foundryx.loggers.steps import BatchNumbered
 
 __all__ = ["JSONLLogger", "read_hyperparameters", "read_metrics"]
 
 
-class JSONLLogger(LoggerDestination):
-    """Write ``{"batch": N, "metric": value, ...}`` lines to ``path``.
+class JSONLLogger(BatchNumbered, LoggerDestination):
+    """Write ``{"batch": N, "metric": value, ...}`` lines to ``path``, N the number of the batch
+    the values belong to, 1..N as the console prints it (the loss of the first batch: 1; see
+    foundryx.loggers.steps); 0 for what comes before the first batch (an eval_first eval).
 
     ``path`` may contain ``{run_name}``. Lines are flushed as they are written, so a crashed
     run keeps every metric logged before the crash. Hyperparameters (``log_hyperparameters``:
@@ -59,7 +62,7 @@ class JSONLLogger(LoggerDestination):
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self._file is None:
             return
-        row: dict[str, Any] = {"batch": step}
+        row: dict[str, Any] = {"batch": self.batch_number(step)}
         for k, v in metrics.items():
             v = v.item() if hasattr(v, "item") else v
             if isinstance(v, (int, float)) and math.isfinite(v):

@@ -8,7 +8,7 @@ YAML::
         flush_secs: 30
         rank_zero_only: true                   # false: every rank writes to log_dir/rank<N>
 
-Every logged number is a scalar at step = the batch. The writer opens when training (or a
+Every logged number is a scalar at step = the batch's number (1..N, as the console prints it). The writer opens when training (or a
 first eval) starts, after the checkpoint is loaded; a resumed run tells TensorBoard to drop
 the steps the interrupted run logged after its checkpoint (``purge_step``), so the curves
 have no doubled tail.
@@ -60,9 +60,9 @@ class TensorBoardLogger(DeferredDestination):
         folder = Path(self.options.log_dir.format(run_name=state.run_name))
         if not self.options.rank_zero_only:
             folder = folder / f"rank{dist.get_global_rank()}"
-        start = int(state.timestamp.batch)
+        start = int(state.timestamp.batch)  # resumed after batch `start`: it logs from start + 1
         self.writer = SummaryWriter(str(folder), flush_secs=self.options.flush_secs,
-                                    purge_step=start if start > 0 else None)
+                                    purge_step=start + 1 if start > 0 else None)
         self.log_dir = folder
 
     def _write(self, kind: str, data: dict[str, Any], step: int | None) -> None:

@@ -26,6 +26,11 @@ from foundryx.models.mpt.options import RUN_FIELDS, MPTOptions
 from foundryx.models.peft.lora import linear_modules
 
 
+class NotPlannable(ConfigError):
+    """A run the planner cannot size (a plugin model, a shape it does not read), which may
+    still train: ``foundryx plan`` stops on it, ``--dry-run`` prints it in place of a plan."""
+
+
 @dataclass(frozen=True)
 class Shape:
     """The shape facts of a decoder-only transformer the activation estimate uses."""
@@ -92,7 +97,7 @@ def _first(config: Any, *names: str) -> int:
         value = getattr(config, name, None)
         if isinstance(value, int):
             return value
-    raise ConfigError([f"model: the Hugging Face config ({type(config).__name__}) has none of "
+    raise NotPlannable([f"model: the Hugging Face config ({type(config).__name__}) has none of "
                        f"{', '.join(names)}; the planner needs it to size activations"])
 
 
@@ -104,7 +109,7 @@ def build_meta(model_section: dict[str, Any]) -> tuple[nn.Module, Shape, Any]:
     ``peft_config`` and ``frozen_base``)."""
     name = model_section.get("name")
     if name not in MODELS:
-        raise ConfigError([f"model.name: the planner sizes {' and '.join(sorted(MODELS))}, not "
+        raise NotPlannable([f"model.name: the planner sizes {' and '.join(sorted(MODELS))}, not "
                            f"{name!r}; plan a plugin model as the hf_causal_lm of the same "
                            "shape (model.config: {model_type: llama, ...})"])
     cls, build = MODELS[name]
@@ -146,5 +151,5 @@ def _blocks(model: nn.Module, n_layers: int) -> list[nn.Module]:
     for m in model.modules():
         if isinstance(m, nn.ModuleList) and len(m) == n_layers:
             return list(m)
-    raise ConfigError([f"model: found no list of {n_layers} blocks in {type(model).__name__}; "
+    raise NotPlannable([f"model: found no list of {n_layers} blocks in {type(model).__name__}; "
                        "the planner sizes decoder-only transformers"])

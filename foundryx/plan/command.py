@@ -1,10 +1,13 @@
-"""``foundryx plan CONFIG [key=value ...]``: the command line of the planner."""
+"""``foundryx plan CONFIG [key=value ...]``: the command line of the planner (key=value
+overrides anywhere on the line, see :mod:`foundryx.cli`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
+from foundryx.config.load import precheck
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GPUS, GiB
 
 
@@ -37,6 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.nodes >= 1 and (args.gpus is None or args.gpus >= 1):  # else make_plan says so
+        # before torch: the config's mistakes in a fraction of a second (as make_plan loads it)
+        world = (args.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * args.nodes
+        precheck(args.config, args.overrides, world_size=world,
+                 component_sections=("model", "optimizer"))
     from foundryx.plan.planner import make_plan, render  # torch + transformers: only for a plan
 
     plan = make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,

@@ -42,7 +42,7 @@ TERM_DOCS = {
     "optimizer_state": "optimizer state (AdamW: 2 moments per trainable parameter)",
     "activations": "activations kept for backward, at their peak (start of backward)",
     "backward_working_set": "backward's working set: a recomputed block's activations and their gradients (checkpointing), else a block's largest gradients",
-    "logits_and_loss": "vocabulary logits and their gradient",
+    "logits_and_loss": "vocabulary logits and their gradient",  # + how: planner.loss_doc
     "fsdp_buffers": "FSDP2 all-gather (this block and the prefetched next) and reduce-scatter",
     "offload_buffers": "frozen weights brought back from CPU (this block and the next)",
     "cast_buffers": "one weight cast to the compute dtype at a time",

@@ -218,12 +218,20 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB"
 
 
-def count(n: int) -> str:
-    """A parameter count in the unit that shows it: 70.55B, 1.57M, 12.3K."""
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:,.2f}{unit}"
-    return str(n)
+def count(n: float) -> str:
+    """A parameter count in the unit that shows it: 8.03B, 41.9M, 1.57M, 12.3k."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def term_doc(name: str, p: Plan) -> str:
+    if name != "logits_and_loss":
+        return TERM_DOCS[name]
+    how = ("MPT's fused loss: one chunk, in place" if p.census.shape.fused_loss
+           else "whole: the model's own loss")
+    return f"{TERM_DOCS[name]} ({how})"
 
 
 def _duration(seconds: float) -> str:
@@ -232,16 +240,6 @@ def _duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:,.1f} min"
     return f"{seconds / 3600:,.1f} h"
-
-
-def term_doc(name: str, c: Census) -> str:
-    """What ``foundryx plan`` prints beside a device term."""
-    if name == "logits_and_loss":
-        if c.shape.fused_loss:
-            return "vocabulary logits and their gradient (fused loss: one chunk, in place)"
-        return ("vocabulary logits and their gradient (whole: the logits, their fp32 upcast "
-                "and its gradient)")
-    return TERM_DOCS[name]
 
 
 def render_host(p: Plan) -> list[str]:
@@ -288,7 +286,7 @@ def render(p: Plan) -> str:
     ]
     for name, value in p.terms.items():
         if value:
-            lines.append(f"  {name:<22} {_gib(value):>14}   {term_doc(name, c)}")
+            lines.append(f"  {name:<22} {_gib(value):>14}   {term_doc(name, p)}")
     lines += [f"  {'total':<22} {_gib(p.per_device_bytes):>14}",
               f"  {'device memory':<22} {_gib(p.capacity):>14}", ""]
     verdict = "device memory fits" if p.device_fits else "device memory DOES NOT FIT"

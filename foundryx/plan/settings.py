@@ -10,10 +10,9 @@ from typing import Any
 from torch import nn
 
 from foundryx.config.load import LoadedConfig
-from foundryx.errors import ConfigError
 from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.models.peft.lora import apply_lora, inner_model
-from foundryx.plan.census import Census, build_meta, take_census
+from foundryx.plan.census import Census, NotPlannable, build_meta, take_census
 from foundryx.plan.host import HostSetup
 from foundryx.plan.memory import Setup
 
@@ -124,7 +123,7 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
     frozen = getattr(opts, "frozen_base", None)
     seq = cfg.max_seq_len or getattr(opts, "max_seq_len", None)
     if not seq:
-        raise ConfigError(["max_seq_len: the planner needs the sequence length; set max_seq_len"])
+        raise NotPlannable(["max_seq_len: the planner needs the sequence length; set max_seq_len"])
     ac = cfg.activation_checkpointing
     mp = par.mixed_precision if par is not None and isinstance(par.mixed_precision, str) else "DEFAULT"
     setup = Setup(

@@ -22,17 +22,18 @@ class Plot:
     skipped: str | None = None  # why it was not drawn
     draw: Callable[[Any], None] | None = None  # fills a matplotlib Figure
 
-    def save(self, path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
+    def figure(self) -> Any:
+        """The drawn matplotlib Figure (off-screen: no pyplot, no display)."""
         from matplotlib.figure import Figure
 
         fig = Figure(figsize=(WIDTH, HEIGHT), dpi=DPI)
         self.draw(fig)
         fig.suptitle(self.title)
         fig.tight_layout()
-        fig.savefig(path, dpi=DPI, format="png")  # no bbox_inches: the size stays SIZE
+        return fig
+
+    def save(self, path: Path) -> None:
+        self.figure().savefig(path, dpi=DPI, format="png")  # no bbox_inches: the size stays SIZE
 
 
 def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
@@ -43,13 +44,26 @@ def smooth(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
-def _lines(ax: Any, series: dict[str, Series], ylabel: str) -> None:
+def _lines(ax: Any, series: dict[str, Series], ylabel: str, *, scale: float = 1.0,
+           from_zero: bool = False) -> None:
+    """Each series against the batch (1..N, the console's numbers) on integer ticks;
+    ``from_zero``: a rate or an amount, whose axis starts at 0 so that its size reads right."""
+    from matplotlib.ticker import MaxNLocator
+
     for key, s in series.items():
-        ax.plot(s.steps, s.values, label=key, lw=1.2, marker="o" if len(s.values) < 20 else None)
+        ax.plot(s.steps, [v * scale for v in s.values], label=key, lw=1.2,
+                marker="o" if len(s.values) < 20 else None)
     ax.set_xlabel("batch")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a short run: no batch 2.5
+    steps = [b for s in series.values() for b in s.steps]
+    if steps and max(steps) - min(steps) < 2:  # one or two points: room for whole-batch ticks
+        ax.set_xlim(min(steps) - 1, max(steps) + 1)
     ax.set_ylabel(ylabel)
+    if from_zero:
+        ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if series or ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def loss_plot(run: RunFolder) -> Plot:
@@ -66,7 +80,7 @@ def loss_plot(run: RunFolder) -> Plot:
                 label=f"smoothed (EMA {SMOOTHING})")
         for k, e in evals.items():
             ax.plot(e.steps, e.values, "o-", color="tab:orange", label=k)
-        _lines(ax, {}, "loss")
+        _lines(ax, {}, "cross-entropy loss (nats/token)")
 
     return Plot("loss", "loss", draw=draw)
 
@@ -76,7 +90,8 @@ def lr_plot(run: RunFolder) -> Plot:
     if not lrs:
         return Plot("lr", "learning rate", skipped="the run logged no learning rate "
                     "(add callbacks.lr_monitor: {})")
-    return Plot("lr", "learning rate", draw=lambda fig: _lines(fig.subplots(), lrs, "lr"))
+    return Plot("lr", "learning rate", draw=lambda fig: _lines(
+        fig.subplots(), lrs, "learning rate (per step)", from_zero=True))
 
 
 def throughput_plot(run: RunFolder) -> Plot:
@@ -95,19 +110,25 @@ def throughput_plot(run: RunFolder) -> Plot:
     def draw(fig: Any) -> None:
         axes = fig.subplots(1, 2 if tps and mfu else 1, squeeze=False)[0]
         if tps is not None:
-            _lines(axes[0], {tps[0]: tps[1]}, "tokens/s")
+            _lines(axes[0], {tps[0]: tps[1]}, "throughput (tokens/s)", from_zero=True)
         if mfu:
-            _lines(axes[-1], mfu, "MFU")
+            _lines(axes[-1], mfu, "MFU (% of peak)", scale=100.0, from_zero=True)
 
-    return Plot("throughput", "tokens/s and MFU", draw=draw)
+    title = " and ".join(t for t, has in (("tokens/s", tps is not None), ("MFU", bool(mfu))) if has)
+    return Plot("throughput", title, draw=draw)
 
 
 def memory_plot(run: RunFolder) -> Plot:
-    mem = run.matching(r"^memory/")
+    mem = run.matching(r"^memory/.*_gib$")  # foundryx's memory_monitor: GiB
     if not mem:
-        return Plot("memory", "memory", skipped="the run logged no memory/* metrics (add "
-                    "callbacks.memory_monitor: {}; Composer's reports GPU memory only)")
-    return Plot("memory", "memory", draw=lambda fig: _lines(fig.subplots(), mem, "memory"))
+        return Plot("memory", "memory", skipped="the run logged no memory/*_gib metrics (add "
+                    "callbacks.memory_monitor: {})")
+    return Plot("memory", "memory", draw=lambda fig: _lines(
+        fig.subplots(), mem, "memory (GiB)", from_zero=True))
+
+
+EVAL_UNITS = {"LanguageCrossEntropy": "nats/token", "LanguagePerplexity": "per token",
+              "LossMetric": "nats/token"}
 
 
 def eval_plot(run: RunFolder) -> Plot:
@@ -119,7 +140,8 @@ def eval_plot(run: RunFolder) -> Plot:
     def draw(fig: Any) -> None:
         axes = fig.subplots(1, len(ev), squeeze=False)[0]
         for ax, (k, s) in zip(axes, ev.items()):
-            _lines(ax, {k: s}, k.rsplit("/", 1)[-1])
+            name = k.rsplit("/", 1)[-1]
+            _lines(ax, {k: s}, f"{name} ({EVAL_UNITS.get(name, 'score')})")
 
     return Plot("eval", "eval metrics", draw=draw)
 
@@ -156,7 +178,8 @@ def icl_plot(run: RunFolder) -> Plot:
             if k in baselines:
                 ax.plot([i - 0.45, i + 0.45], [baselines[k]] * 2, "k--", lw=1)
         ax.set_xticks(range(len(keys)), keys, fontsize=7, rotation=20, ha="right")
-        ax.set_ylabel("score")
+        ax.set_ylabel("score (fraction correct)")
+        ax.set_ylim(bottom=0)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
 
