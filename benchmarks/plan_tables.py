@@ -119,7 +119,7 @@ def table(title: str, shape: Path, gpu: str, memory: str | None, gpus: int, seq:
     print(f"| 8. + activations (checkpointed), loss, FSDP2 and cast buffers, 10% allocator "
           f"margin, 1 GiB context: the whole plan | {gib(w)} | {gib(g)} | {gib(o)} | "
           f"{gib(w + g + o)} | {gib(rest)} | {gib(last.per_device_bytes)} | "
-          f"{'yes' if last.fits else 'no'} ({gib(cap - last.per_device_bytes)} GiB headroom) |")
+          f"{'yes' if last.device_fits else 'no'} ({gib(cap - last.per_device_bytes)} GiB headroom) |")
     want = headroom * cap
     for pct in range(0, 100, 5):
         frac = pct / 100

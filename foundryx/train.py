@@ -30,7 +30,7 @@ from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
 from foundryx.plan.census import NotPlannable
 from foundryx.plan.planner import plan_here, render
-from foundryx.plan.prelaunch import check_fits
+from foundryx.plan.prelaunch import check_fits, host_problem
 from foundryx.run_summary import RunFacts, summary
 from foundryx.runtime import pick_device, setup_logging
 
@@ -76,10 +76,12 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
         plan = plan_here(loaded)
         parts.append(render(plan))
         here_on_gpu = plan.device != "cpu" and torch.cuda.is_available()
-        if not plan.fits and here_on_gpu and loaded.cfg.plan_check:  # train would stop there
+        if not plan.device_fits and here_on_gpu and loaded.cfg.plan_check:  # train stops there
             problems.append(f"plan_check: the run needs an estimated {plan.per_device_bytes / 2**30:.1f} "
                             f"GiB per device and the {plan.device} has {plan.capacity / 2**30:.1f} "
                             "GiB; see the plan's suggestions above")
+        if not plan.host_fits and here_on_gpu and loaded.cfg.plan_check:
+            problems.append(host_problem(plan) + "; see the plan's host fixes above")
     except NotPlannable as e:  # a plugin model, ...: it may train all the same
         parts.append(f"no plan: {e}")
     except ConfigError as e:  # building the model: e.g. LoRA target_modules that match nothing

@@ -1,6 +1,7 @@
 """The fine-tuning recipes in yamls/finetune/ stay valid (--dry-run on each, with a tiny local
 model folder in place of the real one), and the small LoRA ones train a few batches on the
-quickstart data with ICL evaluation during training, the base weights untouched."""
+quickstart data with ICL evaluation during training, the base weights untouched. Every recipe
+in yamls/ also trains 2 batches on 2 ranks in its own configuration: tests/test_recipes_2rank.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import yaml
 from foundryx.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"llama-lora": "llama", "mpt-lora": "mpt", "llama-8b-lora-fp8": "llama"}
+RECIPES = {"llama-lora": "llama", "mpt-lora": "mpt", "llama-8b-lora-fp8": "llama",
+           "llama-3.1-70b-lora": "llama", "llama-3.1-405b-lora-fp8": "llama",
+           "llama-3.1-405b-lora-mi300x": "llama"}
 
 
 def tiny_folder(kind: str, out: Path, tokenizer_dir: Path) -> Path:

@@ -57,6 +57,7 @@ class Census:
     per_block: int  # all parameters of one block (an FSDP2 unit)
     linears: dict[str, tuple[int, int]] = field(default_factory=dict)  # name: (out, in)
     matmul: int = 0  # parameters used in matmuls (the FLOPs count's N)
+    largest_param: int = 0  # the largest single parameter tensor (a loader reads it in slices)
 
     @property
     def other(self) -> int:
@@ -121,11 +122,12 @@ def build_meta(model_section: dict[str, Any]) -> tuple[nn.Module, Shape, Any]:
 def take_census(model: nn.Module, shape: Shape) -> Census:
     """Count ``model``'s parameters by role (before LoRA is applied)."""
     seen: set[int] = set()
-    total = 0
+    total = largest = 0
     for p in model.parameters():  # tied weights once
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel()
+            largest = max(largest, p.numel())
     linears = linear_modules(model)
     blocks = _blocks(model, shape.n_layers)
     in_blocks = {id(m) for b in blocks for m in b.modules()}
@@ -140,6 +142,7 @@ def take_census(model: nn.Module, shape: Shape) -> Census:
         per_block=max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0),
         linears={n: (m.out_features, m.in_features) for n, m in block_lin.items()},
         matmul=counter(model),
+        largest_param=largest,
     )
 
 

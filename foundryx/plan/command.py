@@ -12,8 +12,8 @@ from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GPUS, GiB
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="per-device memory and throughput of a run before launch: "
-                       "does it fit, and what to change when it does not")
+    p = sub.add_parser("plan", help="per-device and host memory, load time and throughput of "
+                       "a run before launch: does it fit, and what to change when it does not")
     p.add_argument("config", help="run config YAML (its model, precision, sharding, microbatch, "
                    "peft_config, frozen_base, optimizer)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
@@ -25,6 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "config with device: cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB or 79.1GiB "
                    "(default: the --gpu's)")
+    p.add_argument("--host-memory", default=None, help="host (CPU) memory per node, e.g. 2TB "
+                   "(default: the --gpu's reference node's, e.g. 2 TB for a DGX H100; this "
+                   "machine's for a CPU run; foundryx/plan/gpus.py lists them)")
+    p.add_argument("--read-rate", default=None, help="how fast a node reads the pretrained "
+                   "weights, e.g. 2GB/s (default: the --gpu's reference node's local NVMe, "
+                   "assumed; 1GB/s for a CPU run)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                    help=f"model FLOPs utilisation for the throughput estimate (default {DEFAULT_MFU})")
     p.add_argument("--search", choices=("microbatch",), default=None,
@@ -42,7 +48,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from foundryx.plan.planner import make_plan, render  # torch + transformers: only for a plan
 
     plan = make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,
-                     gpu_memory=args.gpu_memory, mfu=args.mfu)
+                     gpu_memory=args.gpu_memory, mfu=args.mfu, host_memory=args.host_memory,
+                     read_rate=args.read_rate)
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.search == "microbatch":

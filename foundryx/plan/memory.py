@@ -107,7 +107,7 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     trainable = s.lora_params if s.lora else c.total
     t: dict[str, float] = dict.fromkeys(TERM_DOCS, 0.0)
     if s.lora:
-        lin = _frozen_linear_bytes(c, s)
+        lin = frozen_linear_bytes(c, s)
         t["frozen_weights"] = (lin * (1 - s.offload_fraction) + c.other * pb) / w_div * on_device
     if s.zero_stage in (1, 2):
         # ZeRO-1/2 (DeepSpeed's layout): a replicated working copy in the compute dtype; the
@@ -168,7 +168,7 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         per_block_trainable = s.lora_params_per_block if s.lora else c.per_block
         t["fsdp_buffers"] = blocks * gathered + per_block_trainable * pb
     if s.lora and s.offload_fraction > 0:
-        t["offload_buffers"] = 2 * _frozen_linear_bytes(c, s) / sh.n_layers / w_div
+        t["offload_buffers"] = 2 * frozen_linear_bytes(c, s) / sh.n_layers / w_div
     if ce != pb or (s.lora and s.frozen_dtype not in (None, "bf16")):
         t["cast_buffers"] = c.largest_linear * ce
     allocated = sum(t.values())  # what the caching allocator holds (the context is not in it)
@@ -202,7 +202,7 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     return acts + 4 * b * q * d * ce, block
 
 
-def _frozen_linear_bytes(c: Census, s: Setup) -> float:
+def frozen_linear_bytes(c: Census, s: Setup) -> float:
     """The blocks' frozen linear weights in their storage dtype, scales included."""
     if s.frozen_dtype is None:
         return c.block_linear * s.master_bytes
@@ -214,7 +214,7 @@ def _block_gather_bytes(c: Census, s: Setup) -> float:
     """One block's weights as all-gathered: the compute dtype, or a frozen base's own bytes."""
     if not s.lora or s.frozen_dtype is None:
         return c.per_block * s.compute_bytes
-    linear = _frozen_linear_bytes(c, s) / c.shape.n_layers
+    linear = frozen_linear_bytes(c, s) / c.shape.n_layers
     rest = c.per_block - c.block_linear / c.shape.n_layers
     return linear + rest * s.compute_bytes
 

@@ -16,9 +16,22 @@ from foundryx.devices import peak_flops
 from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
 from foundryx.plan.census import Census
-from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GiB, find_gpu, parse_memory
+from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, GiB, find_gpu, parse_memory, parse_rate
+from foundryx.plan.host import HOST_DOCS, LOAD_MODES, HostFix, HostPlan, host_fixes, host_plan
 from foundryx.plan.memory import TERM_DOCS, Setup, by_stage, terms
 from foundryx.plan.settings import plan_setup
+
+# Reading the weights on a machine with no node kind (a CPU run, this machine): assumed.
+CPU_READ_RATE = 1 * GB
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """Host memory per node, what it is, and the node's read rate for the weights."""
+
+    memory: int
+    node: str
+    read_rate: float
 
 
 @dataclass
@@ -35,14 +48,25 @@ class Plan:
     peak_flops: float | None
     mfu: float
     notes: list[str] = field(default_factory=list)
+    host: HostPlan | None = None
+    host_fixes: list[HostFix] = field(default_factory=list)
 
     @property
     def per_device_bytes(self) -> int:
         return sum(self.terms.values())
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
         return self.per_device_bytes <= self.capacity
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host is None or self.host.fits
+
+    @property
+    def fits(self) -> bool:
+        """Device memory and the node's host memory both."""
+        return self.device_fits and self.host_fits
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -56,6 +80,9 @@ class Plan:
             "per_device_bytes": self.per_device_bytes,
             "capacity_bytes": self.capacity,
             "fits": self.fits,
+            "device_fits": self.device_fits,
+            "host": self.host.to_json() if self.host else None,
+            "host_fixes": [vars(f) for f in self.host_fixes],
             "headroom_bytes": self.capacity - self.per_device_bytes,
             "device": self.device,
             "world_size": self.setup.world_size,
@@ -81,8 +108,11 @@ def flops_per_token(c: Census, seq_len: int) -> int:
 
 def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: int | None = None,
               nodes: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
-              mfu: float = DEFAULT_MFU) -> Plan:
-    """Plan the run ``config`` (with ``key=value`` overrides) on ``nodes`` x ``gpus`` devices."""
+              mfu: float = DEFAULT_MFU, host_memory: str | None = None,
+              read_rate: str | None = None) -> Plan:
+    """Plan the run ``config`` (with ``key=value`` overrides) on ``nodes`` x ``gpus`` devices,
+    nodes of ``host_memory`` (default: the GPU's reference node's, this machine's for a CPU)
+    reading the weights at ``read_rate`` (e.g. ``2GB/s``)."""
     if not 0 < mfu <= 1:
         raise ConfigError([f"--mfu: {mfu} is not a fraction in (0, 1]; e.g. --mfu 0.4"])
     if nodes < 1 or (gpus is not None and gpus < 1):
@@ -99,20 +129,34 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
         where = "--gpu-memory" if gpu_memory else "this machine's memory / processes per node"
         notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
                      f"{where}; no MFU on CPU")
-        return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes)
+        host = _host_spec(host_memory, read_rate, this_machine())
+        return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host)
     if gpu is None:
         notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
     spec = find_gpu(gpu or DEFAULT_GPU)
     capacity = parse_memory(gpu_memory) if gpu_memory else spec.memory
+    node = HostSpec(spec.host_memory, f"{spec.node} (--host-memory for yours)", spec.read_rate)
     return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
-                       notes)
+                       notes, _host_spec(host_memory, read_rate, node))
+
+
+def this_machine() -> HostSpec:
+    """This machine's RAM, and the assumed read rate of a machine with no node kind."""
+    return HostSpec(_cpu_memory(), "this machine", CPU_READ_RATE)
+
+
+def _host_spec(memory: str | None, rate: str | None, default: HostSpec) -> HostSpec:
+    return HostSpec(parse_memory(memory, "--host-memory") if memory else default.memory,
+                    "--host-memory" if memory else default.node,
+                    parse_rate(rate) if rate else default.read_rate)
 
 
 def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
                 device_name: str | None, capacity: int, mfu: float = DEFAULT_MFU,
-                notes: list[str] | None = None) -> Plan:
+                notes: list[str] | None = None, host: HostSpec | None = None) -> Plan:
     """Plan an already loaded run config on its world size of ``device`` (``kind``: cuda, rocm
-    or cpu; ``device_name`` as torch names it, for the peak FLOP/s) of ``capacity`` bytes."""
+    or cpu; ``device_name`` as torch names it, for the peak FLOP/s) of ``capacity`` bytes, on
+    nodes of ``host`` (default: this machine)."""
     notes = list(notes or [])
     peak = None
     if device_name is not None:
@@ -123,6 +167,8 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
     planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind)
     c, s = planned.census, planned.setup
     t = terms(c, s)
+    host = host or this_machine()
+    hp = host_plan(c, s, planned.host, host.memory, host.node, host.read_rate)
     return Plan(
         census=c, setup=s, device=device, capacity=capacity, terms=t,
         by_sharding=by_stage(c, s, max(s.shard_degree, s.world_size)),
@@ -130,6 +176,8 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         largest_microbatch=largest_microbatch(c, s, capacity),
         flops_per_token=flops_per_token(c, s.seq_len), peak_flops=peak, mfu=mfu,
         notes=notes + planned.notes,
+        host=hp,
+        host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
     )
 
 
@@ -144,17 +192,18 @@ def plan_here(loaded: LoadedConfig, mfu: float = DEFAULT_MFU) -> Plan:
         note = "device: cpu (the config's device): no GPU context or allocator margin; " \
                "capacity: this machine's memory / processes per node"
         return plan_loaded(loaded, per_node, "cpu", "cpu", None, _cpu_memory() // per_node, mfu,
-                           [note])
+                           [note], this_machine())
     if torch.cuda.is_available():
         name = torch.cuda.get_device_name()
         capacity = torch.cuda.get_device_properties(0).total_memory
         return plan_loaded(loaded, per_node, name, "rocm" if torch.version.hip else "cuda", name,
-                           capacity, mfu)
+                           capacity, mfu, None, this_machine())
     spec = find_gpu(DEFAULT_GPU)
     note = (f"no GPU on this machine: planned for one {spec.key} per process "
             "(`foundryx plan CONFIG --gpu NAME --gpus N` plans for another)")
+    node = HostSpec(spec.host_memory, spec.node, spec.read_rate)
     return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, spec.memory, mfu,
-                       [note])
+                       [note], node)
 
 
 def _cpu_memory() -> int:
@@ -185,6 +234,41 @@ def term_doc(name: str, p: Plan) -> str:
     return f"{TERM_DOCS[name]} ({how})"
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:,.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:,.1f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def render_host(p: Plan) -> list[str]:
+    """The host-memory table: per-rank terms, the two phases, per node, and the load time."""
+    h = p.host
+    if h is None:
+        return []
+    lines = ["", f"  {'host, per rank':<22} {'':>14}"]
+    for name, value in h.terms.items():
+        if value:
+            lines.append(f"  {name:<22} {_gib(value):>14}   {HOST_DOCS[name]}")
+    lines += [f"  {'loading peak':<22} {_gib(h.load_per_rank):>14}   "
+              "baseline + runtime + loader transient (the rank that reads the most)",
+              f"  {'training peak':<22} {_gib(h.train_per_rank):>14}   "
+              "baseline + runtime + what stays in host memory",
+              f"  {'per node':<22} {_gib(h.per_node):>14}   {h.ranks_per_node} rank(s), the "
+              "larger of their loading and training sums",
+              f"  {'host memory':<22} {_gib(h.capacity):>14}   per node: {h.node}", ""]
+    verdict = "fits" if h.fits else "DOES NOT FIT"
+    lines.append(f"host memory {verdict}: headroom {_gib(h.capacity - h.per_node)} per node")
+    if h.read_per_node:
+        lines.append(f"loading: {LOAD_MODES[h.load]}; {h.read_per_rank / 1e9:,.1f} GB per rank, "
+                     f"{h.read_per_node / 1e9:,.1f} GB per node at {h.read_rate / 1e9:,.1f} GB/s "
+                     f"(--read-rate): about {_duration(h.load_seconds)}")
+    else:
+        lines.append(f"loading: {LOAD_MODES['none']}")
+    return lines
+
+
 def render(p: Plan) -> str:
     """The plan as a table people read."""
     s, c = p.setup, p.census
@@ -205,19 +289,31 @@ def render(p: Plan) -> str:
             lines.append(f"  {name:<22} {_gib(value):>14}   {term_doc(name, p)}")
     lines += [f"  {'total':<22} {_gib(p.per_device_bytes):>14}",
               f"  {'device memory':<22} {_gib(p.capacity):>14}", ""]
-    verdict = "FITS" if p.fits else "DOES NOT FIT"
+    verdict = "device memory fits" if p.device_fits else "device memory DOES NOT FIT"
     lines.append(f"{verdict}: headroom {_gib(p.capacity - p.per_device_bytes)}; largest "
                  f"microbatch that fits: {p.largest_microbatch or 'none'}")
+    lines += render_host(p)
+    lines += ["", ("FITS" if p.fits else "DOES NOT FIT") + ": " +
+              ", ".join(f"{what} {'fits' if ok else 'does not'}" for what, ok in
+                        (("device memory", p.device_fits), ("host memory", p.host_fits)))]
     lines += ["", f"  by sharding over {max(s.shard_degree, s.world_size)} (ZeRO stage): " +
               ", ".join(f"{k} {_gib(v)}" for k, v in p.by_sharding.items())]
     if p.suggestions:
-        lines += ["", "To make it fit (cheapest first):"]
+        lines += ["", "To make it fit on the device (cheapest first):"]
         for i, sug in enumerate(p.suggestions, 1):
             lines.append(f"  {i}. {sug.change}: {_gib(sug.per_device_bytes)}  [{sug.overrides}]  "
                          f"({sug.cost})")
-    elif not p.fits:
+    elif not p.device_fits:
         lines += ["", "No change the planner knows makes it fit: more devices with sharding, "
                   "a smaller model or a shorter sequence."]
+    if p.host_fixes:
+        lines += ["", "To make it fit in host memory:"]
+        for i, fix in enumerate(p.host_fixes, 1):
+            lines.append(f"  {i}. {fix.change}: {_gib(fix.per_node_bytes)} per node  "
+                         f"[{fix.overrides}]")
+    elif not p.host_fits:
+        lines += ["", "No change the planner knows brings host memory under the node's: a node "
+                  "with more memory (--host-memory), or more nodes with fewer ranks each."]
     tps = p.tokens_per_s
     lines += ["", f"throughput: {p.flops_per_token / 1e9:,.2f} GFLOP per token"]
     if tps:
@@ -225,4 +321,3 @@ def render(p: Plan) -> str:
                       f"{s.world_size}: {tps:,.0f} tokens/s, {1e9 / tps / 3600:,.1f} h per 1B tokens")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
-

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -11,6 +13,7 @@ from foundryx.config.load import LoadedConfig
 from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.plan.census import Census, NotPlannable, build_meta, take_census
+from foundryx.plan.host import HostSetup
 from foundryx.plan.memory import Setup
 
 # Optimizer state per trainable parameter, in stored-weight elements, by optimizers key.
@@ -25,6 +28,51 @@ class Planned:
     census: Census
     setup: Setup
     notes: list[str]
+    host: HostSetup = field(default_factory=lambda: HostSetup(ranks_per_node=1))
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def stored_bytes(opts: Any, total: int, notes: list[str]) -> int:
+    """The pretrained checkpoint's bytes: its safetensors files' sizes (the index's total_size)
+    when the folder holds them, else the config's torch_dtype x the parameters."""
+    folder = Path(str(opts.pretrained_model_name_or_path)).expanduser()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        size = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if isinstance(size, int):
+            return size
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if files:
+        return sum(f.stat().st_size for f in files)
+    dtype = "float32"
+    config = folder / "config.json"
+    if config.is_file():
+        saved = json.loads(config.read_text())  # transformers >= 4.56 writes "dtype"
+        dtype = str(saved.get("torch_dtype") or saved.get("dtype") or "float32")
+    per = DTYPE_BYTES.get(dtype.removeprefix("torch."), 4)
+    notes.append(f"no safetensors in {folder}: the checkpoint is taken as {total / 1e9:,.2f}B "
+                 f"parameters x {per} bytes ({dtype}, the config's torch_dtype)")
+    return total * per
+
+
+def host_setup(loaded: LoadedConfig, opts: Any, census: Census, per_node: int,
+               notes: list[str]) -> HostSetup:
+    """Loading mode, checkpoint bytes and dataloader workers of the run ``loaded``."""
+    cfg, derived = loaded.cfg, loaded.derived
+    load, stored = "none", 0
+    if getattr(opts, "pretrained", False) and getattr(opts, "pretrained_model_name_or_path", None):
+        init = getattr(opts, "init_device", "cpu")
+        load = {"meta": "shard", "mixed": "rank0"}.get(init, "every_rank")
+        stored = stored_bytes(opts, census.total, notes)
+    workers = 0
+    for section in (cfg.train_loader, cfg.eval_loader):
+        if isinstance(section, dict):
+            workers += int(section.get("num_workers", 0) or 0)
+    batch = derived.device_train_batch_size * (cfg.max_seq_len or 0) * 8 * 2  # ids, labels
+    return HostSetup(ranks_per_node=per_node, load=load, stored_bytes=stored, workers=workers,
+                     batch_bytes=batch)
 
 
 def optimizer_states(section: dict[str, Any], notes: list[str]) -> int:
@@ -102,4 +150,4 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
     )
     if setup.frozen_dtype is not None and not setup.lora:
         notes.append("frozen_base without peft_config: nothing is frozen, so it changes nothing")
-    return Planned(census, setup, notes)
+    return Planned(census, setup, notes, host_setup(loaded, opts, census, gpus_per_node, notes))
