@@ -35,7 +35,7 @@ SHARED = ROOT.parent / "shared"
 # The slow set is split between the two torch legs so each stays well under 30 minutes:
 # `make test` runs the fast set plus the pinned leg's share on torch 2.7, then the fast set plus
 # the modern leg's share on torch 2.14 (`--slow-leg`). A slow test file not named here runs on
-# the pinned leg. `--slow-leg all` (the default, and `make test-all`) runs every slow test.
+# the pinned leg, except its cases marked `modern_leg`. `--slow-leg all` (the default, and `make test-all`) runs every slow test.
 # ---------------------------------------------------------------------------------------
 MODERN_LEG_SLOW_FILES = {
     "test_triton_attention.py",
@@ -67,7 +67,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("slow") is None:
             keep.append(item)
             continue
-        item_leg = "modern" if item.path.name in MODERN_LEG_SLOW_FILES else "pinned"
+        marked = item.get_closest_marker("modern_leg") is not None  # one case of a file
+        item_leg = "modern" if marked or item.path.name in MODERN_LEG_SLOW_FILES else "pinned"
         (keep if item_leg == leg else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

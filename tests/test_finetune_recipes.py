@@ -16,21 +16,24 @@ from foundryx.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"llama-lora": "llama", "mpt-lora": "mpt", "llama-8b-lora-fp8": "llama",
-           "llama-3.1-70b-lora": "llama", "llama-3.1-405b-lora-fp8": "llama",
-           "llama-3.1-405b-lora-mi300x": "llama"}
+           "llama-3.1-70b-lora": "llama", "llama-3.1-405b-lora-fp8": "llama-wide",
+           "llama-3.1-405b-lora-mi300x": "llama-wide"}
 
 
 def tiny_folder(kind: str, out: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random Llama or foundryx MPT saved with the quickstart tokenizer (vocab 1024)."""
+    """A tiny random Llama or foundryx MPT saved with the quickstart tokenizer (vocab 1024).
+    ``llama-wide``: hidden 128, wide enough for a recipe's LoRA r=64 (k_proj has 64 outputs)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from foundryx.models.mpt.configuration import MPTConfig
     from foundryx.models.mpt.modeling import MPTForCausalLM
 
     torch.manual_seed(0)
-    if kind == "llama":
+    if kind.startswith("llama"):
+        wide = kind == "llama-wide"
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
-            "llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            "llama", hidden_size=128 if wide else 32, intermediate_size=256 if wide else 64,
+            num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
             vocab_size=1024))
     else:
@@ -46,7 +49,7 @@ def tiny_folder(kind: str, out: Path, tokenizer_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def folders(quickstart_data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("recipe_models")
-    return {k: tiny_folder(k, tmp / k, quickstart_data / "tokenizer") for k in ("llama", "mpt")}
+    return {k: tiny_folder(k, tmp / k, quickstart_data / "tokenizer") for k in ("llama", "llama-wide", "mpt")}
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
