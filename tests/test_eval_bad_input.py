@@ -63,3 +63,10 @@ def test_too_many_shots_for_a_category(config, capsys):
     assert ("task 't' asks for 2 few-shot examples, but category 'small' has 2 examples (1 besides "
             "the one asked)") in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_gpu_precision_on_the_cpu_is_said_not_silent():
+    from foundryx.eval.run import precision_note
+
+    assert "amp_bf16 runs as fp32 on the CPU" in precision_note("cpu", "amp_bf16")
+    assert precision_note("cpu", "fp32") is None and precision_note("gpu", "amp_bf16") is None

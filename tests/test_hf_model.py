@@ -115,9 +115,9 @@ def test_bad_sections_are_reported_by_the_validator(section, needle):
 def test_every_init_device_builds_float32_from_a_bfloat16_folder(tmp_path):
     """One dtype rule for every rank: rank 0's from_pretrained and the meta ranks'
     from_config once disagreed for a bf16 config (fp32 vs bf16: the first all-gather failed)."""
-    from foundryx.loading import load, prepare
-
     from transformers import AutoModelForCausalLM
+
+    from foundryx.loading import load, prepare
 
     folder = tmp_path / "bf16"
     AutoModelForCausalLM.from_pretrained(hf_folder("llama", tmp_path / "m")).to(

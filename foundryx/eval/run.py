@@ -85,6 +85,15 @@ def _compare(results: EvalResults, loaded: LoadedEvalConfig, compare_to: str, re
             for m in models]
 
 
+def precision_note(device: str, precision: str) -> str | None:
+    """The line that says a precision runs as fp32 here (Composer autocasts on GPUs only: on
+    the CPU its precision context does nothing), or None."""
+    if device != "cpu" or precision == "fp32":
+        return None
+    return (f"precision: {precision} runs as fp32 on the CPU (Composer autocasts on GPUs only); "
+            "precision=fp32 says so")
+
+
 def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
              tolerance: float | None = None, dump_examples: int | None = None,
              write: bool = True) -> EvalOutcome:
@@ -97,6 +106,9 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     ref_label, ref_file = _reference(loaded, compare_to)
     setup_logging(cfg.python_log_level)
     device = get_device(pick_device(cfg.device))
+    note = precision_note(device.name, cfg.precision)
+    if note:
+        log.info(note)
     if dist.get_world_size() > 1 and not dist.is_initialized():
         dist.initialize_dist(device)
     reproducibility.seed_all(cfg.seed)
