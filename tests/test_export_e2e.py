@@ -145,6 +145,10 @@ def test_config_that_does_not_match_the_checkpoint(pretrained, quickstart_data, 
     assert not (pretrained / "bad").exists()
 
 
+@pytest.mark.xfail(strict=True, reason="known bug (issue 23, open): under init_device: meta a "
+                   "model whose config ties lm_head to embed_tokens trains them untied, and the "
+                   "export then writes lm_head.weight apart; the loader reads the head from the "
+                   "embedding, the tie itself is not kept")
 def test_hf_finetune_of_the_export_under_fsdp2(pretrained, quickstart_data, tmp_path):
     from safetensors.torch import load_file
 
