@@ -141,7 +141,7 @@ def test_two_ranks_agree_a_nan_on_one_skips_on_both_and_a_signal_on_one_stops_bo
 
 def test_a_signal_after_a_preemption_stop_does_not_kill_the_process_and_a_plain_run_restores():
     """Slurm signals every task: a rank that stopped for a signal may get its own copy while it
-    saves, closes or exits. It is noted, not fatal; a run that was never signalled gives the
+    saves, closes or exits. It is not fatal; a run that was never signalled gives the
     previous handlers back at the end."""
     class SignalAt(Callback):
         def batch_start(self, state, logger):
@@ -157,6 +157,10 @@ def test_a_signal_after_a_preemption_stop_does_not_kill_the_process_and_a_plain_
         assert pre.stopped_at == 2
         os.kill(os.getpid(), signal.SIGTERM)  # the late copy: with the default handler, death
         assert pre.received == signal.SIGUSR1
+        # ignored, not a Python handler: Python puts the default action back for those when the
+        # interpreter shuts down, and a copy arriving then would kill the process (exit -15)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, before)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)

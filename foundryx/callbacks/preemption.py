@@ -15,8 +15,9 @@ them got one (a signal may reach one rank first), so every rank stops after the 
 The run then stops as if that batch were the last: the Checkpointer saves it (the end of
 training is always saved), the end-of-training eval is skipped, and the process exits 0 with
 one log line saying why. Autoresume continues from that checkpoint and loses nothing. Once the
-run is stopping for a signal, the handlers stay until the process exits, so the signal reaching
-a rank late (while it saves, closes its loggers or exits) does not kill it.
+run is stopping for a signal, the signal reaching a rank late (while it saves, closes its
+loggers or exits) does not kill it: the handler notes it while the checkpoint is written, and
+from the end of training the signals are ignored until the process exits.
 Without a ``save_folder`` the run stops without a checkpoint (said when training starts).
 """
 
@@ -97,10 +98,14 @@ class Preemption(Callback):
         self._restore()
 
     def _restore(self) -> None:
-        # A run stopping for a signal keeps the handlers until the process exits: the same
-        # signal reaches the other ranks a moment later (Slurm signals every task), maybe while
-        # this one is still uploading, closing loggers or exiting, and must not kill it there.
+        # A run stopping for a signal must not be killed by the same signal reaching it a moment
+        # later (Slurm signals every task) while it uploads, closes its loggers or exits. Python
+        # resets a Python-level handler to the default action when the interpreter shuts down
+        # (a late SIGTERM there kills the process: exit -15, a "crash" for the launcher), but it
+        # keeps SIG_IGN: so the signals are ignored from here on.
         if self.stopped_at is not None:
+            for signum in self._previous:
+                signal.signal(signum, signal.SIG_IGN)
             return
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
