@@ -21,6 +21,12 @@ from foundryx.eval.config import LoadedEvalConfig
 from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task, read_task
 from foundryx.eval.examples import Example
 from foundryx.eval.gauntlet import gauntlet_scores
+from foundryx.eval.generate import (
+    decode_generations,
+    fast_path_problem,
+    generation_model,
+    greedy_generate,
+)
 from foundryx.eval.metrics import macro_average
 from foundryx.eval.models import model_max_len
 from foundryx.eval.report import EvalResults
@@ -91,6 +97,29 @@ def _group_records(task: PreparedTask, rows: list[dict[str, Any]], outcomes: dic
     return out
 
 
+def _generator(model: Any, task: PreparedTask, tokenizer: Any, world: int) -> Any:
+    """For a generation task, a function batch -> texts by :func:`greedy_generate`; None where
+    Composer's ``eval_forward`` (Hugging Face ``generate``) runs it instead: with several
+    processes (``generate`` keeps them in step for FSDP) or a model the fast path does not
+    cover (said in one line)."""
+    if task.task_type.mode != "generate" or world > 1:
+        return None
+    hf = generation_model(model)
+    problem = fast_path_problem(hf)
+    if problem is not None:
+        log.info("%s: generating with Hugging Face generate (%s)", task.key, problem)
+        return None
+
+    def generate(batch: dict[str, Any]) -> list[str]:
+        kw = batch["generation_kwargs"]
+        tokens = greedy_generate(hf, tokenizer, batch["input_ids"], batch["attention_mask"],
+                                 kw["max_new_tokens"], kw.get("eos_token_id"),
+                                 batch["icl_options"]["stop_sequences"])
+        return decode_generations(tokenizer, tokens)
+
+    return generate
+
+
 def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size: int, device: Any,
                   precision: str = "fp32", dump: int = 0, progress: bool = True) -> TaskResult:
     """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task."""
@@ -102,12 +131,16 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
     loader = build_dataloader(task, tokenizer, task.cfg.batch_size or batch_size, rank, world)
     rows: list[dict[str, Any]] = []
     model.eval()
-    with torch.no_grad():
+    generate = _generator(model, task, tokenizer, world)
+    with torch.inference_mode():
         for batch in tqdm(loader, desc=task.key, disable=not progress or rank != 0, leave=False):
             batch = device.batch_to_device(batch)
             with get_precision_context(precision):
-                outputs = model.eval_forward(batch)
-                model.update_metric(batch, outputs, metric)
+                if generate is not None:
+                    metric.update(batch=batch, outputs=generate(batch), labels=None)
+                else:
+                    outputs = model.eval_forward(batch)
+                    model.update_metric(batch, outputs, metric)
             if dump:
                 rows += _row_records(task, tokenizer, batch, metric.last_update, dump)
     more = {}

@@ -1,0 +1,84 @@
+"""The eval's greedy generation loop gives Hugging Face ``generate``'s text, row for row: with a
+KV cache (Llama) and without one (foundryx MPT), left padding, rows that stop early on the
+end-of-sequence token or a stop sequence while others run on; and a generation task scores the
+same through either path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from icl_fakes import run, task, write_jsonl
+from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
+
+import foundryx.eval.runner as runner
+from foundryx.eval.data import StopOnSequences, _pad
+from foundryx.eval.generate import decode_generations, fast_path_problem, greedy_generate
+from foundryx.eval.models import wrap_hf_model
+from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+
+def tiny_llama(vocab: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.5)  # sharp preferences: varied, repeatable tokens
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_mpt(tokenizer) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ComposerMPTCausalLM(tokenizer, d_model=32, n_heads=2, n_layers=2, max_seq_len=128,
+                               vocab_size=448, attn_config={"attn_impl": "torch", "rope": True}
+                               ).model.eval()
+
+
+def hf_texts(hf, tokenizer, ids, mask, new, eos, stops):
+    crit = StoppingCriteriaList([StopOnSequences(tokenizer, stops, ids.shape[1])] if stops else [])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                          eos_token_id=eos, pad_token_id=tokenizer.pad_token_id or 0,
+                          stopping_criteria=crit)
+    return tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+
+
+PROMPTS = ["the king of the north is", "a", "what is the capital of the land of",
+           "one two three four five six seven eight nine ten", "the"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mpt"])
+def test_greedy_generate_is_hf_generate(tiny_tokenizer, family):
+    tok = tiny_tokenizer
+    hf = tiny_llama(len(tok)) if family == "llama" else tiny_mpt(tok)
+    assert fast_path_problem(hf) is None
+    rows = [tuple(tok(p)["input_ids"]) for p in PROMPTS]
+    ids, mask = _pad(rows, tok.pad_token_id or 0, left=True)
+    plain = greedy_generate(hf, tok, ids, mask, 12)
+    assert all(len(t) == 12 for t in plain)
+    texts = decode_generations(tok, plain)
+    assert texts == hf_texts(hf, tok, ids, mask, 12, None, [])
+    # an end-of-sequence token that one row emits early and a stop sequence another row's text
+    # holds: those rows leave the batch while the others run on, text still as generate's
+    eos = plain[0][3]
+    stop = tok.decode(plain[2][4:6]).strip() or tok.decode(plain[2][4:6])
+    cut = greedy_generate(hf, tok, ids, mask, 12, eos_token_id=eos, stop_sequences=[stop])
+    assert len(cut[0]) == plain[0].index(eos) + 1 and min(map(len, cut)) < max(map(len, cut))
+    assert decode_generations(tok, cut) == hf_texts(hf, tok, ids, mask, 12, eos, [stop])
+
+
+def test_generation_task_scores_the_same_through_generate(tiny_tokenizer, tmp_path, monkeypatch):
+    model = wrap_hf_model(tiny_llama(len(tiny_tokenizer)), tiny_tokenizer)
+    path = write_jsonl(tmp_path / "gen.jsonl", [
+        {"context": p, "answer": a} for p, a in zip(PROMPTS * 2, ["king", "the", "of", "x", "a"] * 2)])
+    cfg = task(path, "generation_task_with_answers", num_fewshot=2, max_new_tokens=6,
+               stop_sequences=["."], continuation_delimiter=" ")
+    fast = run(model, tiny_tokenizer, cfg, batch_size=3, dump=10)
+    monkeypatch.setattr(runner, "fast_path_problem", lambda hf: "forced for the test")
+    slow = run(model, tiny_tokenizer, cfg, batch_size=3, dump=10)
+    assert [d["output"] for d in fast[0].dumped] == [d["output"] for d in slow[0].dumped]
+    assert fast[0].outcomes == slow[0].outcomes
+
+
+def test_a_generation_config_beyond_greedy_keeps_generate(tiny_tokenizer):
+    hf = tiny_llama(len(tiny_tokenizer))
+    hf.generation_config.repetition_penalty = 1.3
+    assert "repetition_penalty" in fast_path_problem(hf)
