@@ -12,8 +12,9 @@ foundryx task file (default: the quick suite, every task on ../shared/eval_data)
 LLM Foundry converted to its option names with absolute paths. Each side runs in a fresh
 process: foundryx's ``run_eval``, LLM Foundry's ``eval_from_yaml``; the time is that call
 (model load, data preparation and evaluation; not the imports), whole-process seconds beside
-it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least 16 so
-jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
+it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least the
+most few-shot examples a task asks for plus one, 26 for the quick suite's 25-shot
+arc_challenge, and 16 so jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
 prints where the time goes.
 """
 
@@ -210,6 +211,12 @@ def main() -> None:
     lf_py = ensure_llmfoundry(args.venv) if args.only != "foundryx" else None
     model = build_model(args.work, hidden=args.hidden)
     entries = task_entries(args.tasks, args.data_root, args.examples, args.work)
+    most = max(max(t["num_fewshot"]) if isinstance(t["num_fewshot"], list) else t["num_fewshot"]
+               for t in entries)
+    if args.examples and args.examples < max(most + 1, 16):
+        sys.exit(f"eval_vs_llmfoundry: --examples {args.examples} is too few: a task asks for "
+                 f"{most} few-shot examples drawn from the same rows (and jeopardy_small's "
+                 f"categories need 16); give at least {max(most + 1, 16)}")
     cfgs = configs(args.work, model, entries, args.examples, args.batch_size)
     pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
     rows = []
