@@ -82,3 +82,30 @@ def test_a_generation_config_beyond_greedy_keeps_generate(tiny_tokenizer):
     hf = tiny_llama(len(tiny_tokenizer))
     hf.generation_config.repetition_penalty = 1.3
     assert "repetition_penalty" in fast_path_problem(hf)
+
+
+def test_generation_batch_size_sizes_generation_batches_only(tmp_path, monkeypatch):
+    import yaml
+    from icl_fakes import FakeLM
+
+    from foundryx.errors import ConfigError
+    from foundryx.eval.config import load_eval_config
+
+    fake = FakeLM(["q", "a", "b"])
+    gen = write_jsonl(tmp_path / "gen.jsonl", [{"context": "q", "answer": "a"}] * 3)
+    lm = write_jsonl(tmp_path / "lm.jsonl", [{"context": "q", "continuation": "a"}] * 3)
+    cfg = {"models": [{"label": "m", "hf": str(tmp_path)}], "device_eval_batch_size": 2,
+           "generation_batch_size": 16, "icl_tasks": [
+               {"label": "g", "dataset_uri": str(gen), "icl_task_type": "generation_task_with_answers",
+                "num_fewshot": 0, "max_new_tokens": 1},
+               {"label": "l", "dataset_uri": str(lm), "icl_task_type": "language_modeling",
+                "num_fewshot": 0}]}
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    sizes = {}
+    monkeypatch.setattr(runner, "evaluate_task", lambda model, t, tok, batch_size, **kw:
+                        sizes.setdefault(t.key, batch_size))
+    runner.evaluate_model(fake.model, fake.tokenizer, load_eval_config(str(path)), None)
+    assert sizes == {"g/0-shot": 16, "l/0-shot": 2}
+    with pytest.raises(ConfigError, match="generation_batch_size: must be positive"):
+        load_eval_config(str(path), ["generation_batch_size=0"])

@@ -50,6 +50,10 @@ class EvalConfig:
         "a gauntlet file (eval/yamls/gauntlet.yaml) or mapping", default=None)
     max_seq_len: int = doc("token budget of a row, capped by the model's", default=2048)
     device_eval_batch_size: int = doc("examples per batch per device", default=4)
+    generation_batch_size: int | None = doc(
+        "rows per batch of generation tasks (default: device_eval_batch_size); a generation row "
+        "holds a KV cache, not a scored row's logits, so more fit in the same memory and each "
+        "decoding step serves more rows", default=None)
     icl_max_examples: int | None = doc("evaluate the first N examples of each task", default=None)
     precision: Precision = doc("fp32, amp_bf16, ...", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("default: gpu when available", default=None)
@@ -170,6 +174,7 @@ def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEva
             problems.append(f"setup.{name}: unknown step{did_you_mean(name, SETUP_STEPS) or ''}; "
                             f"steps: {', '.join(SETUP_STEPS)}")
     for key, value in (("device_eval_batch_size", cfg.device_eval_batch_size),
+                       ("generation_batch_size", cfg.generation_batch_size),
                        ("max_seq_len", cfg.max_seq_len), ("icl_max_examples", cfg.icl_max_examples)):
         if value is not None and value <= 0:
             problems.append(f"{key}: must be positive, got {value}")

@@ -188,7 +188,10 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
             continue
         for task in prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit,
                                  (examples or {}).get(task_cfg.label)):
-            results.append(evaluate_task(model, task, tokenizer, batch_size=cfg.device_eval_batch_size,
+            size = cfg.device_eval_batch_size
+            if task.task_type.mode == "generate" and cfg.generation_batch_size:
+                size = cfg.generation_batch_size
+            results.append(evaluate_task(model, task, tokenizer, batch_size=size,
                                          device=device, precision=cfg.precision, dump=dump,
                                          progress=cfg.progress_bar))
     return results
