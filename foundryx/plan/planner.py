@@ -20,8 +20,15 @@ from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, GiB, find_gpu, pars
 from foundryx.plan.host import HOST_DOCS, LOAD_MODES, HostFix, HostPlan, host_fixes, host_plan
 from foundryx.plan.memory import TERM_DOCS, Setup, by_stage, terms
 from foundryx.plan.settings import plan_setup
-from foundryx.plan.tp import (ACTIVATION_TERMS, Comm, Links, TpOption, communication, propose_tp,
-                              tp_options)
+from foundryx.plan.tp import (
+    ACTIVATION_TERMS,
+    Comm,
+    Links,
+    TpOption,
+    communication,
+    propose_tp,
+    tp_options,
+)
 
 # Reading the weights on a machine with no node kind (a CPU run, this machine): assumed.
 CPU_READ_RATE = 1 * GB
@@ -326,7 +333,7 @@ def render_comm(p: Plan) -> list[str]:
                   f"compute {_secs(c.compute_s)}; the GPUs wait on the network"]
     o = p.tp_proposal
     if o is not None:
-        why = "fits" if not p.device_fits else "makes it fit"
+        why = "makes it fit" if not p.device_fits else "is not all-gather bound"
         lines += ["", f"tensor parallelism: TP {o.tp} x FSDP2 over {o.setup.shard_degree} {why}: "
                   f"{_gib(o.per_device_bytes)} per device (activations {_gib(o.activation_bytes)}"
                   f" instead of {_gib(sum(p.terms[k] for k in ACTIVATION_TERMS))}), FSDP "

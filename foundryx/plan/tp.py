@@ -27,7 +27,13 @@ from dataclasses import dataclass, replace
 
 from foundryx.plan.census import Census
 from foundryx.plan.gpus import CONTENTION
-from foundryx.plan.memory import Setup, block_gather_bytes, terms, tp_lora_params, tp_other, tp_params
+from foundryx.plan.memory import (
+    Setup,
+    block_gather_bytes,
+    terms,
+    tp_lora_params,
+    tp_params,
+)
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,9 @@ def communication(c: Census, s: Setup, flops_per_token: float, peak: float | Non
     sent = payload * 2 * (tp - 1) / tp
     gather = reduce = 0.0
     if s.zero_stage >= 3 and deg > 1:
-        weights = sh.n_layers * block_gather_bytes(c, s) + tp_other(c, s.tp) * ce
+        outside = c.total - sh.n_layers * c.per_block  # embedding, head, final norm
+        outside -= c.vocab_params - c.vocab_params / tp  # vocabulary-parallel under TP
+        weights = sh.n_layers * block_gather_bytes(c, s) + outside * ce
         gathers = 2 if s.reshard_after_forward else 1
         gather = gathers * weights * (deg - 1) / deg * s.grad_accum
         trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp)
