@@ -54,6 +54,10 @@ def test_census_splits_what_tp_splits(census):
     # at TP 4 the 2 kv heads cannot split 4 ways: each rank holds one whole kv head (1/2)
     assert kv_divisor(census.shape, 4) == 2 and kv_divisor(census.shape, 3) == 1
     assert tp_params(census, 4) == (LINEAR - KV) / 4 + KV / 2 + VOCAB / 4 + NORMS
+    # as foundryx's plans split the vocabulary today: Llama's lm_head column-wise (the
+    # embedding whole), MPT's tied pair whole
+    assert tp_params(census, 2, "head") == LINEAR / 2 + VOCAB / 2 + VOCAB / 4 + NORMS
+    assert tp_params(census, 2, "replicated") == LINEAR / 2 + VOCAB + NORMS
 
 
 @pytest.mark.parametrize("tp,shard", [(1, 4), (2, 2), (4, 1), (2, 1)])
@@ -160,6 +164,7 @@ def test_a_run_that_does_not_fit_gets_a_tp_degree_with_its_numbers(tmp_path, cap
     one = make_plan(cfg, gpus=4, gpu="h100")
     two = make_plan(cfg, gpus=4, gpu="h100", tp=2)
     assert two.setup.tp == 2 and two.setup.shard_degree == 2 and two.setup.grad_accum == 2
+    assert two.setup.tp_vocab == "head"  # Llama's plan: lm_head column-wise, logits gathered
     assert "FSDP2 over 2 x TP 2 (sequence parallel)" in render(two)
     memory = (one.per_device_bytes + two.per_device_bytes) // 2
     plan = make_plan(cfg, gpus=4, gpu="h100", gpu_memory=f"{memory}B")

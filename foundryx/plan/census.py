@@ -61,6 +61,11 @@ class Census:
     vocab_params: int = 0  # input embedding and output projection (once when tied): vocab-parallel under TP
 
     @property
+    def head_params(self) -> int:
+        """The output projection's own parameters (0 when tied to the embedding)."""
+        return max(self.vocab_params - self.shape.vocab_size * self.shape.d_model, 0)
+
+    @property
     def other(self) -> int:
         """Embeddings, output projection, norms and biases: never quantized."""
         return self.total - self.block_linear

@@ -35,6 +35,12 @@ ROW_SCALE_BYTES = {"fp8": 4, "int8": 4}
 CONTEXT_BYTES = {"cuda": 1 * GiB, "rocm": 1 * GiB, "cpu": 9 * 2**20}
 FRAGMENTATION = {"cuda": 0.10, "rocm": 0.10, "cpu": 0.0}
 
+# How a model's TP plan treats the vocabulary: "parallel" (torchtitan's: embedding, output
+# projection and loss split by vocabulary), "head" (the output projection column-wise, its
+# logits gathered whole for the loss; the embedding whole), "replicated" (both whole on
+# every TP rank; FSDP still shards them).
+TP_VOCAB_MODES = ("parallel", "head", "replicated")
+
 TERM_DOCS = {
     "frozen_weights": "frozen base weights (LoRA), in their storage dtype",
     "trainable_weights": "trainable weights as stored (fp32 master copies under mixed precision)",
@@ -80,6 +86,8 @@ class Setup:
     tp: int = 1  # tensor-parallel degree: ranks one layer's weights and heads are split over
     sequence_parallel: bool = True  # with tp > 1: norms, dropout, residual split by sequence
     node_size: int = 0  # devices per node (the TP degrees worth trying divide it); 0: world_size
+    # how TP splits the embedding, the output projection and the loss (TP_VOCAB_MODES)
+    tp_vocab: str = "parallel"
 
     @property
     def lora(self) -> bool:
@@ -108,11 +116,11 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     on_device = 0.0 if s.fsdp_cpu_offload else 1.0
 
     lf = tp_linear_fraction(c, s.tp)
-    trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp)
+    trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, s.tp_vocab)
     t: dict[str, float] = dict.fromkeys(TERM_DOCS, 0.0)
     if s.lora:
         lin = frozen_linear_bytes(c, s) * lf
-        t["frozen_weights"] = ((lin * (1 - s.offload_fraction) + tp_other(c, s.tp) * pb) / w_div
+        t["frozen_weights"] = ((lin * (1 - s.offload_fraction) + tp_other(c, s.tp, s.tp_vocab) * pb) / w_div
                                * on_device)
     if s.zero_stage in (1, 2):
         # ZeRO-1/2 (DeepSpeed's layout): a replicated working copy in the compute dtype; the
@@ -142,8 +150,9 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     # the output projection's weight gradient, when it trains (full fine-tuning): the fused
     # loss accumulates it in fp32 during the forward pass and saves it for backward; under
     # TP the projection and the loss are vocabulary-parallel (each rank its 1/tp of the rows)
-    vocab = sh.vocab_size / s.tp
-    out_grad = 0.0 if s.lora else vocab * d * 4
+    vocab = sh.vocab_size / (s.tp if s.tp_vocab == "parallel" else 1)  # loss parallel
+    head = sh.vocab_size / (s.tp if s.tp_vocab != "replicated" else 1)
+    out_grad = 0.0 if s.lora else head * d * 4
     if sh.fused_loss:
         # one chunk's fp32 logits, reused by every chunk and turned into their gradient in
         # place (under mixed precision also the chunk's logits and gradient in the compute
@@ -156,6 +165,8 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         t["logits_and_loss"] = chunk + mixed + weight_grads * out_grad + 2 * b * q * d * ce
     else:
         t["logits_and_loss"] = b * q * vocab * (ce + 4 + 4)
+        if s.tp > 1 and s.tp_vocab == "head":  # the rank's own slice before the gather
+            t["logits_and_loss"] += b * q * head * ce
     # Gradients and activations are not all held at once: the activations are freed block by
     # block in backward as the gradients are made. The peak is the larger of the end of the
     # forward pass (every activation and the loss's buffers, no gradient yet), the start of
@@ -243,15 +254,17 @@ def tp_linear_fraction(c: Census, tp: int) -> float:
     return ((c.block_linear - kv) / tp + kv / kv_divisor(sh, tp)) / c.block_linear
 
 
-def tp_other(c: Census, tp: int) -> float:
+def tp_other(c: Census, tp: int, vocab: str = "parallel") -> float:
     """Parameters outside the blocks' linear layers one rank holds under TP: the embedding
-    and the output projection vocabulary-parallel (1/tp), norms and biases whole."""
-    return c.other - c.vocab_params + c.vocab_params / max(tp, 1)
+    and the output projection as ``vocab`` (TP_VOCAB_MODES) splits them, norms and biases
+    whole."""
+    split = {"parallel": c.vocab_params, "head": c.head_params, "replicated": 0}[vocab]
+    return c.other - split + split / max(tp, 1)
 
 
-def tp_params(c: Census, tp: int) -> float:
+def tp_params(c: Census, tp: int, vocab: str = "parallel") -> float:
     """All parameters one rank of a TP group holds (before FSDP shards them further)."""
-    return c.block_linear * tp_linear_fraction(c, tp) + tp_other(c, tp)
+    return c.block_linear * tp_linear_fraction(c, tp) + tp_other(c, tp, vocab)
 
 
 def tp_block_params(c: Census, tp: int) -> float:

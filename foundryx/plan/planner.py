@@ -348,7 +348,7 @@ def render_tp_table(p: Plan) -> str:
     """``--search tp``: the run at each TP degree worth trying, same devices and global batch."""
     s = p.setup
     head = (f"{'TP':>3} {'FSDP':>5} {'mb x acc':>9} {'weights+optim':>14} {'activations':>12} "
-            f"{'FSDP buffers':>13} {'per device':>11} {'fits':>5} {'TP comm':>9} "
+            f"{'FSDP buffers':>13} {'per device':>11} {'fits':>5} {'TP comm':>12} "
             f"{'FSDP gather':>12} {'step':>9}")
     lines = [f"foundryx plan --search tp: {count(p.census.total)} parameters on "
              f"{s.world_size} x {p.device} ({_gib(p.capacity)} each), microbatch "
@@ -361,9 +361,11 @@ def render_tp_table(p: Plan) -> str:
             f"{_gib(o.state_bytes):>14} {_gib(o.activation_bytes):>12} "
             f"{_gib(o.terms['fsdp_buffers']):>13} {_gib(o.per_device_bytes):>11} "
             f"{'yes' if o.per_device_bytes <= p.capacity else 'NO':>5} "
-            f"{_gb(c.tp_payload):>9} {_gb(c.fsdp_gather):>12} {_secs(c.step_s):>9}")
-    lines += ["", "per device: GiB (2^30 B); comm: GB (10^9 B) per step per device; step: "
-              f"compute at {p.mfu:.0%} MFU plus exposed TP, or FSDP's collectives when longer"]
+            f"{_gb(c.tp_payload):>12} {_gb(c.fsdp_gather):>12} {_secs(c.step_s):>9}")
+    lines += ["", "memory: GiB (2^30 B) per device; activations: kept activations, backward "
+              "working set and loss buffers; per device: every term",
+              "comm: GB (10^9 B) per device per step; step: compute at "
+              f"{p.mfu:.0%} MFU plus the exposed TP collectives, or FSDP's when they take longer"]
     fitting = [o for o in p.tp_options if o.per_device_bytes <= p.capacity]
     if not fitting:
         lines.append("verdict: no TP degree fits; see `foundryx plan` without --search for "

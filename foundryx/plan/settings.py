@@ -31,6 +31,13 @@ class Planned:
     host: HostSetup = field(default_factory=lambda: HostSetup(ranks_per_node=1))
 
 
+# How foundryx's TP plans (the ones the models declare, applied by foundryx/parallel) treat
+# the vocabulary today: MPT keeps its tied embedding and head whole on every TP rank (FSDP
+# shards them); Hugging Face Llama / Mistral / Qwen2 split an untied lm_head column-wise and
+# gather its logits whole for the loss. "parallel" (embedding, head and loss split, as
+# torchtitan does) is the planner's default for a Setup built by hand.
+TP_VOCAB = {"mpt_causal_lm": "replicated", "hf_causal_lm": "head"}
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -178,6 +185,7 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
         offload_fraction=float(getattr(frozen, "offload_fraction", 0.0) or 0.0) if frozen else 0.0,
         tp=tp,
         sequence_parallel=sp,
+        tp_vocab=TP_VOCAB.get(str(cfg.model.get("name")), "parallel"),
         node_size=gpus_per_node,
     )
     if setup.frozen_dtype is not None and not setup.lora:

@@ -91,11 +91,12 @@ def communication(c: Census, s: Setup, flops_per_token: float, peak: float | Non
     gather = reduce = 0.0
     if s.zero_stage >= 3 and deg > 1:
         outside = c.total - sh.n_layers * c.per_block  # embedding, head, final norm
-        outside -= c.vocab_params - c.vocab_params / tp  # vocabulary-parallel under TP
+        split = {"parallel": c.vocab_params, "head": c.head_params}.get(s.tp_vocab, 0)
+        outside -= split - split / tp  # as the model's TP plan splits them
         weights = sh.n_layers * block_gather_bytes(c, s) + outside * ce
         gathers = 2 if s.reshard_after_forward else 1
         gather = gathers * weights * (deg - 1) / deg * s.grad_accum
-        trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp)
+        trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, s.tp_vocab)
         grad_bytes = 4 if s.mixed_precision == "DEFAULT" or s.precision == "fp32" else ce
         reduce = trainable * grad_bytes * (deg - 1) / deg * s.grad_accum
     node = s.node_size or s.world_size
