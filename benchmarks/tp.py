@@ -15,9 +15,10 @@ reads the batch of data-parallel rank r // T, and every layout takes 8 sequences
 
 Measured per rank (the largest rank's is reported):
 - ``process peak``: the whole process's VmHWM at the end (imports, build, loading, steps);
-- ``step peak``: the rise of VmHWM over the RSS before the model was built, the peak reset
-  after build and optimizer (``/proc/self/clear_refs``), glibc serving blocks >= 64 KiB with
-  mmap: what the planner's per-device total estimates;
+- ``step peak``: the rise of VmHWM over the RSS before the model was built (after a build on
+  the meta device has loaded the code, as plan_accuracy.py does), the peak reset after build,
+  one forward pass and the optimizer (``/proc/self/clear_refs``), glibc serving blocks >= 64
+  KiB with mmap: what the planner's per-device total estimates;
 - ``activations``: the bytes of the tensors autograd saves in one forward pass (each storage
   once, a DTensor by its local shard, parameters aside): the planner's ``activations`` term;
 - ``tokens/s``: global tokens of the timed steps (the first step untimed) / their time.
@@ -128,6 +129,8 @@ def worker(config: str, steps: int) -> None:
     loaded = load_config(config, world_size=world, component_sections=("model", "optimizer"))
     cfg = loaded.cfg
     tp = int((loaded.resolved.get("parallelism") or {}).get("tp", 1))
+    with torch.device("meta"):  # loads the code the build needs (registries), as
+        builders.build_optimizer(cfg, builders.build_model(cfg, None))  # plan_accuracy.py
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
     before = status_mb("VmRSS")
