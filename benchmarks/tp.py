@@ -20,7 +20,10 @@ Measured per rank (the largest rank's is reported):
   one forward pass and the optimizer (``/proc/self/clear_refs``), glibc serving blocks >= 64
   KiB with mmap: what the planner's per-device total estimates;
 - ``activations``: the bytes of the tensors autograd saves in one forward pass (each storage
-  once, a DTensor by its local shard, parameters aside): the planner's ``activations`` term;
+  once, a DTensor by its local shard, parameters aside), all of them (the loss's included;
+  the planner's ``activations`` term has the loss's elsewhere) and the transformer blocks'
+  alone (the planner's per-block activations x blocks): the ≥ 40% fall from tp 1 to tp 2 is
+  the blocks';
 - ``tokens/s``: global tokens of the timed steps (the first step untimed) / their time.
 
 This needs the TP runtime (``parallelism.tp``, issue 24); on a torch or a branch without it the
@@ -93,9 +96,11 @@ def status_mb(field: str) -> float:
     raise RuntimeError(field)
 
 
-def saved_bytes(model, batch) -> int:
-    """Bytes autograd saves in one forward pass (and the loss), each storage once."""
+def saved_bytes(model, batch, n_layers: int) -> tuple[int, int]:
+    """Bytes autograd saves in one forward pass and the loss, each storage once: (all, the
+    transformer blocks' alone)."""
     import torch
+    from torch import nn
     from torch.distributed.tensor import DTensor
 
     def local(t):
@@ -103,17 +108,28 @@ def saved_bytes(model, batch) -> int:
 
     params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
+    in_block: dict[int, int] = {}
+    inside = [0]
 
     def pack(t):
         s = local(t).untyped_storage()
         if s.data_ptr() not in params:
             saved[s.data_ptr()] = s.nbytes()
+            if inside[0]:
+                in_block[s.data_ptr()] = s.nbytes()
         return t
 
+    blocks = next(m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers)
+    handles = []
+    for b in blocks:
+        handles.append(b.register_forward_pre_hook(lambda *_: inside.__setitem__(0, 1)))
+        handles.append(b.register_forward_hook(lambda *_: inside.__setitem__(0, 0)))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model.loss(model(batch), batch)
+    for h in handles:
+        h.remove()
     del loss
-    return sum(saved.values())
+    return sum(saved.values()), sum(in_block.values())
 
 
 def worker(config: str, steps: int) -> None:
@@ -142,7 +158,8 @@ def worker(config: str, steps: int) -> None:
     gen = torch.Generator().manual_seed(rank // tp)  # a TP group shares its batch
     ids = torch.randint(0, vocab, (mb, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
-    acts = saved_bytes(model, batch)
+    n_layers = cfg.model.get("n_layers") or cfg.model["config"]["num_hidden_layers"]
+    acts, block_acts = saved_bytes(model, batch, n_layers)
     opt.zero_grad(set_to_none=True)
     libc.malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
@@ -157,7 +174,8 @@ def worker(config: str, steps: int) -> None:
     dist.barrier()
     result = {"step_peak_mb": round(status_mb("VmHWM") - before, 1),
               "process_peak_mb": round(status_mb("VmHWM"), 1),
-              "activations_mb": round(acts / MB, 2), "loss": round(loss.item(), 4),
+              "activations_mb": round(acts / MB, 2), "block_activations_mb":
+              round(block_acts / MB, 2), "loss": round(loss.item(), 4),
               "step_s": times}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, result)
@@ -165,7 +183,8 @@ def worker(config: str, steps: int) -> None:
     if rank == 0:
         timed = [max(r["step_s"][i] for r in everyone) for i in range(1, steps)] or [0.0]
         out = {k: max(r[k] for r in everyone) for k in ("step_peak_mb", "process_peak_mb",
-                                                         "activations_mb")}
+                                                         "activations_mb",
+                                                         "block_activations_mb")}
         out["per_rank_process_peak_mb"] = [r["process_peak_mb"] for r in everyone]
         out["tokens_per_s"] = round(cfg.global_train_batch_size * seq * len(timed) / sum(timed), 1)
         out["loss"] = everyone[0]["loss"]
@@ -185,11 +204,14 @@ def measure(config: Path, steps: int) -> dict:
 
 
 def planned(config: Path) -> dict:
+    from foundryx.plan.memory import block_activations
     from foundryx.plan.planner import make_plan
 
     p = make_plan(config, gpus=WORLD, gpu="cpu")
+    blocks = p.census.shape.n_layers * block_activations(p.census.shape, p.setup)
     return {"per_device_mb": round(p.per_device_bytes / MB, 1),
             "activations_mb": round(p.terms["activations"] / MB, 2),
+            "block_activations_mb": round(blocks / MB, 2),
             "tp_comm_mb": round(p.comm.tp_payload / MB, 1) if p.comm else 0.0,
             "fsdp_gather_mb": round(p.comm.fsdp_gather / MB, 1) if p.comm else 0.0}
 
@@ -244,14 +266,17 @@ def main() -> None:
               f"| {p['per_device_mb']:.1f} | {err(p['per_device_mb'], m['step_peak_mb'])} "
               f"| {m['tokens_per_s']:.0f} |")
     if acts:
-        print("\n| model | seq | tp | activations per rank (MiB) | planner (MiB) | error |"
-              "\n|---|---|---|---|---|---|")
+        print("\n| model | seq | tp | blocks' activations per rank (MiB) | planner (MiB) | error "
+              "| all saved, loss included (MiB) | planner's activations term (MiB) |"
+              "\n|---|---|---|---|---|---|---|---|")
         for r in acts:
             m, p = r["measured"], r["planned"]
-            print(f"| {r['model']} | {r['seq']} | {r['tp']} | {m['activations_mb']:.1f} | "
-                  f"{p['activations_mb']:.1f} | {err(p['activations_mb'], m['activations_mb'])} |")
+            print(f"| {r['model']} | {r['seq']} | {r['tp']} | {m['block_activations_mb']:.1f} | "
+                  f"{p['block_activations_mb']:.1f} | "
+                  f"{err(p['block_activations_mb'], m['block_activations_mb'])} | "
+                  f"{m['activations_mb']:.1f} | {p['activations_mb']:.1f} |")
         for model in args.models:
-            one, two = (next(r["measured"]["activations_mb"] for r in acts
+            one, two = (next(r["measured"]["block_activations_mb"] for r in acts
                              if r["model"] == model and r["tp"] == t) for t in (1, 2))
             fall = 1 - two / one
             print(f"{model}: activations per rank fall {fall:.0%} from tp 1 to tp 2 "

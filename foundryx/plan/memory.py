@@ -234,6 +234,11 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     return acts + 4 * b * q * d / sp * ce, block
 
 
+def block_activations(sh, s: Setup) -> float:
+    """One block's saved activations per rank (what a block's forward keeps for backward)."""
+    return _activations(sh, s)[1]
+
+
 def kv_divisor(sh, tp: int) -> int:
     """The share of k and v a rank holds under TP: the kv heads split over ``tp`` when they
     divide, else each rank holds whole kv heads (replicated: kv_heads, when tp is a multiple
