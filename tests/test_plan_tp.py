@@ -206,3 +206,23 @@ def test_405b_table_in_the_docs_is_what_the_planner_prints(capsys):
     assert " NO " in rows[1] and " yes " in rows[4]
     proposed = int(re.search(r"verdict: TP (\d+)", out).group(1))
     assert proposed > 1
+
+
+def test_an_all_gather_bound_run_gets_the_tp_degree_that_ends_it(census):
+    """FSDP over 4 on slow links: its collectives outlast the compute; at TP 2 each rank
+    gathers and reduces half the weights from fewer peers, and the step is no longer bound."""
+    from foundryx.plan.planner import flops_per_token
+    from foundryx.plan.tp import Links, propose_tp, tp_options
+
+    s = _setup(precision="amp_bf16")
+    fpt = flops_per_token(census, 64)
+    links = Links(1e6, 1e6)
+    # FSDP per step, by hand: TP 1 gathers 2 x 106,816 x 2 B x 3/4 and reduces 106,816 x 4 B x
+    # 3/4 (641 kB); TP 2, 2 microbatches: 2 x 2 x 53,568 x 2 B x 1/2 + 2 x 53,568 x 4 B x 1/2
+    peak = fpt * 64 / (0.4 * 0.65)  # compute: 0.65 s per step at 40% MFU, at either degree
+    options = {o.tp: o for o in tp_options(census, s, fpt, peak, 0.4, links)}
+    assert options[1].comm.fsdp_s == pytest.approx((2 * 106_816 * 2 + 106_816 * 4) * 3 / 4 / 0.8e6)
+    assert options[2].comm.fsdp_s == pytest.approx((2 * 53_568 * 2 + 53_568 * 4) / 2 * 2 / 0.8e6)
+    assert options[1].comm.all_gather_bound and not options[2].comm.all_gather_bound
+    proposal = propose_tp(list(options.values()), 1, 2**40, all_gather_bound=True)
+    assert proposal is not None and proposal.tp == 2
