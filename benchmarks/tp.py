@@ -225,7 +225,8 @@ def main() -> None:
     ap.add_argument("--worker")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--models", nargs="+", default=list(MODELS))
-    ap.add_argument("--layouts", type=int, nargs="+", default=[1, 2, 4], help="TP degrees")
+    ap.add_argument("--layouts", type=int, nargs="*", default=[1, 2, 4],
+                    help="TP degrees of the same-global-batch comparison (none: skip it)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--act-seq", type=int, default=2048,
                     help="sequence length of the activation comparison (tp 1 vs 2); 0: skip")
