@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 from foundryx.plan.census import Census
 from foundryx.plan.memory import Setup, terms
+from foundryx.plan.tp import at_tp, tp_degrees
 
 SUGGESTED_LORA_RANK = 16
 
@@ -70,6 +71,13 @@ def _candidates(c: Census, s: Setup, capacity: int) -> list[Candidate]:
                 "about a third more compute (the forward runs twice)",
                 replace(s, activation_checkpointing=True, ac_every=1)
                 if not s.activation_checkpointing or s.ac_every > 1 else None))
+    tp = next((t for t in tp_degrees(c, s.node_size or world) if t > s.tp
+               and (new := at_tp(s, t)) is not None and total(c, new) <= capacity), 0)
+    tp_setup = at_tp(s, tp) if tp else None
+    out.append((f"tensor parallelism over {tp} devices of a node (sequence parallel), FSDP2 over "
+                f"{tp_setup.shard_degree if tp_setup else 0}", f"parallelism.tp={tp}",
+                "TP collectives every layer on the node's links (`foundryx plan --search tp`)",
+                tp_setup))
     for dtype, cost in (("fp8", "FP8 e4m3 base weights (per-row scales): a small quality cost"),
                         ("int8", "int8 base weights (per-row scales): a small quality cost"),
                         ("nf4", "4-bit NF4 base weights (QLoRA): a larger quality cost")):

@@ -58,6 +58,12 @@ class Census:
     linears: dict[str, tuple[int, int]] = field(default_factory=dict)  # name: (out, in)
     matmul: int = 0  # parameters used in matmuls (the FLOPs count's N)
     largest_param: int = 0  # the largest single parameter tensor (a loader reads it in slices)
+    vocab_params: int = 0  # input embedding and output projection (once when tied): vocab-parallel under TP
+
+    @property
+    def head_params(self) -> int:
+        """The output projection's own parameters (0 when tied to the embedding)."""
+        return max(self.vocab_params - self.shape.vocab_size * self.shape.d_model, 0)
 
     @property
     def other(self) -> int:
@@ -143,7 +149,24 @@ def take_census(model: nn.Module, shape: Shape) -> Census:
         linears={n: (m.out_features, m.in_features) for n, m in block_lin.items()},
         matmul=counter(model),
         largest_param=largest,
+        vocab_params=_vocab_params(model, shape.vocab_size, in_blocks),
     )
+
+
+def _vocab_params(model: nn.Module, vocab: int, in_blocks: set[int]) -> int:
+    """Elements of the matrices outside the blocks with a vocabulary-sized dimension (the
+    embedding and the output projection, a tied pair once): what tensor parallelism splits
+    by vocabulary."""
+    seen: set[int] = set()
+    n = 0
+    for m in model.modules():
+        if id(m) in in_blocks:
+            continue
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen and p.dim() == 2 and vocab in p.shape:
+                seen.add(id(p))
+                n += p.numel()
+    return n
 
 
 def _blocks(model: nn.Module, n_layers: int) -> list[nn.Module]:

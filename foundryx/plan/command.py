@@ -33,8 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "assumed; 1GB/s for a CPU run)")
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
                    help=f"model FLOPs utilisation for the throughput estimate (default {DEFAULT_MFU})")
-    p.add_argument("--search", choices=("microbatch",), default=None,
-                   help="microbatch: print the largest microbatch that fits")
+    p.add_argument("--tp", type=int, default=None, help="plan at this tensor-parallel degree "
+                   "(default: the config's parallelism.tp, else 1)")
+    p.add_argument("--search", choices=("microbatch", "tp"), default=None,
+                   help="microbatch: print the largest microbatch that fits; tp: the run at "
+                   "each TP degree (divisors of --gpus dividing the heads and kv heads) on the "
+                   "same devices and global batch: memory, communication, step time, verdict")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
 
@@ -45,11 +49,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         world = (args.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * args.nodes
         precheck(args.config, args.overrides, world_size=world,
                  component_sections=("model", "optimizer"))
-    from foundryx.plan.planner import make_plan, render  # torch + transformers: only for a plan
+    # torch + transformers: only for a plan
+    from foundryx.plan.planner import make_plan, render, render_tp_table
 
     plan = make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,
                      gpu_memory=args.gpu_memory, mfu=args.mfu, host_memory=args.host_memory,
-                     read_rate=args.read_rate)
+                     read_rate=args.read_rate, tp=args.tp)
+    if args.search == "tp":
+        print(render_tp_table(plan))
+        return 0 if any(o.per_device_bytes <= plan.capacity for o in plan.tp_options) else 1
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.search == "microbatch":

@@ -35,6 +35,12 @@ ROW_SCALE_BYTES = {"fp8": 4, "int8": 4}
 CONTEXT_BYTES = {"cuda": 1 * GiB, "rocm": 1 * GiB, "cpu": 9 * 2**20}
 FRAGMENTATION = {"cuda": 0.10, "rocm": 0.10, "cpu": 0.0}
 
+# How a model's TP plan treats the vocabulary: "parallel" (torchtitan's: embedding, output
+# projection and loss split by vocabulary), "head" (the output projection column-wise, its
+# logits gathered whole for the loss; the embedding whole), "replicated" (both whole on
+# every TP rank; FSDP still shards them).
+TP_VOCAB_MODES = ("parallel", "head", "replicated")
+
 TERM_DOCS = {
     "frozen_weights": "frozen base weights (LoRA), in their storage dtype",
     "trainable_weights": "trainable weights as stored (fp32 master copies under mixed precision)",
@@ -77,6 +83,11 @@ class Setup:
     lora_dropout_inputs: int = 0  # input features of the adapted layers of one block, when lora_dropout > 0
     frozen_dtype: str | None = None  # frozen_base.dtype; None: the trainable dtype
     offload_fraction: float = 0.0
+    tp: int = 1  # tensor-parallel degree: ranks one layer's weights and heads are split over
+    sequence_parallel: bool = True  # with tp > 1: norms, dropout, residual split by sequence
+    node_size: int = 0  # devices per node (the TP degrees worth trying divide it); 0: world_size
+    # how TP splits the embedding, the output projection and the loss (TP_VOCAB_MODES)
+    tp_vocab: str = "parallel"
 
     @property
     def lora(self) -> bool:
@@ -104,11 +115,13 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     o_div = deg if s.zero_stage >= 1 else 1
     on_device = 0.0 if s.fsdp_cpu_offload else 1.0
 
-    trainable = s.lora_params if s.lora else c.total
+    lf = tp_linear_fraction(c, s.tp)
+    trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, s.tp_vocab)
     t: dict[str, float] = dict.fromkeys(TERM_DOCS, 0.0)
     if s.lora:
-        lin = frozen_linear_bytes(c, s)
-        t["frozen_weights"] = (lin * (1 - s.offload_fraction) + c.other * pb) / w_div * on_device
+        lin = frozen_linear_bytes(c, s) * lf
+        t["frozen_weights"] = ((lin * (1 - s.offload_fraction) + tp_other(c, s.tp, s.tp_vocab) * pb) / w_div
+                               * on_device)
     if s.zero_stage in (1, 2):
         # ZeRO-1/2 (DeepSpeed's layout): a replicated working copy in the compute dtype; the
         # fp32 master weights are sharded with the optimizer state, the gradients (compute
@@ -132,23 +145,28 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     if s.activation_checkpointing:
         work = block
     else:
-        work = 2 * b * q * max(sh.ffn_hidden, d) * ce
+        work = 2 * b * q * max(sh.ffn_hidden / s.tp, d) * ce
     t["backward_working_set"] = work
     # the output projection's weight gradient, when it trains (full fine-tuning): the fused
-    # loss accumulates it in fp32 during the forward pass and saves it for backward
-    out_grad = 0.0 if s.lora else sh.vocab_size * d * 4
+    # loss accumulates it in fp32 during the forward pass and saves it for backward; under
+    # TP the projection and the loss are vocabulary-parallel (each rank its 1/tp of the rows)
+    vocab = sh.vocab_size / (s.tp if s.tp_vocab == "parallel" else 1)  # loss parallel
+    head = sh.vocab_size / (s.tp if s.tp_vocab != "replicated" else 1)
+    out_grad = 0.0 if s.lora else head * d * 4
     if sh.fused_loss:
         # one chunk's fp32 logits, reused by every chunk and turned into their gradient in
         # place (under mixed precision also the chunk's logits and gradient in the compute
         # dtype), then the saved weight gradient beside its accumulator; plus the input
         # gradient and its saved copy; on a CPU with oneDNN's products (cpu_matmul), each chunk's
         # weight gradient is a product of its own before it is added
-        chunk = min(b * q, chunk_tokens(sh.vocab_size, s.device_kind)) * sh.vocab_size * 4
+        chunk = min(b * q, chunk_tokens(sh.vocab_size, s.device_kind)) * vocab * 4
         mixed = chunk * ce / 4 if ce < 4 else 0.0
         weight_grads = 3 if s.cpu_onednn else 2
         t["logits_and_loss"] = chunk + mixed + weight_grads * out_grad + 2 * b * q * d * ce
     else:
-        t["logits_and_loss"] = b * q * sh.vocab_size * (ce + 4 + 4)
+        t["logits_and_loss"] = b * q * vocab * (ce + 4 + 4)
+        if s.tp > 1 and s.tp_vocab == "head":  # the rank's own slice before the gather
+            t["logits_and_loss"] += b * q * head * ce
     # Gradients and activations are not all held at once: the activations are freed block by
     # block in backward as the gradients are made. The peak is the larger of the end of the
     # forward pass (every activation and the loss's buffers, no gradient yet), the start of
@@ -163,14 +181,15 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     t["not_held_together"] = -(counted - peak)
 
     if s.zero_stage >= 3 and deg > 1:
-        gathered = _block_gather_bytes(c, s)
+        gathered = block_gather_bytes(c, s)
         blocks = 2 if s.reshard_after_forward else sh.n_layers
-        per_block_trainable = s.lora_params_per_block if s.lora else c.per_block
+        per_block_trainable = (tp_lora_params(s, s.lora_params_per_block) if s.lora
+                               else tp_block_params(c, s.tp))
         t["fsdp_buffers"] = blocks * gathered + per_block_trainable * pb
     if s.lora and s.offload_fraction > 0:
-        t["offload_buffers"] = 2 * frozen_linear_bytes(c, s) / sh.n_layers / w_div
+        t["offload_buffers"] = 2 * frozen_linear_bytes(c, s) * lf / sh.n_layers / w_div
     if ce != pb or (s.lora and s.frozen_dtype not in (None, "bf16")):
-        t["cast_buffers"] = c.largest_linear * ce
+        t["cast_buffers"] = c.largest_linear / s.tp * ce
     allocated = sum(t.values())  # what the caching allocator holds (the context is not in it)
     t["fragmentation"] = allocated * FRAGMENTATION[s.device_kind]
     t["context"] = CONTEXT_BYTES[s.device_kind]
@@ -187,19 +206,83 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     the activation and the product (4 f gated, 2 f otherwise); LoRA dropout's inputs. With
     activation checkpointing a checkpointed block keeps only its input, and one block is
     recomputed in backward. Outside the blocks: the embedding output and the final norm's
-    three tensors."""
+    three tensors.
+
+    Tensor parallelism over ``tp`` ranks splits the heads and the FFN's hidden width: q, k, v,
+    the rotated q and k, the attention output, the log-sum-exp and the FFN's tensors are 1/tp
+    per rank (k and v by the kv heads a rank holds), with or without sequence parallel. The
+    residual stream (the norms' tensors, a checkpointed block's input, the embedding output)
+    is whole on every rank without sequence parallel and 1/tp with it; sequence parallel then
+    all-gathers the normed input of the attention and of the MLP, and the column-wise layers
+    keep that whole tensor for their weight gradients (2 d per token, as PyTorch's DTensor TP
+    does; Megatron-LM gathers it again in backward instead)."""
     b, q, d, ce = s.microbatch, s.seq_len, sh.d_model, s.compute_bytes
-    kv = sh.kv_heads * (d // sh.n_heads)
+    tp = max(s.tp, 1)
+    sp = tp if s.sequence_parallel else 1  # the residual stream's divisor
+    kv = sh.kv_heads * (d // sh.n_heads) / (kv_divisor(sh, tp) if tp > 1 else 1)
     ffn = (4 if sh.gated_ffn else 2) * sh.ffn_hidden
-    rope = d + kv if sh.rotary else 0
-    per_token = 6 * d + (d + 2 * kv) + rope + d + ffn + s.lora_dropout_inputs
-    block = b * q * per_token * ce + b * sh.n_heads * q * 4
+    rope = d / tp + kv if sh.rotary else 0
+    inner = (d / tp + 2 * kv) + rope + d / tp + ffn / tp
+    gathered = 2 * d if tp > 1 and s.sequence_parallel else 0
+    per_token = 6 * d / sp + gathered + inner + s.lora_dropout_inputs
+    block = b * q * per_token * ce + b * sh.n_heads / tp * q * 4
     if s.activation_checkpointing:
         kept = sh.n_layers // max(s.ac_every, 1)
-        acts = kept * b * q * d * ce + (sh.n_layers - kept) * block + block
+        acts = kept * b * q * d / sp * ce + (sh.n_layers - kept) * block + block
     else:
         acts = sh.n_layers * block
-    return acts + 4 * b * q * d * ce, block
+    return acts + 4 * b * q * d / sp * ce, block
+
+
+def block_activations(sh, s: Setup) -> float:
+    """One block's saved activations per rank (what a block's forward keeps for backward)."""
+    return _activations(sh, s)[1]
+
+
+def kv_divisor(sh, tp: int) -> int:
+    """The share of k and v a rank holds under TP: the kv heads split over ``tp`` when they
+    divide, else each rank holds whole kv heads (replicated: kv_heads, when tp is a multiple
+    of them), else nothing is split."""
+    if sh.kv_heads % tp == 0:
+        return tp
+    return sh.kv_heads if tp % sh.kv_heads == 0 else 1
+
+
+def tp_linear_fraction(c: Census, tp: int) -> float:
+    """The share of the blocks' linear weights one rank holds under TP (column-wise q, k, v,
+    gate, up and row-wise o, down: 1/tp each, k and v by :func:`kv_divisor`)."""
+    if tp <= 1 or not c.block_linear:
+        return 1.0
+    sh = c.shape
+    kv = min(sh.n_layers * 2 * sh.kv_heads * (sh.d_model // sh.n_heads) * sh.d_model,
+             c.block_linear)
+    return ((c.block_linear - kv) / tp + kv / kv_divisor(sh, tp)) / c.block_linear
+
+
+def tp_other(c: Census, tp: int, vocab: str = "parallel") -> float:
+    """Parameters outside the blocks' linear layers one rank holds under TP: the embedding
+    and the output projection as ``vocab`` (TP_VOCAB_MODES) splits them, norms and biases
+    whole."""
+    split = {"parallel": c.vocab_params, "head": c.head_params, "replicated": 0}[vocab]
+    return c.other - split + split / max(tp, 1)
+
+
+def tp_params(c: Census, tp: int, vocab: str = "parallel") -> float:
+    """All parameters one rank of a TP group holds (before FSDP shards them further)."""
+    return c.block_linear * tp_linear_fraction(c, tp) + tp_other(c, tp, vocab)
+
+
+def tp_block_params(c: Census, tp: int) -> float:
+    """One block's parameters one rank of a TP group holds (its FSDP unit)."""
+    linear = c.block_linear / c.shape.n_layers
+    return c.per_block - linear + linear * tp_linear_fraction(c, tp)
+
+
+def tp_lora_params(s: Setup, n: int | None = None) -> float:
+    """Adapter parameters per rank under TP (torchtitan's rule: a column-wise base splits
+    lora_b, a row-wise one lora_a, the other stays whole): taken as half of the adapters split."""
+    n = s.lora_params if n is None else n
+    return n if s.tp <= 1 else n * (1 + 1 / s.tp) / 2
 
 
 def frozen_linear_bytes(c: Census, s: Setup) -> float:
@@ -210,11 +293,11 @@ def frozen_linear_bytes(c: Census, s: Setup) -> float:
     return c.block_linear * QUANT_BYTES[s.frozen_dtype] + rows * ROW_SCALE_BYTES.get(s.frozen_dtype, 0)
 
 
-def _block_gather_bytes(c: Census, s: Setup) -> float:
+def block_gather_bytes(c: Census, s: Setup) -> float:
     """One block's weights as all-gathered: the compute dtype, or a frozen base's own bytes."""
     if not s.lora or s.frozen_dtype is None:
-        return c.per_block * s.compute_bytes
-    linear = frozen_linear_bytes(c, s) / c.shape.n_layers
+        return tp_block_params(c, s.tp) * s.compute_bytes
+    linear = frozen_linear_bytes(c, s) * tp_linear_fraction(c, s.tp) / c.shape.n_layers
     rest = c.per_block - c.block_linear / c.shape.n_layers
     return linear + rest * s.compute_bytes
 

@@ -20,6 +20,15 @@ from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, GiB, find_gpu, pars
 from foundryx.plan.host import HOST_DOCS, LOAD_MODES, HostFix, HostPlan, host_fixes, host_plan
 from foundryx.plan.memory import TERM_DOCS, Setup, by_stage, terms
 from foundryx.plan.settings import plan_setup
+from foundryx.plan.tp import (
+    ACTIVATION_TERMS,
+    Comm,
+    Links,
+    TpOption,
+    communication,
+    propose_tp,
+    tp_options,
+)
 
 # Reading the weights on a machine with no node kind (a CPU run, this machine): assumed.
 CPU_READ_RATE = 1 * GB
@@ -50,6 +59,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     host: HostPlan | None = None
     host_fixes: list[HostFix] = field(default_factory=list)
+    comm: Comm | None = None
+    tp_options: list[TpOption] = field(default_factory=list)  # the run at each TP degree
+    tp_proposal: TpOption | None = None  # a TP degree that fits, or ends all-gather binding
 
     @property
     def per_device_bytes(self) -> int:
@@ -95,6 +107,11 @@ class Plan:
             "throughput": {"flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
                            "mfu": self.mfu, "tokens_per_s": tps,
                            "hours_per_1b_tokens": 1e9 / tps / 3600 if tps else None},
+            "parallel": {"tp": self.setup.tp, "sequence_parallel": self.setup.sequence_parallel,
+                         "shard_degree": self.setup.shard_degree},
+            "communication": self.comm.to_json() if self.comm else None,
+            "tp_options": [o.to_json() for o in self.tp_options],
+            "tp_proposal": self.tp_proposal.to_json() if self.tp_proposal else None,
             "notes": self.notes,
         }
 
@@ -109,14 +126,17 @@ def flops_per_token(c: Census, seq_len: int) -> int:
 def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: int | None = None,
               nodes: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
               mfu: float = DEFAULT_MFU, host_memory: str | None = None,
-              read_rate: str | None = None) -> Plan:
+              read_rate: str | None = None, tp: int | None = None) -> Plan:
     """Plan the run ``config`` (with ``key=value`` overrides) on ``nodes`` x ``gpus`` devices,
     nodes of ``host_memory`` (default: the GPU's reference node's, this machine's for a CPU)
-    reading the weights at ``read_rate`` (e.g. ``2GB/s``)."""
+    reading the weights at ``read_rate`` (e.g. ``2GB/s``); ``tp``: at this tensor-parallel
+    degree instead of the config's ``parallelism.tp``."""
     if not 0 < mfu <= 1:
         raise ConfigError([f"--mfu: {mfu} is not a fraction in (0, 1]; e.g. --mfu 0.4"])
     if nodes < 1 or (gpus is not None and gpus < 1):
         raise ConfigError(["--gpus and --nodes: at least 1 each"])
+    if tp is not None and tp < 1:
+        raise ConfigError([f"--tp: {tp} is not a degree; a divisor of --gpus, e.g. --tp 2"])
     notes: list[str] = []
     per_node = gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     world = per_node * nodes
@@ -130,14 +150,16 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
         notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
                      f"{where}; no MFU on CPU")
         host = _host_spec(host_memory, read_rate, this_machine())
-        return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host)
+        return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host,
+                           tp=tp)
     if gpu is None:
         notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
     spec = find_gpu(gpu or DEFAULT_GPU)
     capacity = parse_memory(gpu_memory) if gpu_memory else spec.memory
     node = HostSpec(spec.host_memory, f"{spec.node} (--host-memory for yours)", spec.read_rate)
     return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
-                       notes, _host_spec(host_memory, read_rate, node))
+                       notes, _host_spec(host_memory, read_rate, node),
+                       Links(spec.link_rate, spec.net_rate), tp=tp)
 
 
 def this_machine() -> HostSpec:
@@ -153,10 +175,12 @@ def _host_spec(memory: str | None, rate: str | None, default: HostSpec) -> HostS
 
 def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
                 device_name: str | None, capacity: int, mfu: float = DEFAULT_MFU,
-                notes: list[str] | None = None, host: HostSpec | None = None) -> Plan:
+                notes: list[str] | None = None, host: HostSpec | None = None,
+                links: Links | None = None, tp: int | None = None) -> Plan:
     """Plan an already loaded run config on its world size of ``device`` (``kind``: cuda, rocm
     or cpu; ``device_name`` as torch names it, for the peak FLOP/s) of ``capacity`` bytes, on
-    nodes of ``host`` (default: this machine)."""
+    nodes of ``host`` (default: this machine) whose devices talk at ``links`` (None: no
+    communication times), at TP degree ``tp`` (default: the config's)."""
     notes = list(notes or [])
     peak = None
     if device_name is not None:
@@ -164,20 +188,27 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         if peak is None:
             notes.append(f"no peak FLOP/s for {device} at {loaded.cfg.precision}: no "
                          "throughput estimate")
-    planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind)
+    planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind, tp)
     c, s = planned.census, planned.setup
     t = terms(c, s)
+    fpt = flops_per_token(c, s.seq_len)
+    comm = communication(c, s, fpt, peak, mfu, links)
+    options = tp_options(c, s, fpt, peak, mfu, links)
+    fits = sum(t.values()) <= capacity
+    proposal = (propose_tp(options, s.tp, capacity, comm.all_gather_bound)
+                if not fits or comm.all_gather_bound else None)
     host = host or this_machine()
     hp = host_plan(c, s, planned.host, host.memory, host.node, host.read_rate)
     return Plan(
         census=c, setup=s, device=device, capacity=capacity, terms=t,
         by_sharding=by_stage(c, s, max(s.shard_degree, s.world_size)),
-        suggestions=[] if sum(t.values()) <= capacity else suggestions(c, s, capacity),
+        suggestions=[] if fits else suggestions(c, s, capacity),
         largest_microbatch=largest_microbatch(c, s, capacity),
-        flops_per_token=flops_per_token(c, s.seq_len), peak_flops=peak, mfu=mfu,
+        flops_per_token=fpt, peak_flops=peak, mfu=mfu,
         notes=notes + planned.notes,
         host=hp,
         host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
+        comm=comm, tp_options=options, tp_proposal=proposal,
     )
 
 
@@ -203,7 +234,7 @@ def plan_here(loaded: LoadedConfig, mfu: float = DEFAULT_MFU) -> Plan:
             "(`foundryx plan CONFIG --gpu NAME --gpus N` plans for another)")
     node = HostSpec(spec.host_memory, spec.node, spec.read_rate)
     return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, spec.memory, mfu,
-                       [note], node)
+                       [note], node, Links(spec.link_rate, spec.net_rate))
 
 
 def _cpu_memory() -> int:
@@ -269,11 +300,92 @@ def render_host(p: Plan) -> list[str]:
     return lines
 
 
+def _gb(n: float) -> str:
+    return f"{n / 1e9:,.1f} GB"
+
+
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.2f} s"
+
+
+def render_comm(p: Plan) -> list[str]:
+    """A step's communication per device, and the TP verdict: all-gather bound, or a TP
+    degree that makes the run fit."""
+    c, s = p.comm, p.setup
+    if c is None or (not c.tp_payload and not c.fsdp_gather):
+        return []
+    lines = ["", f"communication per step, per device ({s.grad_accum} microbatch(es)):"]
+    if c.tp_payload:
+        lines.append(f"  {'tensor parallel':<22} {_gb(c.tp_payload):>14}   TP {s.tp}: "
+                     f"{'all-gather + reduce-scatter' if s.sequence_parallel else 'all-reduce'}"
+                     f" of tokens x d_model, 4 per layer (+2 recomputed); {_gb(c.tp_sent)} sent, "
+                     f"{_secs(c.tp_s)} within the node (exposed)")
+    if c.fsdp_gather:
+        lines.append(f"  {'FSDP all-gather':<22} {_gb(c.fsdp_gather):>14}   weights received "
+                     f"(forward{' and backward' if s.reshard_after_forward else ''}), "
+                     f"{c.fsdp_link}")
+        lines.append(f"  {'FSDP reduce-scatter':<22} {_gb(c.fsdp_reduce):>14}   gradients sent; "
+                     f"with the all-gathers {_secs(c.fsdp_s)} (overlapped with compute)")
+    if c.compute_s is not None:
+        lines.append(f"  {'compute':<22} {_secs(c.compute_s):>14}   at {p.mfu:.0%} MFU")
+    if c.all_gather_bound:
+        lines += ["", f"ALL-GATHER BOUND: FSDP's collectives take {_secs(c.fsdp_s)} per step and "
+                  f"compute {_secs(c.compute_s)}; the GPUs wait on the network"]
+    o = p.tp_proposal
+    if o is not None:
+        why = "makes it fit" if not p.device_fits else "is not all-gather bound"
+        lines += ["", f"tensor parallelism: TP {o.tp} x FSDP2 over {o.setup.shard_degree} {why}: "
+                  f"{_gib(o.per_device_bytes)} per device (activations {_gib(o.activation_bytes)}"
+                  f" instead of {_gib(sum(p.terms[k] for k in ACTIVATION_TERMS))}), FSDP "
+                  f"{_gb(o.comm.fsdp_gather)} all-gathered per step instead of "
+                  f"{_gb(c.fsdp_gather)}, TP {_gb(o.comm.tp_payload)} per step within the node; "
+                  f"step {_secs(o.comm.step_s)} instead of {_secs(c.step_s)}  "
+                  f"[parallelism.tp={o.tp}]  (`--search tp` compares every degree)"]
+    return lines
+
+
+def render_tp_table(p: Plan) -> str:
+    """``--search tp``: the run at each TP degree worth trying, same devices and global batch."""
+    s = p.setup
+    head = (f"{'TP':>3} {'FSDP':>5} {'mb x acc':>9} {'weights+optim':>14} {'activations':>12} "
+            f"{'FSDP buffers':>13} {'per device':>11} {'fits':>5} {'TP comm':>12} "
+            f"{'FSDP gather':>12} {'step':>9}")
+    lines = [f"foundryx plan --search tp: {count(p.census.total)} parameters on "
+             f"{s.world_size} x {p.device} ({_gib(p.capacity)} each), microbatch "
+             f"{s.microbatch} x {s.seq_len} tokens per TP group, the same global batch; "
+             f"sequence parallel {'on' if s.sequence_parallel else 'off'}", "", head]
+    for o in p.tp_options:
+        c = o.comm
+        lines.append(
+            f"{o.tp:>3} {o.setup.shard_degree:>5} {f'{o.setup.microbatch} x {o.setup.grad_accum}':>9} "
+            f"{_gib(o.state_bytes):>14} {_gib(o.activation_bytes):>12} "
+            f"{_gib(o.terms['fsdp_buffers']):>13} {_gib(o.per_device_bytes):>11} "
+            f"{'yes' if o.per_device_bytes <= p.capacity else 'NO':>5} "
+            f"{_gb(c.tp_payload):>12} {_gb(c.fsdp_gather):>12} {_secs(c.step_s):>9}")
+    lines += ["", "memory: GiB (2^30 B) per device; activations: kept activations, backward "
+              "working set and loss buffers; per device: every term",
+              "comm: GB (10^9 B) per device per step; step: compute at "
+              f"{p.mfu:.0%} MFU plus the exposed TP collectives, or FSDP's when they take longer"]
+    fitting = [o for o in p.tp_options if o.per_device_bytes <= p.capacity]
+    if not fitting:
+        lines.append("verdict: no TP degree fits; see `foundryx plan` without --search for "
+                     "other changes")
+    else:
+        best = min(fitting, key=lambda o: (o.comm.step_s or 0.0, o.tp))
+        lines.append(f"verdict: TP {best.tp} (smallest step time that fits"
+                     f"{'; the config' if best.tp == s.tp else f'; the config has TP {s.tp}'})"
+                     f"  [parallelism.tp={best.tp}]")
+    return "\n".join(lines)
+
+
 def render(p: Plan) -> str:
     """The plan as a table people read."""
     s, c = p.setup, p.census
     sharding = (f"FSDP2 over {s.shard_degree}" if s.zero_stage >= 3 and s.shard_degree > 1
-                else "replicated" if s.world_size > 1 else "one device")
+                else "replicated" if s.world_size > s.tp else "one device")
+    if s.tp > 1:
+        sharding += (f" x TP {s.tp}" if s.world_size > s.tp else f", TP {s.tp}") + \
+            (" (sequence parallel)" if s.sequence_parallel else " (no sequence parallel)")
     trainable = s.lora_params or c.total
     lines = [
         f"foundryx plan: {count(c.total)} parameters ({count(trainable)} trainable), "
@@ -314,6 +426,7 @@ def render(p: Plan) -> str:
     elif not p.host_fits:
         lines += ["", "No change the planner knows brings host memory under the node's: a node "
                   "with more memory (--host-memory), or more nodes with fewer ranks each."]
+    lines += render_comm(p)
     tps = p.tokens_per_s
     lines += ["", f"throughput: {p.flops_per_token / 1e9:,.2f} GFLOP per token"]
     if tps:

@@ -31,6 +31,13 @@ class Planned:
     host: HostSetup = field(default_factory=lambda: HostSetup(ranks_per_node=1))
 
 
+# How foundryx's TP plans (the ones the models declare, applied by foundryx/parallel) treat
+# the vocabulary today: MPT keeps its tied embedding and head whole on every TP rank (FSDP
+# shards them); Hugging Face Llama / Mistral / Qwen2 split an untied lm_head column-wise and
+# gather its logits whole for the loss. "parallel" (embedding, head and loss split, as
+# torchtitan does) is the planner's default for a Setup built by hand.
+TP_VOCAB = {"mpt_causal_lm": "replicated", "hf_causal_lm": "head"}
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -103,35 +110,64 @@ def _lora_counts(model: nn.Module, opts: Any, n_layers: int) -> tuple[int, int, 
     return trainable, per_block, dropout_inputs
 
 
+def tp_settings(resolved: dict[str, Any]) -> tuple[int, bool]:
+    """(tensor-parallel degree, sequence parallel) from the run config's ``parallelism.tp``
+    and ``parallelism.sequence_parallel`` (default true), read from the resolved data so that
+    the planner reads them whichever release of the schema declares them."""
+    par = resolved.get("parallelism")
+    if not isinstance(par, dict):
+        return 1, True
+    tp = par.get("tp", 1)
+    if tp is None:
+        tp = 1
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise NotPlannable([f"parallelism.tp: expected a positive integer, got {tp!r}"])
+    sp = par.get("sequence_parallel", True)
+    return tp, bool(True if sp is None else sp)
+
+
 def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
-               device_kind: str) -> Planned:
-    """Census and Setup of the run ``loaded`` on ``world_size`` devices."""
+               device_kind: str, tp_degree: int | None = None) -> Planned:
+    """Census and Setup of the run ``loaded`` on ``world_size`` devices (``tp_degree``: plan
+    at this tensor-parallel degree instead of the config's ``parallelism.tp``)."""
     cfg, derived = loaded.cfg, loaded.derived
     notes: list[str] = []
     model, shape, opts = build_meta(dict(cfg.model))
     census = take_census(model, shape)
     lora, lora_block, dropout_inputs = _lora_counts(model, opts, shape.n_layers)
     par = cfg.parallelism
+    tp, sp = tp_settings(loaded.resolved)
+    tp = tp if tp_degree is None else tp_degree
     if par is None:
         degree, stage = 1, 0
-        if world_size > 1:
+        if world_size > 1 and tp == 1:
             notes.append("no parallelism section: every rank holds a full replica (DDP)")
     else:
         default = world_size if par.sharding_strategy == "FULL_SHARD" else gpus_per_node
+        default = max(default // tp, 1)
         degree = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else default
         stage = 3
+    if world_size % tp:
+        raise NotPlannable([f"parallelism.tp: {tp} does not divide the world size {world_size}"])
     frozen = getattr(opts, "frozen_base", None)
     seq = cfg.max_seq_len or getattr(opts, "max_seq_len", None)
     if not seq:
         raise NotPlannable(["max_seq_len: the planner needs the sequence length; set max_seq_len"])
     ac = cfg.activation_checkpointing
+    # a TP group shares its microbatches: each of the world / tp data-parallel ranks takes
+    # global / (world / tp) samples per step, in microbatches of device_train_microbatch_size
+    micro, accum = derived.device_train_microbatch_size, derived.grad_accum
+    if tp > 1:
+        per_dp = cfg.global_train_batch_size // max(world_size // tp, 1)
+        micro = min(micro, per_dp)
+        accum = max(1, -(-per_dp // micro))
     mp = par.mixed_precision if par is not None and isinstance(par.mixed_precision, str) else "DEFAULT"
     setup = Setup(
         world_size=world_size,
         shard_degree=degree,
         zero_stage=stage,
-        microbatch=derived.device_train_microbatch_size,
-        grad_accum=derived.grad_accum,
+        microbatch=micro,
+        grad_accum=accum,
         seq_len=seq,
         precision=cfg.precision,
         mixed_precision=mp,
@@ -147,6 +183,10 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
         lora_dropout_inputs=dropout_inputs,
         frozen_dtype=getattr(frozen, "dtype", None) if frozen is not None else None,
         offload_fraction=float(getattr(frozen, "offload_fraction", 0.0) or 0.0) if frozen else 0.0,
+        tp=tp,
+        sequence_parallel=sp,
+        tp_vocab=TP_VOCAB.get(str(cfg.model.get("name")), "parallel"),
+        node_size=gpus_per_node,
     )
     if setup.frozen_dtype is not None and not setup.lora:
         notes.append("frozen_base without peft_config: nothing is frozen, so it changes nothing")
