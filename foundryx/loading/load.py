@@ -103,27 +103,10 @@ def prepare(model: nn.Module, folder: str) -> LoadPlan:
     return plan
 
 
-def _tied_head(inner: nn.Module) -> tuple[str, str] | None:
-    """(the output projection's weight name, the input embedding's) when the config ties them:
-    a checkpoint of such a model stores the embedding once, under the input embedding's name."""
-    config = getattr(inner, "config", None)
-    if not getattr(config, "tie_word_embeddings", False):
-        return None
-    try:
-        out, inp = inner.get_output_embeddings(), inner.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
-    names = {id(m): n for n, m in inner.named_modules(remove_duplicate=False)}
-    if out is None or inp is None or id(out) not in names or id(inp) not in names:
-        return None
-    return f"{names[id(out)]}.weight", f"{names[id(inp)]}.weight"
-
-
 def _plan(model: nn.Module, folder: str) -> LoadPlan:
     entries = checkpoint_entries(folder)
     inner = inner_model(model)
     prefix = getattr(inner, "base_model_prefix", "") or ""
-    tied_from = _tied_head(inner)
     groups: dict[int, tuple[Any, list[tuple[nn.Module, str]], list[str], str]] = {}
     for mod_name, module in inner.named_modules(remove_duplicate=False):
         for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
@@ -141,8 +124,6 @@ def _plan(model: nn.Module, folder: str) -> LoadPlan:
     missing, mismatched, used = [], [], set()
     for tensor, holders, names, kind in groups.values():
         key = next((k for n in names for k in _candidates(n, prefix) if k in entries), None)
-        if key is None and tied_from and tied_from[0] in names:  # a tied head stored once
-            key = next((k for k in _candidates(tied_from[1], prefix) if k in entries), None)
         if key is None:
             if kind != "buffer" and not any(".lora_" in n for n in names):
                 missing.append(names[0])
