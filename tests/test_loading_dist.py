@@ -77,10 +77,12 @@ def _on_ranks(folders: dict[str, str]) -> dict:
             state = {n: _local_bytes(p) for n, p in model.named_parameters()}
             runs[init] = (state, train_steps(model, 3, opt=opt) if frozen != "fp8" else [])
         (cpu_state, cpu_losses), (meta_state, meta_losses) = runs["cpu"], runs["meta"]
-        out[f"same_{frozen}"] = sorted(
+        out[f"same_{frozen}"] = sorted(  # frozen weights kept as bf16 on meta: the same values
             n for n in cpu_state if n.endswith("weight") and not all(
-                torch.equal(a, meta_state[n][k]) for k, a in cpu_state[n].items()))
+                torch.equal(a, meta_state[n][k].to(a.dtype)) for k, a in cpu_state[n].items()))
         out[f"losses_{frozen}"] = (cpu_losses, meta_losses)
+        out[f"bf16_{frozen}"] = sorted(n for n, p in model.named_parameters()
+                                       if p.dtype == torch.bfloat16)
     # 3. sharded offload: same losses, each rank holds half the offloaded bytes
     for frozen in ("int8", "nf4"):
         for offload in (0.0, 0.5, 1.0):
@@ -107,6 +109,10 @@ def test_shard_on_read_is_exact_and_trains_as_loading_everything(tmp_path):
             assert r[f"same_{frozen}"] == [], (frozen, r[f"same_{frozen}"])
             cpu, meta = r[f"losses_{frozen}"]
             assert cpu == meta, (frozen, cpu, meta)
+            # the all-frozen top-level FSDP2 unit keeps the checkpoint's bf16 (half the bytes)
+            kept = r[f"bf16_{frozen}"]
+            assert len(kept) == 3 and all(n.endswith(("model.embed_tokens.weight", "lm_head.weight",
+                                                      "model.norm.weight")) for n in kept), kept
         for frozen in ("int8", "nf4"):
             base = r[f"offload_{frozen}_0.0_meta"]
             assert base["n"] == 0
