@@ -20,9 +20,9 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
 )
 from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
+from foundryx.loading import keep_stored_dtype, wants_pretrained
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
-from foundryx.loading import wants_pretrained
 from foundryx.models.peft.adapters import load_adapter, section_options
 from foundryx.models.peft.frozen_base import apply_frozen_base
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
@@ -102,6 +102,8 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
     meta-built model read into its shards afterwards."""
     folder = wants_pretrained(model)
     plan = prepare_pretrained(model, folder) if folder else None
+    if plan is not None:  # frozen-only FSDP2 units keep the checkpoint's dtype
+        keep_stored_dtype(model, plan, parallelism, kwargs.get("precision") or "fp32")
     model = parallelize(model, parallelism, **kwargs)
     if plan is not None:
         load_pretrained(model, plan, kwargs.get("device") or default_device())

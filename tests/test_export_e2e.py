@@ -145,10 +145,6 @@ def test_config_that_does_not_match_the_checkpoint(pretrained, quickstart_data, 
     assert not (pretrained / "bad").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (issue 23, open): under init_device: meta a "
-                   "model whose config ties lm_head to embed_tokens trains them untied, and the "
-                   "export then writes lm_head.weight apart; the loader reads the head from the "
-                   "embedding, the tie itself is not kept")
 def test_hf_finetune_of_the_export_under_fsdp2(pretrained, quickstart_data, tmp_path):
     from safetensors.torch import load_file
 
@@ -172,6 +168,21 @@ def test_hf_finetune_of_the_export_under_fsdp2(pretrained, quickstart_data, tmp_
     exported = load_file(str(tmp_path / "hf" / "ba8" / "model.safetensors"))
     ckpt = load_model_weights(tmp_path / "ckpt")
     assert all(torch.equal(exported[k], ckpt["model." + k]) for k in exported)
+    # the export's config ties lm_head to embed_tokens: trained as one tensor under FSDP2 and
+    # init_device: meta, saved once, and plain transformers computes the run's own logits
+    assert "lm_head.weight" not in exported
+    assert torch.equal(ckpt["model.lm_head.weight"], ckpt["model.model.embed_tokens.weight"])
+    ids = torch.randint(0, 1024, (2, 24), generator=torch.Generator().manual_seed(0))
+    r = run(["-c", PLAIN_LOAD, str(tmp_path / "hf" / "ba8"), json.dumps(ids.tolist())])
+    assert r.returncode == 0, r.stderr[-3000:]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path / "hf" / "ba8"))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in ckpt.items()})
+    with torch.no_grad():
+        want = model.eval()(ids).logits
+    got = torch.tensor(json.loads(r.stdout.strip().splitlines()[-1])["logits"])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     # and `foundryx export` of that hf_causal_lm checkpoint needs no run config either
     r = run(["-m", "foundryx.cli", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
              "--no-progress"])

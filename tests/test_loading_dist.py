@@ -17,22 +17,25 @@ pytestmark = pytest.mark.slow
 LORA = {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}
 
 
-def save_llama(folder, dtype: torch.dtype, shard: str = "40KB") -> str:
+def save_llama(folder, dtype: torch.dtype, shard: str = "40KB", **config) -> str:
     """A tiny random Llama saved as ``dtype`` in several files with an index."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("llama", **HF_CONFIGS["llama"], torch_dtype=str(dtype).split(".")[1])
+    cfg = AutoConfig.for_model("llama", **{**HF_CONFIGS["llama"], **config},
+                               torch_dtype=str(dtype).split(".")[1])
     AutoModelForCausalLM.from_config(cfg).to(dtype).save_pretrained(folder, max_shard_size=shard)
     return str(folder)
 
 
-def _build(folder: str, init_device: str, frozen: str | None = None, offload: float = 0.0,
+def _build(folder: str | dict, init_device: str, frozen: str | None = None, offload: float = 0.0,
            lora: bool = True):
     from foundryx import builders
     from foundryx.config.schema import ParallelismConfig
 
-    section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": folder,
+    source = ({"config": folder, "pretrained": False} if isinstance(folder, dict)
+              else {"pretrained_model_name_or_path": folder})
+    section = {"name": "hf_causal_lm", **source,
                "init_device": init_device, **({"peft_config": LORA} if lora else {})}
     if frozen:
         section["frozen_base"] = {"dtype": frozen, "offload_fraction": offload}
@@ -74,10 +77,12 @@ def _on_ranks(folders: dict[str, str]) -> dict:
             state = {n: _local_bytes(p) for n, p in model.named_parameters()}
             runs[init] = (state, train_steps(model, 3, opt=opt) if frozen != "fp8" else [])
         (cpu_state, cpu_losses), (meta_state, meta_losses) = runs["cpu"], runs["meta"]
-        out[f"same_{frozen}"] = sorted(
+        out[f"same_{frozen}"] = sorted(  # frozen weights kept as bf16 on meta: the same values
             n for n in cpu_state if n.endswith("weight") and not all(
-                torch.equal(a, meta_state[n][k]) for k, a in cpu_state[n].items()))
+                torch.equal(a, meta_state[n][k].to(a.dtype)) for k, a in cpu_state[n].items()))
         out[f"losses_{frozen}"] = (cpu_losses, meta_losses)
+        out[f"bf16_{frozen}"] = sorted(n for n, p in model.named_parameters()
+                                       if p.dtype == torch.bfloat16)
     # 3. sharded offload: same losses, each rank holds half the offloaded bytes
     for frozen in ("int8", "nf4"):
         for offload in (0.0, 0.5, 1.0):
@@ -104,6 +109,10 @@ def test_shard_on_read_is_exact_and_trains_as_loading_everything(tmp_path):
             assert r[f"same_{frozen}"] == [], (frozen, r[f"same_{frozen}"])
             cpu, meta = r[f"losses_{frozen}"]
             assert cpu == meta, (frozen, cpu, meta)
+            # the all-frozen top-level FSDP2 unit keeps the checkpoint's bf16 (half the bytes)
+            kept = r[f"bf16_{frozen}"]
+            assert len(kept) == 3 and all(n.endswith(("model.embed_tokens.weight", "lm_head.weight",
+                                                      "model.norm.weight")) for n in kept), kept
         for frozen in ("int8", "nf4"):
             base = r[f"offload_{frozen}_0.0_meta"]
             assert base["n"] == 0
@@ -119,3 +128,46 @@ def test_shard_on_read_is_exact_and_trains_as_loading_everything(tmp_path):
         assert held[0] == held[1] > 0
     assert results[0]["offload_int8_1.0_meta"]["held"] == results[0]["offload_int8_1.0_cpu"]["held"]
     assert results[0]["losses_int8"] == results[1]["losses_int8"]
+
+
+def _tied_on_ranks(folder: str) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict = {}
+    config = {"model_type": "llama", **HF_CONFIGS["llama"], "tie_word_embeddings": True}
+    for init, source in (("cpu", folder), ("meta", folder), ("scratch", config)):
+        model, opt = _build(source, "meta" if init == "scratch" else init, lora=False)
+        hf = model.model
+        out[f"{init}_tied"] = hf.lm_head.weight is hf.model.embed_tokens.weight
+        out[f"{init}_losses"] = train_steps(model, 3, opt=opt)
+        # FSDP2 manages the shared parameter once, in the unit that holds both modules
+        ends = {id(hf.lm_head): "lm_head", id(hf.model.embed_tokens): "embed_tokens"}
+        out[f"{init}_managed"] = [
+            sorted(ends.get(id(m), "?") for m in (p._module_info.module, *p._module_info.shared_modules))
+            for u in model.modules() if isinstance(u, FSDPModule)
+            for g in [u._get_fsdp_state()._fsdp_param_group] if g is not None
+            for p in g.fsdp_params
+            if {id(p._module_info.module), *map(id, p._module_info.shared_modules)} & set(ends)]
+        out[f"{init}_tied_after"] = hf.lm_head.weight is hf.model.embed_tokens.weight
+        # what an export writes: the trained full weights, head and embedding one tensor
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out[f"{init}_equal"] = torch.equal(full["model.lm_head.weight"],
+                                           full["model.model.embed_tokens.weight"])
+    return out
+
+
+def test_tied_embeddings_stay_one_parameter_under_meta_init(tmp_path):
+    """A config with tie_word_embeddings: under init_device meta (shard-on-read, and random
+    init from a config) lm_head and embed_tokens are one parameter, sharded once by FSDP2, and
+    train exactly as the tied model every rank loads whole (init_device cpu)."""
+    folder = save_llama(tmp_path / "tied", torch.bfloat16, tie_word_embeddings=True)
+    results = run_distributed(_tied_on_ranks, args=(folder,), timeout=600)
+    for r in results:
+        for init in ("cpu", "meta", "scratch"):
+            assert r[f"{init}_tied"] and r[f"{init}_tied_after"] and r[f"{init}_equal"], (init, r)
+            assert r[f"{init}_managed"] == [["embed_tokens", "lm_head"]], (init, r)
+            losses = r[f"{init}_losses"]
+            assert losses[-1] < losses[0], (init, losses)
+        assert r["meta_losses"] == r["cpu_losses"], r
+    assert results[0]["meta_losses"] == results[1]["meta_losses"]

@@ -17,12 +17,16 @@ from typing import Any
 
 import torch
 
-from foundryx.models.peft.rowwise import RowScaledTensor
+from foundryx.models.peft.rowwise import RowScaledTensor, quantize_rows
 
 
 def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTensor:
-    """``rows`` (any float dtype) as a RowScaledTensor of ``kind`` that dequantizes to ``dtype``."""
-    return RowScaledTensor.from_weight(rows.to(dtype), kind)
+    """``rows`` (any float dtype) as a RowScaledTensor of ``kind`` that dequantizes to ``dtype``.
+    For float32 the checkpoint's rows are quantized as they are: ``quantize_rows`` makes its one
+    float32 working copy (exact from any float), so a ``rows.to(float32)`` first would only be a
+    second full-size float32 copy, the same bits."""
+    qdata, scale = quantize_rows(rows if dtype == torch.float32 else rows.to(dtype), kind)
+    return RowScaledTensor(qdata, scale, dtype=dtype)
 
 
 def _nf4_lut(dtype: torch.dtype) -> torch.Tensor:

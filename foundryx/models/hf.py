@@ -218,6 +218,10 @@ def _build_model(hf_config: Any, source: tuple[str, bool] | None, pretrained: bo
         # parameters on meta; buffers (rotary frequencies, computed, not stored) built for real
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(hf_config, **kw)
+        # a meta build skips Hugging Face's weight init, and with it tie_weights: tie here, so
+        # lm_head and embed_tokens are one Parameter before LoRA, FSDP2 (which then manages it
+        # once, in the unit that holds both) and shard-on-read (which reads it once)
+        model.tie_weights()
         if pretrained and source is not None:  # foundryx.loading reads it after sharding
             model.pretrained_weights_folder = local_folder(source)
         return model

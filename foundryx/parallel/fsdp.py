@@ -83,6 +83,26 @@ def sum_only_reductions(replicate: int, device_type: str) -> bool:
     return True
 
 
+def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The modules :func:`shard_model` makes FSDP2 units, in its order: each block, then each
+    direct child of ``model`` that has parameters."""
+    return [*blocks, *(c for c in model.children() if any(True for _ in c.parameters()))]
+
+
+def unit_parameters(model: nn.Module, blocks: list[nn.Module]) -> list[list[tuple[nn.Module, str]]]:
+    """For each of :func:`fsdp_units`, the places ``(module, name)`` of the parameters it
+    manages: those under it and not under a unit sharded before it (as ``fully_shard`` takes
+    them); a shared parameter once per place that holds it."""
+    taken: set[int] = set()
+    out = []
+    for unit in fsdp_units(model, blocks):
+        places = [(m, n) for _, m in unit.named_modules(remove_duplicate=False)
+                  for n, p in m._parameters.items() if p is not None and id(p) not in taken]
+        taken.update(id(m._parameters[n]) for m, n in places)
+        out.append(places)
+    return out
+
+
 def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
                 parallelism: ParallelismConfig, precision: str, sum_only: bool = False) -> None:
     """``fully_shard`` each block, then each direct child of ``model`` that has parameters
@@ -94,11 +114,9 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
     }
     if parallelism.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-    for block in blocks:
-        fully_shard(block, **kwargs)
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, **{**kwargs, "reshard_after_forward": False})
+    for unit in fsdp_units(model, blocks):
+        fully_shard(unit, **(kwargs if any(unit is b for b in blocks)
+                             else {**kwargs, "reshard_after_forward": False}))
     if sum_only:
         for m in model.modules():
             if isinstance(m, FSDPModule):

@@ -66,7 +66,18 @@ def init_meta(model: nn.Module, device: torch.device) -> None:
     with sharded (DTensor) parameters is initialised on full-size temporary tensors, of
     which each rank keeps its own shards, so the result equals the unsharded init with the
     same seed, at the memory cost of one module's own parameters.
+
+    A parameter shared by several modules (tied embeddings) stays shared: it is materialised
+    and initialised once, by the first module that holds it, and every other holder then
+    holds the new one (``to_empty`` alone would replace it in that one module and untie the
+    others); a module's parameters that are already real are kept as they are.
     """
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                holders.setdefault(id(p), []).append((module, name))
+    shared = {k: v for k, v in holders.items() if len(v) > 1}
     inherited: dict[nn.Module, Any] = {}
     for module in model.modules():
         fn = init_function(module, inherited.get(module))
@@ -76,7 +87,13 @@ def init_meta(model: nn.Module, device: torch.device) -> None:
         own = [t for n, t in (*module.named_parameters(recurse=False),
                               *module.named_buffers(recurse=False)) if n not in later]
         if any(t.is_meta for t in own):
+            before = dict(module._parameters)
             _init_module(module, fn, device)
+            for name, old in before.items():
+                if old is not None and not old.is_meta:  # e.g. a tied weight, already done
+                    module._parameters[name] = old
+                for other, other_name in shared.get(id(old), ()):
+                    other._parameters[other_name] = module._parameters[name]
         for name, buf in module.named_buffers(recurse=False):
             if not buf.is_meta and buf.device != device:  # built for real beside meta params
                 module._buffers[name] = buf.to(device)

@@ -1,0 +1,68 @@
+"""Which dtype a loaded weight is kept in: the model's (float32, the dtype rule of
+docs/finetuning.md), except the frozen weights of an FSDP2 unit that holds nothing else.
+
+torch 2.7's FSDP2 wants one original dtype per unit, and trainable weights train in float32,
+so a unit with a trainable parameter keeps every parameter float32. Under LoRA the unit of the
+model's top level (the input embedding, the final norm, the output projection) is all frozen
+and read from the files: those weights keep the checkpoint's dtype (bf16: half the bytes of
+float32, and no conversion while loading). FSDP2's mixed-precision policy gathers them in its
+``param_dtype`` for the forward, so the compute sees what float32 parameters would give (bf16
+to float32 is exact). Without a policy that casts (one process, ``mixed_precision: FULL``)
+nothing changes: the compute would see the stored dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundryx.loading.reader import gb
+from foundryx.models.peft.frozen_base import LowPrecisionLinear
+from foundryx.parallel import dist
+from foundryx.parallel.fsdp import mixed_precision_policy, unit_parameters
+from foundryx.parallel.policy import blocks
+
+log = logging.getLogger(__name__)
+
+
+def keep_stored_dtype(model: nn.Module, plan: Any, parallelism: Any, precision: str) -> list[str]:
+    """Before :func:`foundryx.parallel.parallelize`: give the meta parameters of each FSDP2
+    unit whose parameters are all frozen and all read from the files in one floating dtype
+    that dtype (see the module doc); returns their names, logged in one line."""
+    if parallelism is None or dist.world_size() < 2:
+        return []
+    if mixed_precision_policy(parallelism.mixed_precision, precision).param_dtype is None:
+        return []
+    target_of = {(id(m), n): t for t in plan.targets if t.kind == "param" for m, n in t.holders}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    kept, nbytes = [], 0
+    for places in unit_parameters(model, [m for _, m in blocks(model)]):
+        targets = [target_of.get((id(m), n)) for m, n in places]
+        params = [m._parameters[n] for m, n in places]
+        stored = {t.entry.dtype for t in targets if t is not None}
+        if (not places or None in targets or len(stored) != 1
+                or any(isinstance(m, LowPrecisionLinear) for m, _ in places)
+                or any(p.requires_grad or not p.is_meta for p in params)):
+            continue
+        dtype = stored.pop()
+        if not dtype.is_floating_point or all(p.dtype == dtype for p in params):
+            continue
+        new: dict[int, nn.Parameter] = {}
+        for (m, n), p in zip(places, params, strict=True):
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
+                                          requires_grad=False)
+                kept.append(names.get(id(p), n))
+                nbytes += p.numel() * dtype.itemsize
+            m._parameters[n] = new[id(p)]
+    if kept and dist.rank() == 0:
+        log.info("loading: %d frozen weights keep the checkpoint's %s (%s; %s in all): an FSDP2 "
+                 "unit of frozen weights only, gathered as %s for compute", len(kept),
+                 str(dtype).removeprefix("torch."), ", ".join(kept[:4]) + (" ..." if len(kept) > 4
+                                                                         else ""),
+                 gb(nbytes), str(mixed_precision_policy(parallelism.mixed_precision, precision)
+                                 .param_dtype).removeprefix("torch."))
+    return kept
