@@ -1,19 +1,35 @@
-"""Shard-on-read: per-rank peak host memory and load throughput (issue 23).
+"""Shard-on-read: per-rank peak host memory, load throughput against `cat`, and the
+planner's host-memory prediction beside each row (issue 23).
 
-    python benchmarks/load_memory.py                       # the default grid (see --help)
-    python benchmarks/load_memory.py --ranks 1 2 4 --dtypes bf16 fp8 int8 nf4 --offload 0 0.5 1
+One command reruns it all (the model is written once, cached; no download):
 
-A Llama-style model (default: 1.1B parameters, hidden 2048, 22 layers, vocab 32000, as
-TinyLlama) is written once in bf16 safetensors, several files with an index, from random
-values (written tensor by tensor; no model is ever built for real). For each (ranks, frozen
-base dtype, offload fraction), N fresh processes (gloo) each build the model on meta with
-LoRA (r 16, all linear layers) and ``frozen_base``, shard it with FSDP2 and read their shards
-(``foundryx.builders.parallelize_and_load``). Each rank reports its resident memory just
-before building (its baseline: Python, torch, transformers imported) and its peak (VmHWM)
-after the load, and the load's own time. ``cat`` reads the same files for the reference
-throughput; the page cache is warm for both (the files were just written or read; dropping it
-needs root), which the table says. The table is printed in markdown; ``--out`` appends it to
-benchmarks/RESULTS.md.
+    nice python benchmarks/load_memory.py --out benchmarks/RESULTS.md      # the whole grid
+    python benchmarks/load_memory.py --ranks 2 --dtypes bf16 fp8 int8 nf4  # a subset
+    python benchmarks/load_memory.py --table results.json                  # re-render, re-plan
+
+The model: a Llama-style 1.1B (TinyLlama's shape: hidden 2048, 22 layers, vocab 32000) in
+bf16 safetensors, several files with an index, random values, written once to
+``~/.cache/foundryx-bench/llama-1.1b-bf16`` (``--folder`` for another). For each (ranks,
+frozen-base dtype, offload fraction) N fresh processes (gloo) each build the model on meta
+with LoRA (r16, all linear layers) and ``frozen_base``, shard it with FSDP2 and read their
+shards (``foundryx.loading``). Each rank reports its resident memory just before building
+(its baseline: torch, transformers, peft, torchao and composer imported), its peak (VmHWM,
+the whole process, loading included) after the load, the load's time and the CPU seconds
+its threads spent loading.
+
+``cat`` of the same files runs just before each case (alternating with the loads, in this
+invocation). With ``--cache cold`` (the default when /proc/sys/vm/drop_caches is writable,
+i.e. as root) the page cache is dropped before every ``cat`` and every load, so both read
+from the disk; ``--cache warm`` reads the files once first and never drops. Throughput is
+stored bytes / seconds (the slowest rank's load; all ranks together read the files once).
+The CPU columns (user + system seconds of the load's process per GiB, and ``cat``'s) do not
+depend on how busy a shared machine is.
+
+The planner column is ``foundryx plan``'s per-rank host memory of the loading phase
+(``make_plan`` on yamls/finetune/llama-8b-lora-fp8.yaml with this model, dtype, offload,
+``--gpu cpu --gpus N``, no dataloader workers), against the measured VmHWM of the worst rank.
+Every row's raw numbers go to ``--json`` (default next to ``--out``) so that ``--table``
+re-renders the table, and re-plans, without loading again.
 """
 
 from __future__ import annotations
@@ -22,6 +38,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +55,10 @@ sys.path.insert(0, str(ROOT))
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
             "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
             "max_position_embeddings": 2048}
-
+CACHE = Path.home() / ".cache" / "foundryx-bench"
+DROP = Path("/proc/sys/vm/drop_caches")
+RECIPE = ROOT / "yamls" / "finetune" / "llama-8b-lora-fp8.yaml"
+GiB = 2**30
 
 def write_model(folder: Path, sizes: dict, shard_bytes: int) -> int:
     """Random bf16 weights of a Llama with ``sizes``, in files of about ``shard_bytes`` with
@@ -111,12 +132,18 @@ def rank_main(rank: int, world: int, init: str, folder: str, dtype: str, offload
     plan = loading.prepare(model, folder)
     parallelize(model, ParallelismConfig() if world > 1 else None, device=torch.device("cpu"))
     built = time.perf_counter() - start
+    if world > 1:
+        torch.distributed.barrier()  # the ranks start loading together
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     seconds = loading.load(model, plan, torch.device("cpu"))["seconds"]
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     held = sum(stored_bytes(p) for p in model.parameters())
     off = sum(stored_bytes(m.offload.host) for m in model.modules()
               if isinstance(m, LowPrecisionLinear) and m.offload is not None)
-    Path(out).write_text(json.dumps({"rank": rank, "base_gb": base, "peak_gb": rss_gb("VmHWM"),
-                                     "seconds": seconds, "built": built, "held": held, "offloaded": off}))
+    Path(out).write_text(json.dumps({
+        "rank": rank, "base_gb": base, "peak_gb": rss_gb("VmHWM"), "seconds": seconds,
+        "cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+        "built": built, "held": held, "offloaded": off}))
     if world > 1:
         torch.distributed.destroy_process_group()
 
@@ -139,70 +166,171 @@ def run_case(folder: Path, world: int, dtype: str, offload: float) -> list[dict]
         return [json.loads(Path(f"{tmp}/r{r}.json").read_text()) for r in range(world)]
 
 
-def cat_seconds(folder: Path) -> float:
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    DROP.write_text("3\n")
+
+
+def cat_run(folder: Path, cold: bool) -> tuple[float, float]:
+    """(seconds, CPU seconds) of ``cat`` reading every safetensors file of ``folder``."""
+    if cold:
+        drop_caches()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(f"cat {folder}/*.safetensors > /dev/null", shell=True, check=True)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def planned_gib(folder: Path, world: int, dtype: str, offload: float) -> dict | None:
+    """``foundryx plan``'s host memory per rank (GiB) for the case: the loading phase's peak
+    and its terms; None when the planner cannot plan it (the reason printed)."""
+    from foundryx.plan.planner import make_plan
+
+    ov = [f"variables.model_path={folder}", "variables.data_root=/nonexistent", "precision=fp32",
+          "device=cpu", "train_loader.num_workers=0", "eval_loader.num_workers=0",
+          "model.peft_config.lora_dropout=0"]
+    ov += ([f"model.frozen_base.dtype={dtype}", f"model.frozen_base.offload_fraction={offload}"]
+           if dtype != "none" else ["~model.frozen_base"])
+    try:
+        p = make_plan(RECIPE, ov, gpus=world, gpu="cpu")
+    except Exception as e:  # noqa: BLE001 - a benchmark row says why it has no prediction
+        print(f"planner: {world} ranks {dtype} offload {offload}: {e}", file=sys.stderr)
+        return None
+    return {"load_per_rank": p.host.load_per_rank / GiB,
+            "terms": {k: v / GiB for k, v in p.host.terms.items() if v}}
+
+
+def render(meta: dict, rows: list[dict], folder: Path) -> str:
+    stored, files, params = meta["stored"], meta["files"], meta["params"]
+    sizes = meta["sizes"]
+    cats = [r["cat_s"] for r in rows]
+    cat_rates = [stored / GiB / c for c in cats] or [float("nan")]
+    lines = []
+    for r in rows:
+        world, ranks = r["world"], r["ranks"]
+        above = [x["peak_gb"] - x["base_gb"] for x in ranks]
+        peak = max(x["peak_gb"] for x in ranks)
+        load_s = max(x["seconds"] for x in ranks)
+        cpu = sum(x["cpu_s"] for x in ranks)
+        rate = stored / GiB / load_s
+        cat_rate = stored / GiB / r["cat_s"]
+        offloaded = " / ".join(f"{x['offloaded'] / GiB:.2f}" for x in ranks)
+        plan = planned_gib(folder, world, r["dtype"], r["offload"])
+        pred = f"{plan['load_per_rank']:.2f} | {(plan['load_per_rank'] - peak) / peak * 100:+.0f}%" \
+            if plan else "- | -"
+        lines.append(
+            f"| {world} | {r['dtype']} | {r['offload']:g} | "
+            f"{' / '.join(f'{x:.2f}' for x in above)} | {stored / GiB / world:.2f} | "
+            f"{max(above) / (stored / GiB / world):.2f} | "
+            f"{(max(above) - min(above)) / max(above) * 100:.0f}% | "
+            f"{offloaded} | "
+            f"{peak:.2f} | {pred} | "
+            f"{load_s:.1f} | {rate:.2f} | {cat_rate:.2f} | {rate / cat_rate:.2f} | "
+            f"{cpu / (stored / GiB):.2f} | {r['cat_cpu_s'] / (stored / GiB):.2f} |")
+    cold = meta["cache"] == "cold"
+    header = (
+        f"## Shard-on-read: peak host memory per rank, load throughput, planner (issue 23)\n\n"
+        f"{meta['date']}. {meta['machine']}; torch {meta['torch']}, Python {meta['python']}. "
+        f"Command: `{meta['command']}`. Model: Llama-style, {params / 1e9:.2f}B parameters "
+        f"(hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} layers, vocab "
+        f"{sizes['vocab_size']}), bf16, {stored / GiB:.2f} GiB in {files} safetensors files + "
+        f"index. Each rank: LoRA r16 on all linear layers, the frozen base as `dtype`, FSDP2 "
+        f"over the ranks (gloo), `init_device: meta`, 1 torch thread. \"above base\": VmHWM "
+        f"after the load minus VmRSS before the model is built (imports done); \"VmHWM\": "
+        f"the whole process's peak (the worst rank), against the planner's loading-phase "
+        f"per-rank host memory (`foundryx plan`, {RECIPE.relative_to(ROOT)} with this model "
+        f"and dtype, `--gpu cpu --gpus N`). Load: read + convert/quantize + place, the slowest "
+        f"rank. Page cache: "
+        + ("**dropped** (`echo 3 > /proc/sys/vm/drop_caches`) before every `cat` and every "
+           "load: both read from the disk." if cold else
+           "**warm** for both (the files read once before; nothing dropped).")
+        + f" `cat` of all files just before each row: {min(cat_rates):.2f}-{max(cat_rates):.2f}"
+        f" GiB/s (median {statistics.median(cat_rates):.2f}). CPU s/GiB: user + system "
+        f"seconds of all ranks' loads (or of `cat`) per GiB stored.\n\n"
+        "| ranks | frozen base | offload | above base per rank (GiB) | stored / N (GiB) | "
+        "max / (stored / N) | spread | offloaded per rank (GiB) | VmHWM (GiB) | planned (GiB) | "
+        "planned vs VmHWM | load s | load GiB/s | cat GiB/s | load / cat | load CPU s/GiB | "
+        "cat CPU s/GiB |\n"
+        "|---:|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    return header + "\n" + "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--dtypes", nargs="+", default=["fp8"], help="none (dense float32 base), bf16, fp8, int8, nf4")
-    ap.add_argument("--offload", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8", "int8", "nf4"],
+                    help="none (dense float32 base), bf16, fp8, int8, nf4")
+    ap.add_argument("--offload", type=float, nargs="+", default=[0.0, 0.5, 1.0])
+    ap.add_argument("--cases", nargs="+", default=None, metavar="N:DTYPE:OFFLOAD",
+                    help="exactly these cases (e.g. 2:fp8:0 1:bf16:0) instead of the grid")
+    ap.add_argument("--cache", choices=("cold", "warm"), default=None,
+                    help="cold: drop the page cache before every cat and load (needs root; "
+                    "the default where it is allowed); warm: never drop")
     ap.add_argument("--layers", type=int, default=LLAMA_1B["num_hidden_layers"])
-    ap.add_argument("--folder", type=Path, default=None, help="reuse (or write) the model here")
+    ap.add_argument("--folder", type=Path, default=None,
+                    help="reuse (or write) the model here (default: ~/.cache/foundryx-bench/)")
     ap.add_argument("--shard-mb", type=int, default=500)
     ap.add_argument("--out", type=Path, default=None, help="append the table to this markdown file")
+    ap.add_argument("--json", type=Path, default=None, help="the raw rows (default: "
+                    "~/.cache/foundryx-bench/load_memory-<time>.json)")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="render (and re-plan) the rows of this --json file; nothing is loaded")
     a = ap.parse_args()
+    if a.table:
+        data = json.loads(a.table.read_text())
+        table = render(data["meta"], data["rows"], Path(data["meta"]["folder"]))
+        print(table)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write("\n" + table)
+        return
     sizes = {**LLAMA_1B, "num_hidden_layers": a.layers}
-    folder = a.folder or Path(tempfile.mkdtemp(prefix="load_memory_")) / "llama"
+    folder = a.folder or CACHE / ("llama-1.1b-bf16" if a.layers == LLAMA_1B["num_hidden_layers"]
+                                  else f"llama-{a.layers}layers-bf16")
     if not (folder / "model.safetensors.index.json").is_file():
+        print(f"writing the model to {folder} (once) ...", flush=True)
         write_model(folder, sizes, a.shard_mb * 2**20)
+    cache = a.cache or ("cold" if os.access(DROP, os.W_OK) else "warm")
+    if cache == "cold" and not os.access(DROP, os.W_OK):
+        raise SystemExit(f"--cache cold needs to write {DROP} (root); use --cache warm")
+    if a.cases:
+        cases = [(int(w), d, float(o)) for w, d, o in (c.split(":") for c in a.cases)]
+    else:
+        cases = [(w, d, o) for w in a.ranks for d in a.dtypes for o in a.offload
+                 if not (d == "none" and o)]
     stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    files = len(list(folder.glob("*.safetensors")))
-    params = stored // 2
-    cat = min(cat_seconds(folder) for _ in range(2))
+    meta = {"date": str(date.today()), "folder": str(folder), "cache": cache, "sizes": sizes,
+            "stored": stored, "files": len(list(folder.glob("*.safetensors"))),
+            "params": stored // 2, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs "
+                       f"(shared with other jobs: load average {os.getloadavg()[0]:.1f} at the "
+                       "start), no GPU",
+            "command": "python benchmarks/load_memory.py " + " ".join(sys.argv[1:])}
+    out_json = a.json or CACHE / f"load_memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if cache == "warm":
+        cat_run(folder, False)  # the files in the page cache before the first row
     rows = []
-    for world in a.ranks:
-        for dtype in a.dtypes:
-            for offload in a.offload:
-                if dtype == "none" and offload:
-                    continue
-                cat_again = cat_seconds(folder)  # alternating with the loads
-                ranks = run_case(folder, world, dtype, offload)
-                above = [r["peak_gb"] - r["base_gb"] for r in ranks]
-                load_s = max(r["seconds"] for r in ranks)
-                built = max(r["built"] for r in ranks)
-                offloaded = " / ".join(f"{r['offloaded'] / 2**30:.2f}" for r in ranks)
-                rows.append(
-                    f"| {world} | {dtype} | {offload:g} | "
-                    f"{' / '.join(f'{x:.2f}' for x in above)} | {stored / 2**30 / world:.2f} | "
-                    f"{max(above) / (stored / 2**30 / world):.2f} | "
-                    f"{(max(above) - min(above)) / max(above) * 100:.0f}% | "
-                    f"{offloaded} | "
-                    f"{built:.1f} | {load_s:.1f} | {stored / 2**30 / load_s:.2f} | "
-                    f"{stored / 2**30 / cat_again:.2f} |")
-                print(rows[-1], flush=True)
-    header = (
-        f"## Shard-on-read: peak host memory per rank and load throughput (issue 23)\n\n"
-        f"{date.today()}. {platform.node()}: {os.cpu_count()} CPUs (shared with other jobs), no "
-        f"GPU; torch {torch.__version__}, Python {platform.python_version()}. Command: "
-        f"`python benchmarks/load_memory.py {' '.join(sys.argv[1:])}`. Model: Llama-style, "
-        f"{params / 1e9:.2f}B parameters (hidden {sizes['hidden_size']}, {sizes['num_hidden_layers']} "
-        f"layers, vocab {sizes['vocab_size']}), bf16, {stored / 2**30:.2f} GiB in {files} "
-        f"safetensors files + index. Each rank: LoRA r16 on all linear layers, the frozen base "
-        f"as `dtype`, FSDP2 over the ranks (gloo), `init_device: meta`, 1 torch thread. "
-        f"\"above base\": peak RSS (VmHWM) after the load minus RSS before the model is built "
-        f"(imports done). Build: meta model + LoRA + frozen_base + FSDP2; load: read + convert/"
-        f"quantize + place (the slowest rank; bytes of all ranks together per second). "
-        f"Page cache warm for the loads and for `cat` (no root to drop it); `cat` of all files: "
-        f"{stored / 2**30 / cat:.2f} GiB/s before the grid, and the last column just before each "
-        f"row.\n\n"
-        "| ranks | frozen base | offload | peak above base per rank (GiB) | stored / N (GiB) | "
-        "max / (stored / N) | spread | offloaded per rank (GiB) | build s | load s | load GiB/s | "
-        "cat GiB/s |\n|---:|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|")
-    table = header + "\n" + "\n".join(rows) + "\n"
+    for world, dtype, offload in cases:
+        cat_s, cat_cpu = cat_run(folder, cache == "cold")  # alternating with the loads
+        if cache == "cold":
+            drop_caches()
+        ranks = run_case(folder, world, dtype, offload)
+        rows.append({"world": world, "dtype": dtype, "offload": offload, "cat_s": cat_s,
+                     "cat_cpu_s": cat_cpu, "ranks": ranks,
+                     "loadavg": os.getloadavg()[0]})
+        out_json.parent.mkdir(parents=True, exist_ok=True)
+        out_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        r = rows[-1]
+        above = " / ".join(f"{x['peak_gb'] - x['base_gb']:.2f}" for x in ranks)
+        print(f"{world} ranks {dtype} offload {offload:g}: load "
+              f"{max(x['seconds'] for x in ranks):.1f} s, cat {cat_s:.1f} s, above base "
+              f"{above} GiB, load "
+              f"average {r['loadavg']:.1f} ({out_json})", flush=True)
+    meta["loadavg_end"] = os.getloadavg()[0]
+    out_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    table = render(meta, rows, folder)
     print(table)
     if a.out:
         with open(a.out, "a") as f:

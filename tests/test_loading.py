@@ -176,3 +176,27 @@ def test_one_process_meta_load_equals_cpu_load(good, frozen, offload):
     batch = token_batch()
     with torch.no_grad():
         assert cpu.loss(cpu(batch), batch).item() == meta.loss(meta(batch), batch).item()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "bf16"])
+def test_chunked_quantize_on_load_equals_quantizing_the_whole_weight(kind, monkeypatch):
+    """The loader quantizes a slice a few rows at a time through a reused float32 scratch
+    buffer: bit for bit what quantize_rows gives for the whole weight, whatever the chunk,
+    from any stored dtype to any model dtype (zero rows, tiny and huge values, an infinity)."""
+    import foundryx.loading.quantize as quantize
+    from foundryx.models.peft.rowwise import RowScaledTensor
+
+    torch.manual_seed(0)
+    w = torch.randn(37, 96, dtype=torch.float64) * 0.05
+    w[3], w[4], w[6] = 0.0, -0.0, 1e-30
+    w[5, 7], w[7, 9] = 1e30, float("-inf")
+    for stored in (torch.bfloat16, torch.float16, torch.float32):
+        for dtype in (torch.float32, torch.bfloat16):
+            whole = RowScaledTensor.from_weight(w.to(stored).to(dtype), kind)
+            for chunk in (96 * 5, 1 << 18):  # 5 rows at a time; all at once
+                monkeypatch.setattr(quantize, "CHUNK", chunk)
+                monkeypatch.setattr(quantize, "_scratch", __import__("threading").local())
+                mine = quantize.rowwise(w.to(stored), kind, dtype)
+                bits = torch.int16 if kind == "bf16" else torch.uint8
+                assert mine.dtype == whole.dtype and torch.equal(mine.scale, whole.scale)
+                assert torch.equal(mine.qdata.view(bits), whole.qdata.view(bits)), (stored, dtype, chunk)

@@ -5,6 +5,7 @@ promise, the load-time estimate, and the pre-launch refusal (one message, exit 2
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,9 @@ from foundryx.plan.census import build_meta, take_census
 from foundryx.plan.gpus import GiB, parse_rate
 from foundryx.plan.host import (
     GPU_RUNTIME_HOST,
+    OFFLOAD_PACK_COPIES,
     PROCESS_BASELINE,
+    READ_AHEAD,
     READER_BUFFER,
     READER_THREADS,
     WORKER_BYTES,
@@ -24,7 +27,7 @@ from foundryx.plan.host import (
     host_plan,
     host_terms,
 )
-from foundryx.plan.memory import Setup
+from foundryx.plan.memory import Setup, terms
 from foundryx.plan.planner import make_plan
 
 ROOT = Path(__file__).parents[1]
@@ -60,7 +63,9 @@ def test_host_terms_by_hand():
     h = HostSetup(ranks_per_node=2, load="shard", stored_bytes=stored, workers=3, batch_bytes=1024)
     t, others = host_terms(c, s, h)
     offloaded = (BLOCK_LINEAR * 1 + ROWS * 4) * 0.5 / 2  # fp8 bytes + fp32 row scales, half, / N
-    loader = 1.25 * stored / 2 + LARGEST * 2 / 2 + READERS
+    # on a GPU a rank keeps only its offloaded shards in host memory (packed once more at the
+    # end), plus the ranges read ahead and the largest tensor's slice (bf16, / N)
+    loader = OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + LARGEST * 2 / 2
     assert t == {"process_baseline": PROCESS_BASELINE, "gpu_runtime": GPU_RUNTIME_HOST,
                  "device_memory": 0, "offloaded_shards": offloaded, "cpu_offload_state": 0,
                  "dataloader_workers": 3 * (WORKER_BYTES + 2 * 1024),
@@ -92,6 +97,12 @@ def test_loading_modes_and_cpu_device():
     node_load = common + whole + 3 * common
     assert rank0.per_node == max(node_load, 4 * rank0.train_per_rank)
     assert rank0.read_per_node == stored
+    # shard-on-read on a CPU device: each rank keeps its weights in host memory, plus the
+    # ranges read ahead and the largest tensor's slice
+    shard = host_plan(c, s, HostSetup(4, "shard", stored), GiB, "t", 1e9)
+    kept = terms(c, s)["trainable_weights"]
+    assert kept == TOTAL * 4 / 4
+    assert shard.terms["loader_transient"] == math.ceil(kept + READ_AHEAD + LARGEST * 2 / 4)
     none = host_plan(c, s, HostSetup(4, "none", 0), GiB, "t", 1e9)
     assert none.terms["loader_transient"] == 0 and none.load_seconds == 0
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
 from foundryx.loading.quantize import nf4, rowwise
-from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
+from foundryx.loading.reader import THREADS, Progress, Read, empty, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
 from foundryx.models.peft.lora import inner_model
 from foundryx.parallel import dist
@@ -181,17 +181,27 @@ def _offload_rows(t: Target) -> tuple[int, int, Any]:
     return start, stop, (torch.distributed.group.WORLD if off.rows is not None else None)
 
 
+def _collective(t: Target, module: nn.Module) -> bool:
+    """Whether converting ``t`` takes a collective (NF4's whole-weight scaler mean), so it
+    runs on the loading thread, in the same order on every rank."""
+    return (t.kind != "buffer" and isinstance(module, LowPrecisionLinear)
+            and t.holders[0][1] == "weight" and module.storage == "nf4")
+
+
 def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tensor, group: Any,
              device: torch.device) -> torch.Tensor:
     """The checkpoint ``rows`` in the form the model keeps them: its frozen-base storage, or
-    its dtype, on ``device`` (offloaded weights stay in host memory)."""
+    its dtype, on ``device`` (offloaded weights stay in host memory). Always a new tensor:
+    ``rows`` views the file's mapping, which must not outlive the load."""
     local_like = getattr(like, "_local_tensor", like)
     if t.kind != "buffer" and isinstance(module, LowPrecisionLinear) and t.holders[0][1] == "weight":
         rows = rows if t.kind == "offload" else rows.to(device)
         if module.storage == "nf4":
             return nf4(rows, local_like, like.dtype, group)
         return rowwise(rows, module.storage, like.dtype)
-    return rows.to(device=device, dtype=like.dtype)
+    if device.type == "cpu":
+        return empty(rows.shape, like.dtype).copy_(rows)
+    return torch.empty(rows.shape, dtype=like.dtype, device=device).copy_(rows)
 
 
 def _place(t: Target, like: torch.Tensor, local: torch.Tensor) -> None:
@@ -260,23 +270,34 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     converted: dict[str, set[str]] = {}
     since_trim = [0]
 
-    def use(r: Read, rows: torch.Tensor) -> None:
-        since_trim[0] += rows.nbytes
+    def early(r: Read, rows: torch.Tensor) -> tuple[bool, torch.Tensor]:
+        """In a reader thread: (done, the rows converted), or (False, the rows as read)
+        when converting them takes a collective, left to ``use``."""
+        t, like, group = jobs[id(r)]
+        module = t.holders[0][0]
+        if _collective(t, module):
+            return False, rows
+        return True, _convert(t, module, rows, like, group, device)
+
+    def use(r: Read, value: tuple[bool, torch.Tensor]) -> None:
+        t, like, group = jobs[id(r)]
+        module = t.holders[0][0]
+        done, local = value
+        if not done:
+            local = _convert(t, module, local, like, group, device)
+        since_trim[0] += r.byte_range[1] - r.byte_range[0]
         if since_trim[0] >= TRIM_EVERY_BYTES:
             since_trim[0] = 0
             release_freed_memory()
-        t, like, group = jobs[id(r)]
-        module = t.holders[0][0]
-        local = _convert(t, module, rows, like, group, device)
-        if local.dtype != rows.dtype or type(local) is not torch.Tensor:
+        if local.dtype != r.entry.dtype or type(local) is not torch.Tensor:
             what = getattr(module, "storage", None) if isinstance(module, LowPrecisionLinear) \
                 and t.kind != "buffer" else str(local.dtype).removeprefix("torch.")
-            converted.setdefault(f"{str(rows.dtype).removeprefix('torch.')} -> {what}",
+            converted.setdefault(f"{str(r.entry.dtype).removeprefix('torch.')} -> {what}",
                                  set()).add(t.key)
         _place(t, like, local)
 
     with torch.no_grad():
-        read_all(reads, use, progress)
+        read_all(reads, use, progress, prepare=early)
     release_freed_memory()
     offloaded = [t.holders[0][0] for t in plan.targets if t.kind == "offload"]
     if offloaded:

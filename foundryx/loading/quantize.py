@@ -9,23 +9,94 @@ storage, bit for bit what quantizing the whole weight and then sharding it gives
   weight. That mean is the one statistic a rank cannot compute alone: the ranks all-gather
   their block maxima (one number per 64 weights) and every rank takes the same ``mean()`` of
   the same vector, so it is the full-weight value exactly.
+
+Row-scaled formats are computed in chunks of rows through one float32 scratch buffer per
+thread, reused for every tensor (no whole-tensor float32 copy is allocated: allocating and
+first touching those was most of the quantization's time, and its transient memory), with
+the same float32 operations, in the same order, as
+:func:`~foundryx.models.peft.rowwise.quantize_rows` on the whole weight.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 
-from foundryx.models.peft.rowwise import RowScaledTensor, quantize_rows
+from foundryx.loading.reader import empty
+from foundryx.models.peft.rowwise import MIN_SCALE, QDTYPES, QMAX, RowScaledTensor
+
+CHUNK = 1 << 18  # float32 elements of scratch per reader thread (1 MiB: stays in cache)
+_scratch = threading.local()
+
+
+def exact(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every value of ``src`` is a value of ``dst`` (a cast that never rounds)."""
+    wider = {torch.bfloat16: (torch.float32, torch.float64), torch.float16: (torch.float32, torch.float64),
+             torch.float32: (torch.float64,)}
+    return src == dst or dst in wider.get(src, ())
+
+
+def _buffer(rows: int, cols: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _scratch.buf = torch.empty(max(rows * cols, CHUNK), dtype=torch.float32)
+    return buf[:rows * cols].view(rows, cols)
+
+
+_SIGN = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+         torch.float32: (torch.int32, 0x7FFFFFFF)}
+
+
+def _absmax(c: torch.Tensor) -> torch.Tensor:
+    """Per row, the float32 ``max(amax, -amin)`` of ``quantize_rows``, in one pass: the
+    largest magnitude, found as the largest sign-cleared bit pattern (IEEE magnitudes order
+    as their bits do, NaN above infinity, so a NaN row gives NaN as ``amax`` does); max and
+    min never round, so a bfloat16 chunk's is its float32 copy's."""
+    bits, mask = _SIGN[c.dtype]
+    return (c.view(bits) & mask).amax(dim=1).view(c.dtype).float()
 
 
 def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTensor:
-    """``rows`` (any float dtype) as a RowScaledTensor of ``kind`` that dequantizes to ``dtype``.
-    For float32 the checkpoint's rows are quantized as they are: ``quantize_rows`` makes its one
-    float32 working copy (exact from any float), so a ``rows.to(float32)`` first would only be a
-    second full-size float32 copy, the same bits."""
-    qdata, scale = quantize_rows(rows if dtype == torch.float32 else rows.to(dtype), kind)
+    """``rows`` (any float dtype, on the CPU or a device) as a RowScaledTensor of ``kind``
+    that dequantizes to ``dtype``: bit for bit ``RowScaledTensor.from_weight(rows.to(dtype),
+    kind)``, computed a chunk of rows at a time (see the module doc)."""
+    if rows.dim() != 2 or not rows.numel() or rows.device.type != "cpu":
+        return RowScaledTensor.from_weight(rows.to(dtype), kind)
+    same = exact(rows.dtype, dtype)
+    n, cols = rows.shape
+    step = max(1, CHUNK // cols)
+    chunks = [(i, min(i + step, n)) for i in range(0, n, step)]
+
+    def part(i: int, j: int) -> torch.Tensor:
+        return rows[i:j] if same else rows[i:j].to(dtype)
+
+    if kind == "bf16":  # the weight rounded to bfloat16, scales of 1 (quantize_rows)
+        qdata = empty((n, cols), torch.bfloat16)
+        for i, j in chunks:
+            qdata[i:j].copy_(part(i, j))
+        return RowScaledTensor(qdata, torch.ones(n), dtype=dtype)
+    amax = torch.empty(n, dtype=torch.float32)
+    for i, j in chunks:
+        c = part(i, j)
+        if not exact(c.dtype, torch.float32):  # (float64): the float32 working copy's values
+            c = _buffer(j - i, cols).copy_(c)
+        amax[i:j] = _absmax(c)
+    scale = (amax / QMAX[kind]).clamp(min=MIN_SCALE)
+    qdata = empty((n, cols), QDTYPES[kind])
+    for i, j in chunks:
+        w = _buffer(j - i, cols)
+        c = part(i, j)
+        if exact(c.dtype, torch.float32):
+            torch.div(c, scale[i:j, None], out=w)  # computed in float32 (type promotion)
+        else:
+            w.copy_(c).div_(scale[i:j, None])
+        if kind == "int8":
+            w.round_().clamp_(-127, 127)
+        else:
+            w.clamp_(-QMAX[kind], QMAX[kind])
+        qdata[i:j].copy_(w)
     return RowScaledTensor(qdata, scale, dtype=dtype)
 
 

@@ -9,10 +9,14 @@ ranks load at once and train at once).
 
 Loading follows the shard-on-read loader (``init_device: meta`` with a pretrained folder,
 foundryx/loading): every rank builds on the meta device and reads only its own slices of the
-files, so its transient is at most ``LOADER_SLACK`` x the checkpoint's bytes / N + the largest
-single tensor's slice + the reader threads' buffers (the loader's stated bound; the page cache
-the reads go through is the kernel's, reclaimable, and not counted). ``init_device: cpu`` reads
-the whole checkpoint on every rank, ``mixed`` on rank 0: the same bound with N = 1.
+files. A rank ends the load holding its shards as the model keeps them (a CPU device: all of
+them, in host memory; a GPU: only the offloaded shards stay in host memory), and on the way
+holds what is in flight: the file ranges mapped ahead of use, the largest tensor's slice as
+stored, and the conversion's working set (NF4's float32 copies). The page cache the reads go
+through is the kernel's, reclaimable, and not counted. Checked against the whole process's
+peak on CPU ranks by benchmarks/load_memory.py (benchmarks/RESULTS.md). ``init_device: cpu``
+reads the whole checkpoint on every rank (``from_pretrained``), ``mixed`` on rank 0:
+``LOADER_SLACK`` x the checkpoint + the largest tensor + the reader buffers.
 """
 
 from __future__ import annotations
@@ -26,11 +30,22 @@ from foundryx.plan.memory import Setup, frozen_linear_bytes, terms
 GiB = 2**30
 MiB = 2**20
 
-# The loader's bound (foundryx/loading): transient bytes per rank <= LOADER_SLACK x stored / N
-# + the largest tensor's slice + READER_THREADS x READER_BUFFER.
+# A whole-checkpoint read (init_device cpu / mixed): LOADER_SLACK x stored + the largest tensor
+# + READER_THREADS x READER_BUFFER.
 LOADER_SLACK = 1.25
 READER_THREADS = 4
 READER_BUFFER = 64 * MiB
+# Shard-on-read (foundryx/loading): what a rank keeps, plus in flight READ_AHEAD bytes of file
+# ranges mapped ahead of use (foundryx.loading.reader.AHEAD_BYTES) and the largest tensor's
+# slice; an NF4 frozen base converts a slice through torchao's float32 copies of it (the
+# weight, its scaled blocks: NF4_WORK bytes per element of the largest frozen linear's slice)
+# and a search chunk of NF4_CHUNK bytes (2^20 elements x 16 levels x 4 bytes); offloaded
+# shards are packed into one host buffer at the end of the load, so they are held
+# OFFLOAD_PACK_COPIES times for a moment.
+READ_AHEAD = 64 * MiB
+NF4_WORK = 9
+NF4_CHUNK = 64 * MiB
+OFFLOAD_PACK_COPIES = 2
 
 # Measured by benchmarks/plan_host.py (benchmarks/RESULTS.md, "Host memory"): the resident
 # memory of a process that has imported what train.py imports (torch, Composer, transformers,
@@ -58,8 +73,9 @@ HOST_DOCS = {
                         "(pinned on a GPU)",
     "cpu_offload_state": "FSDP2 cpu_offload: the sharded weights, gradients and optimizer state",
     "dataloader_workers": "dataloader worker processes (train + eval), private memory each",
-    "loader_transient": "loading: checkpoint slices in flight (1.25 x stored / N + the largest "
-                        "tensor's slice + reader buffers)",
+    "loader_transient": "loading: the shards a rank keeps in host memory (a CPU device: all; "
+                        "offloaded: packed once more), file ranges read ahead, the largest "
+                        "slice and its conversion",
 }
 TRAIN_TERMS = ("device_memory", "offloaded_shards", "cpu_offload_state", "dataloader_workers")
 
@@ -133,11 +149,24 @@ def host_terms(c: Census, s: Setup, h: HostSetup) -> tuple[dict[str, int], int]:
     if h.load != "none" and h.stored_bytes:
         per_elem = h.stored_bytes / max(c.total, 1)
         readers = READER_THREADS * READER_BUFFER
-        sharded = LOADER_SLACK * h.stored_bytes / n + c.largest_param * per_elem / n + readers
         whole = LOADER_SLACK * h.stored_bytes + c.largest_param * per_elem + readers
+        sharded = shard_on_read_bytes(c, s, n, per_elem, t["offloaded_shards"])
         t["loader_transient"] = sharded if h.load == "shard" else whole
         others = whole if h.load == "every_rank" else 0.0 if h.load == "rank0" else sharded
     return {k: int(math.ceil(v)) for k, v in t.items()}, int(math.ceil(others))
+
+
+def shard_on_read_bytes(c: Census, s: Setup, n: int, per_elem: float, offloaded: float) -> float:
+    """A rank's loading peak above its baseline under shard-on-read (see the module doc)."""
+    kept = 0.0
+    if s.device_kind == "cpu":
+        on = terms(c, s)
+        kept = on["frozen_weights"] + on["trainable_weights"]
+    work = 0.0
+    if s.lora and s.frozen_dtype == "nf4":
+        work = NF4_WORK * c.largest_linear / n + NF4_CHUNK
+    return (kept + OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + c.largest_param * per_elem / n
+            + work)
 
 
 def read_bytes(s: Setup, h: HostSetup) -> tuple[int, int]:
