@@ -255,7 +255,7 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     model.fsdp_wrap_fn = is_block
     model.activation_checkpointing_fn = is_block
     model.param_init_fn = model._init_weights
-    model.tp_plan = lambda: hf_tp_plan(model)
+    model.foundryx_tp_plan = lambda: hf_tp_plan(model)
 
 
 def matmul_params(model: nn.Module) -> int:

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism from the plan a model declares as data.
 
 A model (the ComposerModel or one of its direct children, as for the FSDP hooks of
-:mod:`foundryx.parallel.policy`) offers ``tp_plan()``, which returns plain data::
+:mod:`foundryx.parallel.policy`) offers ``foundryx_tp_plan()``, which returns plain data::
 
     {"layers": {"<module-name pattern>": "<style>", ...},   # fnmatch patterns, relative
      "local": {"<pattern>": ["n_heads", ...]},              # int (or tuple) attributes that
@@ -41,7 +41,7 @@ from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
 
 log = logging.getLogger(__name__)
 
-PLAN_HOOK = "tp_plan"
+PLAN_HOOK = "foundryx_tp_plan"  # HF models have a tp_plan of their own
 # The models that declare a plan (said when a model without one asks for tp).
 MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
                      "hf_causal_lm with a Llama, Mistral or Qwen2 model")

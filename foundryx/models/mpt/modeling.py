@@ -125,7 +125,7 @@ class MPTPreTrainedModel(PreTrainedModel):
     def activation_checkpointing_fn(self, module: nn.Module) -> bool:
         return isinstance(module, MPTBlock)
 
-    def tp_plan(self) -> dict[str, Any]:
+    def foundryx_tp_plan(self) -> dict[str, Any]:
         """Tensor + sequence parallelism as data (applied by foundryx.parallel.tp): heads and
         MLP columns split, norms on sequence shards, the embedding and the (tied) output
         projection replicated over the TP ranks (FSDP still shards them)."""
