@@ -28,8 +28,8 @@ import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with 
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.hub import looks_like_path, resolve_source
-from foundryx.models.hf_tp import hf_tp_plan
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
+from foundryx.models.hf_tp import hf_tp_plan
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
 
