@@ -102,6 +102,12 @@ def tp_data_problems(data: dict[str, Any]) -> list[str]:
     if data.get("icl_tasks"):
         problems.append(f"icl_tasks: the ICL evaluators do not run under parallelism.tp: {tp} "
                         "yet; evaluate the checkpoint with `foundryx eval`, or use tp: 1")
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    for key in ("save_folder", "load_path"):
+        if model.get("name") == "mpt_causal_lm" and data.get(key):
+            problems.append(f"{key}: checkpoints of an MPT under parallelism.tp: {tp} are not "
+                            "supported yet (its fused Wqkv is held in the TP ranks' row order, "
+                            "which a checkpoint would keep); drop it, or use tp: 1")
     return problems
 
 

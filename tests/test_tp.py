@@ -23,18 +23,28 @@ LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidde
              max_position_embeddings=SEQ, tie_word_embeddings=False)
 
 
-def _build(kind: str):
+LORA_TARGETS = {"mpt": ["o", "up", "down"], "llama": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+
+
+def _build(kind: str, lora: bool):
+    from foundryx.models.peft.lora import apply_lora
+    from foundryx.models.peft.options import LoraOptions
+
     if kind == "mpt":
         from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
-        return ComposerMPTCausalLM(None, **MPT)
-    from foundryx.models.hf import ComposerHFCausalLM
+        model = ComposerMPTCausalLM(None, **MPT)
+    else:
+        from foundryx.models.hf import ComposerHFCausalLM
 
-    return ComposerHFCausalLM(None, config=dict(LLAMA), pretrained=False,
-                              attn_implementation="sdpa")
+        model = ComposerHFCausalLM(None, config=dict(LLAMA), pretrained=False,
+                                   attn_implementation="sdpa")
+    if lora:  # colwise and rowwise bases: both adapter rules
+        model = apply_lora(model, LoraOptions(target_modules=LORA_TARGETS[kind], r=4, lora_alpha=8))
+    return model
 
 
-def _losses(kind: str, shard: int, tp: int) -> list[float]:
+def _losses(kind: str, shard: int, tp: int, lora: bool) -> list[float]:
     import torch.distributed as tdist
 
     from foundryx.parallel import parallelize
@@ -43,10 +53,10 @@ def _losses(kind: str, shard: int, tp: int) -> list[float]:
     dp = world // tp
     ids = torch.randint(0, 64, (STEPS, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    model = _build(kind)
+    model = _build(kind, lora)
     parallelize(model, ParallelismConfig(data_parallel_shard_degree=shard, tp=tp),
                 device=torch.device("cpu"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     mine = rank // tp  # the data-parallel group: TP ranks share a batch
     losses = []
     for step in range(STEPS):
@@ -63,21 +73,25 @@ def _losses(kind: str, shard: int, tp: int) -> list[float]:
     return losses
 
 
-def _all_meshes(kind: str) -> dict[str, list[float]]:
-    return {name: _losses(kind, shard, tp)
-            for name, (shard, tp) in {"shard4": (4, 1), "shard2xtp2": (2, 2), "tp4": (1, 4)}.items()}
+MESHES = {"shard4": (4, 1), "shard2xtp2": (2, 2), "tp4": (1, 4)}
+
+
+def _all_meshes(kind: str) -> dict[tuple[str, bool], list[float]]:
+    return {(name, lora): _losses(kind, shard, tp, lora)
+            for lora in (False, True) for name, (shard, tp) in MESHES.items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mpt", "llama"])
-def test_tp_losses_equal_fsdp_losses(kind):
-    results = run_distributed(_all_meshes, world_size=4, args=(kind,), timeout=600)
-    ref = results[0]["shard4"]
-    assert ref[-1] < ref[0], ref  # it trains
-    for r in results:
-        for name in ("shard2xtp2", "tp4"):
-            for a, b in zip(r[name], ref):
-                assert abs(a - b) <= 1e-5 * abs(b), (name, r[name], ref)
+def test_tp_losses_equal_fsdp_losses_with_and_without_lora(kind):
+    results = run_distributed(_all_meshes, world_size=4, args=(kind,), timeout=900)
+    for lora in (False, True):
+        ref = results[0][("shard4", lora)]
+        assert ref[-1] < ref[0], (lora, ref)  # it trains
+        for r in results:
+            for name in ("shard2xtp2", "tp4"):
+                got = r[(name, lora)]
+                assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, ref)), (name, lora, got, ref)
 
 
 def test_fused_rows_are_interleaved_by_logical_part():
@@ -107,3 +121,31 @@ def test_a_model_without_a_plan_lists_those_with_one():
     (problem,) = plan_problems(model, 2)
     assert "declares no tensor-parallel plan" in problem and "mpt_causal_lm" in problem
     assert "Llama, Mistral or Qwen2" in problem
+
+
+def test_tp_data_and_checkpoint_problems_are_said_up_front():
+    from foundryx.builders import tp_data_problems
+
+    data = {"parallelism": {"tp": 2}, "model": {"name": "mpt_causal_lm"},
+            "train_loader": {"name": "finetuning"}, "eval_loader": {"name": "text"},
+            "icl_tasks": [{"label": "x"}], "save_folder": "ckpt"}
+    problems = tp_data_problems(data)
+    assert any(p.startswith("train_loader.name: 'finetuning' with parallelism.tp: 2") for p in problems)
+    assert any(p.startswith("icl_tasks: the ICL evaluators do not run") for p in problems)
+    assert any(p.startswith("save_folder: checkpoints of an MPT under parallelism.tp") for p in problems)
+    assert len(problems) == 3, problems
+    assert tp_data_problems({**data, "parallelism": {"tp": 1}}) == []
+
+
+def test_derived_numbers_split_the_batch_over_data_parallel_ranks():
+    from foundryx.config import derive
+    from foundryx.config.schema import TrainConfig
+
+    cfg = TrainConfig(model={"name": "m"}, tokenizer={"name": "t"}, train_loader={"name": "text"},
+                      optimizer={"name": "adamw"}, scheduler={"name": "constant"},
+                      max_duration="1ba", global_train_batch_size=8, max_seq_len=16,
+                      parallelism={"tp": 2})
+    derived, problems = derive(cfg, 4)
+    assert problems == [] and (derived.data_parallel_ranks, derived.device_train_batch_size) == (2, 4)
+    _, problems = derive(cfg, 3)
+    assert problems[0].startswith("parallelism.tp: 2 does not divide the world size 3")

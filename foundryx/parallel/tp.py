@@ -152,6 +152,35 @@ def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
         setattr(module, a, tuple(x // tp for x in v) if isinstance(v, (tuple, list)) else v // tp)
 
 
+def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: str) -> None:
+    """torchtitan's rule for LoRA adapters on a split linear layer: column-wise base ->
+    ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0)); row-wise base ->
+    ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on sequence shards,
+    so its gradient is summed over the TP ranks)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if style not in ("colwise", "colwise_gather", "rowwise"):
+        raise ConfigError([f"model.peft_config: LoRA on {model_name}'s fused projections (MPT's "
+                           "q/k/v slices of Wqkv) does not run under parallelism.tp yet; target "
+                           "o, up, down (or all-linear without q/k/v), or use tp: 1"])
+    for s in _styles(style):
+        parallelize_module(module.base_layer, tp_mesh, s)
+    for key in module.lora_A:
+        a, b = module.lora_A[key], module.lora_B[key]
+        if style == "rowwise":
+            parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Shard(1)))
+            parallelize_module(b, tp_mesh, SequenceParallel(use_local_output=True))
+        else:
+            out = Replicate() if style == "colwise_gather" else Shard(-1)
+            parallelize_module(b, tp_mesh, ColwiseParallel(output_layouts=out))
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str = "the model") -> int:
     """Apply the model's plan over ``tp_mesh``; returns how many modules it touched."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -174,10 +203,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
         for pattern, style in layers.items():
             if not fnmatch.fnmatchcase(rel, pattern):
                 continue
-            if style == "colwise_fused":
-                _reorder_rows(module, tp)
-            for s in _styles(style):
-                parallelize_module(module, tp_mesh, s)
+            trainable = {n: p.requires_grad for n, p in module.named_parameters()}
+            if hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
+                _apply_lora(module, style, tp_mesh, model_name)
+            else:
+                if style == "colwise_fused":
+                    _reorder_rows(module, tp)
+                for s in _styles(style):
+                    parallelize_module(module, tp_mesh, s)
+            for n, p in module.named_parameters():  # TP styles make new nn.Parameters
+                p.requires_grad_(trainable[n])
             touched += 1
     if not touched:
         raise ConfigError([f"parallelism.tp: the tensor-parallel plan of {model_name} matches no "
