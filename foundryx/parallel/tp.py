@@ -155,13 +155,13 @@ def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
 def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: str) -> None:
     """torchtitan's rule for LoRA adapters on a split linear layer: column-wise base ->
     ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0)); row-wise base ->
-    ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on sequence shards,
-    so its gradient is summed over the TP ranks)."""
+    ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on the whole sequence;
+    its output then cut to this rank's sequence shard, as the base layer's is)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleOutput,
         RowwiseParallel,
-        SequenceParallel,
         parallelize_module,
     )
 
@@ -174,8 +174,11 @@ def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: 
     for key in module.lora_A:
         a, b = module.lora_A[key], module.lora_B[key]
         if style == "rowwise":
-            parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Shard(1)))
-            parallelize_module(b, tp_mesh, SequenceParallel(use_local_output=True))
+            # A's rank-r output summed whole (small), B on it, then this rank's sequence shard
+            # (a Linear on a sequence-sharded DTensor would gather it anyway)
+            parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Replicate()))
+            parallelize_module(b, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
         else:
             out = Replicate() if style == "colwise_gather" else Shard(-1)
             parallelize_module(b, tp_mesh, ColwiseParallel(output_layouts=out))
