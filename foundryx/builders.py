@@ -78,10 +78,11 @@ def tp_degree(parallelism: Any) -> int:
     return int(getattr(parallelism, "tp", 1) or 1)
 
 
-def tp_data_problems(data: dict[str, Any]) -> list[str]:
+def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
     batches: only the ``text`` loader (streaming's ``replication``) can, and the ICL evaluators
-    cannot yet."""
+    cannot yet. What else does not run under tp yet: low-precision frozen bases, checkpoints of
+    an MPT."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
         return []
@@ -103,6 +104,10 @@ def tp_data_problems(data: dict[str, Any]) -> list[str]:
         problems.append(f"icl_tasks: the ICL evaluators do not run under parallelism.tp: {tp} "
                         "yet; evaluate the checkpoint with `foundryx eval`, or use tp: 1")
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if model.get("frozen_base"):
+        problems.append(f"model.frozen_base: a low-precision frozen base does not run under "
+                        f"parallelism.tp: {tp} yet (tensor parallelism splits plain linear "
+                        "layers); drop frozen_base, or use tp: 1")
     for key in ("save_folder", "load_path"):
         if model.get("name") == "mpt_causal_lm" and data.get(key):
             problems.append(f"{key}: checkpoints of an MPT under parallelism.tp: {tp} are not "

@@ -44,22 +44,28 @@ def _build(kind: str, lora: bool):
     return model
 
 
-def _losses(kind: str, shard: int, tp: int, lora: bool) -> list[float]:
-    import torch.distributed as tdist
-
+def _setup(kind: str, shard: int, tp: int, lora: bool = False):
     from foundryx.parallel import parallelize
 
-    rank, world = tdist.get_rank(), tdist.get_world_size()
-    dp = world // tp
-    ids = torch.randint(0, 64, (STEPS, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     model = _build(kind, lora)
     parallelize(model, ParallelismConfig(data_parallel_shard_degree=shard, tp=tp),
                 device=torch.device("cpu"))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _losses(kind: str, shard: int, tp: int, lora: bool, steps: range = range(STEPS),
+            model=None, opt=None) -> list[float]:
+    import torch.distributed as tdist
+
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    dp = world // tp
+    ids = torch.randint(0, 64, (STEPS, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
+    if model is None:
+        model, opt = _setup(kind, shard, tp, lora)
     mine = rank // tp  # the data-parallel group: TP ranks share a batch
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         per = 4 * PER_DP // dp
         batch = ids[step, mine * per:(mine + 1) * per]
         batch = {"input_ids": batch, "labels": batch.clone(), "attention_mask": torch.ones_like(batch)}
@@ -124,17 +130,18 @@ def test_a_model_without_a_plan_lists_those_with_one():
 
 
 def test_tp_data_and_checkpoint_problems_are_said_up_front():
-    from foundryx.builders import tp_data_problems
+    from foundryx.builders import tp_run_problems
 
-    data = {"parallelism": {"tp": 2}, "model": {"name": "mpt_causal_lm"},
+    data = {"parallelism": {"tp": 2}, "model": {"name": "mpt_causal_lm", "frozen_base": {"dtype": "int8"}},
             "train_loader": {"name": "finetuning"}, "eval_loader": {"name": "text"},
             "icl_tasks": [{"label": "x"}], "save_folder": "ckpt"}
-    problems = tp_data_problems(data)
+    problems = tp_run_problems(data)
     assert any(p.startswith("train_loader.name: 'finetuning' with parallelism.tp: 2") for p in problems)
     assert any(p.startswith("icl_tasks: the ICL evaluators do not run") for p in problems)
     assert any(p.startswith("save_folder: checkpoints of an MPT under parallelism.tp") for p in problems)
-    assert len(problems) == 3, problems
-    assert tp_data_problems({**data, "parallelism": {"tp": 1}}) == []
+    assert any(p.startswith("model.frozen_base: a low-precision frozen base") for p in problems)
+    assert len(problems) == 4, problems
+    assert tp_run_problems({**data, "parallelism": {"tp": 1}}) == []
 
 
 def test_derived_numbers_split_the_batch_over_data_parallel_ranks():
@@ -149,3 +156,34 @@ def test_derived_numbers_split_the_batch_over_data_parallel_ranks():
     assert problems == [] and (derived.data_parallel_ranks, derived.device_train_batch_size) == (2, 4)
     _, problems = derive(cfg, 3)
     assert problems[0].startswith("parallelism.tp: 2 does not divide the world size 3")
+
+
+def _resume_at_other_degrees(folder: str) -> dict[str, list[float]]:
+    """2 steps at (shard 2 x tp 2), a DCP checkpoint (model + AdamW state, as foundryx's
+    checkpoints hold them), then steps 2-3 resumed at (shard 4) and at (tp 4)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _setup("llama", 2, 2)
+    first = _losses("llama", 2, 2, False, range(2), model, opt)
+    msd, osd = get_state_dict(model, [opt])
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
+    out = {"straight": first + _losses("llama", 2, 2, False, range(2, STEPS), model, opt)}
+    for name, (shard, tp) in (("shard4", (4, 1)), ("tp4", (1, 4))):
+        model, opt = _setup("llama", shard, tp)
+        msd, osd = get_state_dict(model, [opt])
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, [opt], model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out[name] = _losses("llama", shard, tp, False, range(2, STEPS), model, opt)
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_tp2_resumes_at_shard4_and_tp4(tmp_path):
+    results = run_distributed(_resume_at_other_degrees, world_size=4, args=(str(tmp_path / "ckpt"),),
+                              timeout=900)
+    for r in results:
+        want = r["straight"][2:]
+        for name in ("shard4", "tp4"):
+            assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[name], want)), (name, r[name], want)
