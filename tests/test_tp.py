@@ -187,3 +187,15 @@ def test_a_checkpoint_saved_at_tp2_resumes_at_shard4_and_tp4(tmp_path):
         want = r["straight"][2:]
         for name in ("shard4", "tp4"):
             assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r[name], want)), (name, r[name], want)
+
+
+def test_shard_on_read_loading_under_tp_is_refused_with_the_way_round(tmp_path):
+    from hf_tiny import hf_folder
+
+    from foundryx.builders import parallelize_and_load
+    from foundryx.models.hf import ComposerHFCausalLM
+
+    folder = hf_folder("llama", tmp_path / "llama")
+    model = ComposerHFCausalLM(None, pretrained_model_name_or_path=str(folder), init_device="meta")
+    with pytest.raises(ConfigError, match="use init_device: cpu"):
+        parallelize_and_load(model, ParallelismConfig(tp=2))
