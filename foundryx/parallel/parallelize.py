@@ -176,9 +176,9 @@ def parallelize(
         dp_mesh = data_parallel_mesh(mesh)
         shard_model(model, block_list, dp_mesh, parallelism, precision, sum_only)
         check_composer_contract(model)
+        shape = "x".join(map(str, (replicate, shard) + ((tp,) if tp > 1 else ())))
         summary.insert(0, f"FSDP2 {parallelism.sharding_strategy} over {dp_mesh.size()} ranks "
-                          f"(mesh {'x'.join(map(str, mesh.shape))}, {len(block_list)} blocks as "
-                          "units)")
+                          f"(mesh {shape}, {len(block_list)} blocks as units)")
     elif parallelism is not None:
         log.info("parallelism is set but this is one process: no sharding (activation "
                  "checkpointing and compile still apply)")
