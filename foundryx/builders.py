@@ -72,6 +72,62 @@ def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size:
     return factory(section, tokenizer, device_batch_size)
 
 
+def tp_degree(parallelism: Any) -> int:
+    if isinstance(parallelism, dict):
+        return int(parallelism.get("tp", 1) or 1)
+    return int(getattr(parallelism, "tp", 1) or 1)
+
+
+def tp_run_problems(data: dict[str, Any]) -> list[str]:
+    """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
+    batches: only the ``text`` loader (streaming's ``replication``) can, and the ICL evaluators
+    cannot yet. What else does not run under tp yet: low-precision frozen bases, checkpoints of
+    an MPT."""
+    tp = tp_degree(data.get("parallelism"))
+    if tp == 1:
+        return []
+    problems = []
+    for key in ("train_loader", "eval_loader"):
+        section = data.get(key)
+        if not isinstance(section, dict):
+            continue
+        if section.get("name") != "text":
+            problems.append(f"{key}.name: {section.get('name')!r} with parallelism.tp: {tp}; the "
+                            "ranks of a tensor-parallel group must read the same batches, which "
+                            "only the 'text' loader does (dataset.replication); use it or tp: 1")
+        else:
+            rep = (section.get("dataset") or {}).get("replication")
+            if rep not in (None, tp):
+                problems.append(f"{key}.dataset.replication: {rep}, but parallelism.tp is {tp}; "
+                                f"drop it (foundryx sets it to {tp})")
+    if data.get("icl_tasks"):
+        problems.append(f"icl_tasks: the ICL evaluators do not run under parallelism.tp: {tp} "
+                        "yet; evaluate the checkpoint with `foundryx eval`, or use tp: 1")
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if model.get("frozen_base"):
+        problems.append(f"model.frozen_base: a low-precision frozen base does not run under "
+                        f"parallelism.tp: {tp} yet (tensor parallelism splits plain linear "
+                        "layers); drop frozen_base, or use tp: 1")
+    for key in ("save_folder", "load_path"):
+        if model.get("name") == "mpt_causal_lm" and data.get(key):
+            problems.append(f"{key}: checkpoints of an MPT under parallelism.tp: {tp} are not "
+                            "supported yet (its fused Wqkv is held in the TP ranks' row order, "
+                            "which a checkpoint would keep); drop it, or use tp: 1")
+    return problems
+
+
+def replicate_data_for_tp(cfg: TrainConfig) -> None:
+    """Set ``dataset.replication`` of the text loaders to ``parallelism.tp`` (said in one line)."""
+    tp = tp_degree(cfg.parallelism)
+    if tp == 1:
+        return
+    for section in (cfg.train_loader, cfg.eval_loader):
+        if section is not None:
+            section["dataset"] = {**section.get("dataset", {}), "replication": tp}
+    log.info("parallelism.tp: %d: the %d ranks of each tensor-parallel group read the same "
+             "batches (dataset.replication: %d)", tp, tp, tp)
+
+
 def build_optimizer(cfg: TrainConfig, model: Any) -> Any:
     section = dict(cfg.optimizer)
     if isinstance(section.get("betas"), list):
@@ -101,6 +157,11 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
     """:func:`foundryx.parallel.parallelize` with ``kwargs``, and the pretrained weights of a
     meta-built model read into its shards afterwards."""
     folder = wants_pretrained(model)
+    if folder and tp_degree(parallelism) > 1:
+        raise ConfigError([f"model.init_device: meta with pretrained weights and parallelism.tp: "
+                           f"{tp_degree(parallelism)}: reading each rank's 2-D block of the "
+                           "safetensors files is not supported yet; use init_device: cpu (every "
+                           "rank reads the whole model, then keeps its shards), or tp: 1"])
     plan = prepare_pretrained(model, folder) if folder else None
     if plan is not None:  # frozen-only FSDP2 units keep the checkpoint's dtype
         keep_stored_dtype(model, plan, parallelism, kwargs.get("precision") or "fp32")

@@ -37,7 +37,7 @@ from foundryx.runtime import pick_device, setup_logging
 log = logging.getLogger("foundryx")
 
 # Checks of a run config by layers above foundryx.config, run with its own by load_run_config.
-RUN_CONFIG_CHECKS = (run_config_icl_problems,)
+RUN_CONFIG_CHECKS = (run_config_icl_problems, builders.tp_run_problems)
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None,
@@ -115,6 +115,7 @@ def train(loaded: LoadedConfig):
     algorithms = builders.build_named("algorithms", cfg.algorithms)
     check_algorithms(algorithms, model)  # surgery that does not apply: refused before any write
     model = builders.build_parallelism(cfg, model)  # FSDP2 etc., before the optimizer sees it
+    builders.replicate_data_for_tp(cfg)
     train_loader = builders.build_dataloader(
         cfg.train_loader, tokenizer, derived.device_train_batch_size
     )

@@ -16,6 +16,8 @@ def world_size_from_env() -> int:
 @dataclass(frozen=True)
 class Derived:
     world_size: int
+    tensor_parallel: int
+    data_parallel_ranks: int
     device_train_batch_size: int
     device_train_microbatch_size: int
     grad_accum: int
@@ -30,26 +32,41 @@ class Derived:
 
 
 def derive(cfg: TrainConfig, world_size: int) -> tuple[Derived | None, list[str]]:
-    """Per-device batch, microbatch, grad accumulation and tokens per step, or the problems."""
+    """Per-device batch, microbatch, grad accumulation and tokens per step, or the problems.
+    With ``parallelism.tp`` the ranks of a tensor-parallel group share a batch: the batch is
+    split over the world size / tp data-parallel ranks."""
     gbs = cfg.global_train_batch_size
     if gbs <= 0:
         return None, [f"global_train_batch_size: must be positive, got {gbs}"]
-    if gbs % world_size:
-        up = -(-gbs // world_size) * world_size
+    tp = cfg.parallelism.tp if cfg.parallelism is not None else 1
+    if tp < 1 or world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         return None, [
-            f"global_train_batch_size: {gbs} does not divide by the world size {world_size}; "
-            f"use a multiple of {world_size} (e.g. {up}) or change the number of processes"
+            f"parallelism.tp: {tp} does not divide the world size {world_size}; use one of "
+            f"{', '.join(map(str, divisors))}, or start a multiple of {tp} processes"
         ]
-    device_bs = gbs // world_size
+    dp = world_size // tp  # the ranks of one TP group read the same batch
+    if gbs % dp:
+        up = -(-gbs // dp) * dp
+        across = f"the {dp} data-parallel ranks (world size {world_size} / tp {tp})" if tp > 1 \
+            else f"the world size {world_size}"
+        return None, [
+            f"global_train_batch_size: {gbs} does not divide by {across}; "
+            f"use a multiple of {dp} (e.g. {up}) or change the number of processes"
+        ]
+    device_bs = gbs // dp
     micro = device_bs if cfg.device_train_microbatch_size is None else cfg.device_train_microbatch_size
     if micro <= 0 or device_bs % micro:
         return None, [
             f"device_train_microbatch_size: {micro} must be positive and divide the per-device "
-            f"batch {device_bs} (= global_train_batch_size {gbs} / world size {world_size})"
+            f"batch {device_bs} (= global_train_batch_size {gbs} / "
+            f"{f'{dp} data-parallel ranks' if tp > 1 else f'world size {world_size}'})"
         ]
     seq = cfg.max_seq_len
     return Derived(
         world_size=world_size,
+        tensor_parallel=tp,
+        data_parallel_ranks=dp,
         device_train_batch_size=device_bs,
         device_train_microbatch_size=micro,
         grad_accum=device_bs // micro,

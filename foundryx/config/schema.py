@@ -55,6 +55,11 @@ class ParallelismConfig:
         default="DEFAULT",
     )
     cpu_offload: bool = doc("keep sharded weights, grads and optimizer state in CPU memory", default=False)
+    tp: int = doc(
+        "tensor-parallel degree: ranks that split each layer (heads, MLP columns) and the "
+        "sequence between layers; the data-parallel ranks are world size / tp",
+        ge=1, default=1,
+    )
     verbose: bool = doc("log the sharded model", default=False)
 
 

@@ -88,6 +88,9 @@ class TextDatasetOptions:
                                     default=None, gt=0)
     emit_sequence_id: bool = option("add sequence_id (per-document ids) to each batch",
                                     default=False)
+    replication: int | None = option(
+        "consecutive ranks that read the same samples (streaming's replication); set from "
+        "parallelism.tp, whose ranks share a batch", default=None, gt=0)
 
     def problems(self) -> list[str]:
         if self.streams is None:
@@ -213,6 +216,7 @@ def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokeni
             num_canonical_nodes=ds.num_canonical_nodes,
             epoch_size=ds.epoch_size,
             batch_size=device_batch_size,
+            replication=ds.replication,
         )
         shm.hold(dataset)
     _stored_len(dataset, ds, where)

@@ -29,6 +29,7 @@ from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.hub import looks_like_path, resolve_source
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
+from foundryx.models.hf_tp import hf_tp_plan
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
 
@@ -258,6 +259,7 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     model.fsdp_wrap_fn = is_block
     model.activation_checkpointing_fn = is_block
     model.param_init_fn = model._init_weights
+    model.foundryx_tp_plan = lambda: hf_tp_plan(model)
 
 
 def matmul_params(model: nn.Module) -> int:

@@ -61,12 +61,48 @@ def mesh_shape(parallelism: ParallelismConfig, world_size: int, local_world_size
     return world_size // shard, shard
 
 
-def build_mesh(replicate: int, shard: int, device_type: str) -> DeviceMesh:
-    """A 1-D mesh (shard) or, with replicas (hybrid sharding), a 2-D mesh (replicate, shard)."""
+def mesh_dims(parallelism: ParallelismConfig, world_size: int,
+              local_world_size: int) -> tuple[int, int, int]:
+    """(replicate, shard, tp) sizes of the device mesh: the tensor-parallel ranks are the
+    innermost (neighbours, within a node), the data-parallel ranks the rest."""
+    tp = parallelism.tp
+    if tp < 1 or world_size % tp:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError([
+            f"parallelism.tp: {tp} does not divide the world size {world_size}; use one of "
+            f"{', '.join(map(str, divisors))}"
+        ])
+    if tp > 1 and parallelism.sharding_strategy == "HYBRID_SHARD" and local_world_size % tp:
+        raise ConfigError([
+            f"parallelism.tp: {tp} does not divide the {local_world_size} processes of a node; "
+            "HYBRID_SHARD with tp keeps each TP group within a node"
+        ])
+    replicate, shard = mesh_shape(parallelism, world_size // tp, max(local_world_size // tp, 1))
+    return replicate, shard, tp
+
+
+def build_mesh(replicate: int, shard: int, device_type: str, tp: int = 1) -> DeviceMesh:
+    """A 1-D mesh (shard) or, with replicas (hybrid sharding), a 2-D mesh (replicate, shard);
+    with tensor parallelism a 3-D mesh (replicate, shard, tp)."""
+    if tp > 1:
+        log.info("device mesh: %d replicas x %d shards x %d tensor-parallel ranks",
+                 replicate, shard, tp)
+        return init_device_mesh(device_type, (replicate, shard, tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
     if replicate == 1:
         return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
     log.info("FSDP2 hybrid sharding: %d replicas x %d shards", replicate, shard)
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The axes FSDP2 shards over: all but ``tp``."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return mesh
+    if mesh["replicate"].size() == 1:
+        return mesh["shard"]
+    return mesh["replicate", "shard"]
 
 
 def sum_only_reductions(replicate: int, device_type: str) -> bool:

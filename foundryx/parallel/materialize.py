@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # (foundryx.loading): meta materialisation leaves them alone, so no rank initialises (or
 # allocates a full-size temporary for) a weight that is about to be read from the files.
 LOADED_ATTR = "_foundryx_loaded_later"
+TP_ROWS_ATTR = "_foundryx_tp_rows"  # foundryx.parallel.tp: a fused layer's row order under TP
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -118,8 +119,11 @@ def _init_module(module: nn.Module, fn: Any, device: torch.device) -> None:
                 "model's param_init_fn nor the module's reset_parameters can initialise them; "
                 "add param_init_fn to the model or build it on cpu"
             ])
+        rows = getattr(module, TP_ROWS_ATTR, None)  # a fused layer reordered for TP
         for name, p in sharded.items():
             full = getattr(module, name)
+            if rows is not None and name in ("weight", "bias"):
+                full = full[rows]
             mine = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(mine.to_local())
             module.register_parameter(name, p)

@@ -21,8 +21,15 @@ from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.parallel import dist
 from foundryx.parallel import materialize as mat
 from foundryx.parallel.contract import check_composer_contract
-from foundryx.parallel.fsdp import build_mesh, mesh_shape, shard_model, sum_only_reductions
+from foundryx.parallel.fsdp import (
+    build_mesh,
+    data_parallel_mesh,
+    mesh_dims,
+    shard_model,
+    sum_only_reductions,
+)
 from foundryx.parallel.policy import blocks, checkpoint_targets
+from foundryx.parallel.tp import apply_tensor_parallel, permute_full_state, plan_problems
 from foundryx.parallel.wrappers import (
     checkpoint_activations,
     compile_forward,
@@ -138,23 +145,40 @@ def parallelize(
     routed = None
     if cpu_matmul is not None and resolve_cpu_matmul(cpu_matmul, device) == "onednn":
         routed = f"oneDNN matmuls in {route_linears(model)} linear layers"
-    summary = apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
-                                   compile or CompileConfig(enabled=False), device)
+    mesh = None
+    summary: list[str] = []
+    if parallelism is not None and world > 1:
+        replicate, shard, tp = mesh_dims(parallelism, world, dist.local_world_size())
+        if tp > 1:  # before any collective: every rank raises the same error
+            problems = plan_problems(model, tp)
+            if problems:
+                raise ConfigError(problems)
+        sum_only = sum_only_reductions(replicate, device.type)  # before any work: fail fast
+        mesh = build_mesh(replicate, shard, device.type, tp)
+        if tp > 1:  # torchtitan's order: TP, then AC, compile, FSDP
+            touched = apply_tensor_parallel(model, mesh["tp"])
+            if full:
+                permute_full_state(model, full)
+            summary.append(f"tensor + sequence parallel over {tp} ranks ({touched} modules "
+                           "from the model's plan)")
+    elif parallelism is not None and parallelism.tp > 1:
+        raise ConfigError([f"parallelism.tp: {parallelism.tp}, but this is one process; start "
+                           f"{parallelism.tp} or a multiple (e.g. composer -n {parallelism.tp})"])
+    summary += apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
+                                    compile or CompileConfig(enabled=False), device)
     if routed:
         summary.append(routed)
-    if parallelism is not None and world > 1:
-        local_world = dist.local_world_size()
-        replicate, shard = mesh_shape(parallelism, world, local_world)
+    if mesh is not None:
         block_list = [m for _, m in blocks(model)]
         if not block_list:
             log.info("FSDP2: the model names no transformer blocks; its top-level modules are the "
                      "only FSDP units")
-        sum_only = sum_only_reductions(replicate, device.type)  # before any work: fail fast
-        mesh = build_mesh(replicate, shard, device.type)
-        shard_model(model, block_list, mesh, parallelism, precision, sum_only)
+        dp_mesh = data_parallel_mesh(mesh)
+        shard_model(model, block_list, dp_mesh, parallelism, precision, sum_only)
         check_composer_contract(model)
-        summary.insert(0, f"FSDP2 {parallelism.sharding_strategy} over {world} ranks (mesh "
-                          f"{replicate}x{shard}, {len(block_list)} blocks as units)")
+        shape = "x".join(map(str, (replicate, shard) + ((tp,) if tp > 1 else ())))
+        summary.insert(0, f"FSDP2 {parallelism.sharding_strategy} over {dp_mesh.size()} ranks "
+                          f"(mesh {shape}, {len(block_list)} blocks as units)")
     elif parallelism is not None:
         log.info("parallelism is set but this is one process: no sharding (activation "
                  "checkpointing and compile still apply)")

@@ -82,7 +82,7 @@ class MPTAttention(nn.Module):
             sliding_window=self.sliding_window,
             **attn_kwargs,
         )
-        return self.out_proj(out.reshape(batch, seq, d))
+        return self.out_proj(out.reshape(batch, seq, -1))  # -1: this rank's heads under TP
 
 
 class MPTBlock(nn.Module):
@@ -124,6 +124,35 @@ class MPTPreTrainedModel(PreTrainedModel):
 
     def activation_checkpointing_fn(self, module: nn.Module) -> bool:
         return isinstance(module, MPTBlock)
+
+    def foundryx_tp_plan(self) -> dict[str, Any]:
+        """Tensor + sequence parallelism as data (applied by foundryx.parallel.tp): heads and
+        MLP columns split, norms on sequence shards, the embedding and the (tied) output
+        projection replicated over the TP ranks (FSDP still shards them)."""
+        cfg, a = self.config, self.config.attn
+        unsupported = [what for what, on in (("ALiBi", a.alibi), ("qk_ln", a.qk_ln)) if on]
+        prefix = "transformer." if self.base_model_prefix in dict(self.named_children()) else ""
+        blocks = f"{prefix}blocks.*"
+        return {
+            "unsupported": (f"MPT with {' and '.join(unsupported)} has no tensor-parallel plan "
+                            "yet" if unsupported else None),
+            "layers": {
+                f"{prefix}blocks.0": "sequence_parallel_start",
+                f"{blocks}.norm_1": "sequence_parallel",
+                f"{blocks}.attn": "gather_sequence",
+                f"{blocks}.attn.Wqkv": "colwise_fused",
+                f"{blocks}.attn.out_proj": "rowwise",
+                f"{blocks}.norm_2": "sequence_parallel",
+                f"{blocks}.ffn": "gather_sequence",
+                f"{blocks}.ffn.up_proj": "colwise",
+                f"{blocks}.ffn.gate_proj": "colwise",
+                f"{blocks}.ffn.down_proj": "rowwise",
+                f"{prefix}norm_f": "sequence_parallel_end",
+            },
+            "local": {f"{blocks}.attn": ["n_heads", "kv_n_heads", "qkv_sizes"]},
+            "divisible": {"n_heads": cfg.n_heads, "kv_n_heads": cfg.kv_n_heads,
+                          "ffn_hidden_size": cfg.ffn_hidden_size},
+        }
 
     def param_init_fn(self, module: nn.Module) -> None:
         self._init_weights(module)

@@ -1,0 +1,236 @@
+"""Tensor and sequence parallelism from the plan a model declares as data.
+
+A model (the ComposerModel or one of its direct children, as for the FSDP hooks of
+:mod:`foundryx.parallel.policy`) offers ``foundryx_tp_plan()``, which returns plain data::
+
+    {"layers": {"<module-name pattern>": "<style>", ...},   # fnmatch patterns, relative
+     "local": {"<pattern>": ["n_heads", ...]},              # int (or tuple) attributes that
+                                                            # become per-rank: divided by tp
+     "divisible": {"n_heads": 8, "kv_n_heads": 2, ...}}     # numbers tp must divide
+
+The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner):
+
+- ``colwise`` / ``rowwise``: the linear layer's output / input features split over the TP
+  ranks; ``rowwise`` hands back a sequence shard (sequence parallel between the two).
+- ``colwise_fused``: a fused projection (MPT's ``Wqkv``) whose ``_fused`` row sizes name its
+  logical parts: each part is split by heads, and the rows reordered so that each rank's block
+  is its q, k and v heads (a plain column split of the raw rows would be wrong).
+- ``colwise_gather``: column-wise with the output gathered (the LM head: full logits).
+- ``sequence_parallel``: a norm run on the rank's sequence shard (weights replicated).
+- ``sequence_parallel_start``: a block whose full-sequence input becomes the rank's shard.
+- ``sequence_parallel_end``: a final norm on the shard, its output gathered back whole.
+- ``gather_sequence`` / ``gather_sequence(<kwarg>)``: a module (attention, MLP) whose first
+  positional input (or the named keyword input) is all-gathered from sequence shards.
+
+This module imports no model class: it matches names and applies styles.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from foundryx.errors import ConfigError
+from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
+
+log = logging.getLogger(__name__)
+
+PLAN_HOOK = "foundryx_tp_plan"  # HF models have a tp_plan of their own
+# The models that declare a plan (said when a model without one asks for tp).
+MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
+                     "hf_causal_lm with a Llama, Mistral or Qwen2 model")
+
+
+def find_plan(model: nn.Module) -> tuple[str, nn.Module, dict[str, Any]] | None:
+    """``(prefix, owner, plan)`` of the first owner (the model, then its direct children)
+    that declares a plan; None when none does (or its plan is None)."""
+    for name, owner in (("", model), *model.named_children()):
+        fn = getattr(owner, PLAN_HOOK, None)
+        if callable(fn):
+            plan = fn()
+            if plan is not None:
+                return (f"{name}." if name else ""), owner, plan
+    return None
+
+
+def valid_degrees(numbers: dict[str, int]) -> list[int]:
+    g = 0
+    for v in numbers.values():
+        g = math.gcd(g, int(v))
+    return [d for d in range(1, g + 1) if g % d == 0] if g else [1]
+
+
+def plan_problems(model: nn.Module, tp: int, model_name: str = "the model") -> list[str]:
+    """What stops ``model`` from running at tensor-parallel degree ``tp`` (empty: nothing)."""
+    if tp == 1:
+        return []
+    found = find_plan(model)
+    if found is None:
+        return [f"parallelism.tp: {tp}, but {model_name} declares no tensor-parallel plan; "
+                f"models with one: {', '.join(MODELS_WITH_PLANS)} (or set tp: 1)"]
+    plan = found[2]
+    if plan.get("unsupported"):
+        return [f"parallelism.tp: {tp}: {plan['unsupported']} (or set tp: 1)"]
+    divisible = plan.get("divisible", {})
+    bad = {k: v for k, v in divisible.items() if int(v) % tp}
+    if not bad:
+        return []
+    degrees = valid_degrees(divisible)
+    nearest = min(degrees, key=lambda d: (abs(d - tp), -d))
+    numbers = ", ".join(f"{k}={v}" for k, v in divisible.items())
+    return [f"parallelism.tp: {tp} does not divide {', '.join(bad)} of the model ({numbers}); "
+            f"valid degrees: {', '.join(map(str, degrees))} (nearest: {nearest})"]
+
+
+def interleaved_rows(sizes: tuple[int, ...], tp: int) -> torch.Tensor:
+    """Row order of a fused layer with parts of ``sizes`` rows such that the i-th of ``tp``
+    equal blocks holds the i-th slice of every part (q_0 k_0 v_0 q_1 k_1 v_1 ...)."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    order: list[int] = []
+    for r in range(tp):
+        for start, n in zip(starts, sizes):
+            c = n // tp
+            order.extend(range(start + r * c, start + (r + 1) * c))
+    return torch.tensor(order)
+
+
+def _reorder_rows(module: nn.Module, tp: int) -> None:
+    order = interleaved_rows(tuple(module._fused), tp)
+    setattr(module, ROWS_ATTR, order)
+    with torch.no_grad():
+        for p in (module.weight, getattr(module, "bias", None)):
+            if p is not None and not p.is_meta:
+                p.copy_(p[order])
+
+
+def _styles(style: str) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if style in ("colwise", "colwise_fused"):
+        return [ColwiseParallel()]
+    if style == "colwise_gather":
+        return [ColwiseParallel(output_layouts=Replicate())]
+    if style == "rowwise":
+        return [RowwiseParallel(output_layouts=Shard(1))]
+    if style == "sequence_parallel":
+        return [SequenceParallel()]
+    if style == "sequence_parallel_start":
+        return [PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                   use_local_output=True)]
+    if style == "sequence_parallel_end":
+        return [SequenceParallel(),
+                PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
+                                    use_local_output=True)]
+    if style == "gather_sequence":
+        return [PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                   use_local_output=True)]
+    if style.startswith("gather_sequence(") and style.endswith(")"):
+        kw = style[len("gather_sequence("):-1]
+        return [PrepareModuleInput(input_layouts=(), desired_input_layouts=(),
+                                   input_kwarg_layouts={kw: Shard(1)},
+                                   desired_input_kwarg_layouts={kw: Replicate()},
+                                   use_local_output=True)]
+    raise ValueError(f"tensor-parallel plan: unknown style {style!r}")
+
+
+def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
+    for a in attrs:
+        v = getattr(module, a)
+        setattr(module, a, tuple(x // tp for x in v) if isinstance(v, (tuple, list)) else v // tp)
+
+
+def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: str) -> None:
+    """torchtitan's rule for LoRA adapters on a split linear layer: column-wise base ->
+    ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0)); row-wise base ->
+    ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on the whole sequence;
+    its output then cut to this rank's sequence shard, as the base layer's is)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    if style not in ("colwise", "colwise_gather", "rowwise"):
+        raise ConfigError([f"model.peft_config: LoRA on {model_name}'s fused projections (MPT's "
+                           "q/k/v slices of Wqkv) does not run under parallelism.tp yet; target "
+                           "o, up, down (or all-linear without q/k/v), or use tp: 1"])
+    for s in _styles(style):
+        parallelize_module(module.base_layer, tp_mesh, s)
+    for key in module.lora_A:
+        a, b = module.lora_A[key], module.lora_B[key]
+        if style == "rowwise":
+            # A's rank-r output summed whole (small), B on it, then this rank's sequence shard
+            # (a Linear on a sequence-sharded DTensor would gather it anyway)
+            parallelize_module(a, tp_mesh, RowwiseParallel(output_layouts=Replicate()))
+            parallelize_module(b, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+        else:
+            out = Replicate() if style == "colwise_gather" else Shard(-1)
+            parallelize_module(b, tp_mesh, ColwiseParallel(output_layouts=out))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str = "the model") -> int:
+    """Apply the model's plan over ``tp_mesh``; returns how many modules it touched."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = tp_mesh.size()
+    problems = plan_problems(model, tp, model_name)
+    if problems:
+        raise ConfigError(problems)
+    prefix, _, plan = find_plan(model)
+    layers: dict[str, str] = plan["layers"]
+    local: dict[str, list[str]] = plan.get("local", {})
+    touched = 0
+    for name, module in list(model.named_modules()):
+        if not name.startswith(prefix):
+            continue
+        rel = name[len(prefix):]
+        for pattern, attrs in local.items():
+            if fnmatch.fnmatchcase(rel, pattern):
+                _localise(module, attrs, tp)
+        for pattern, style in layers.items():
+            if not fnmatch.fnmatchcase(rel, pattern):
+                continue
+            trainable = {n: p.requires_grad for n, p in module.named_parameters()}
+            if hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
+                _apply_lora(module, style, tp_mesh, model_name)
+            else:
+                if style == "colwise_fused":
+                    _reorder_rows(module, tp)
+                for s in _styles(style):
+                    parallelize_module(module, tp_mesh, s)
+            for n, p in module.named_parameters():  # TP styles make new nn.Parameters
+                p.requires_grad_(trainable[n])
+            touched += 1
+    if not touched:
+        raise ConfigError([f"parallelism.tp: the tensor-parallel plan of {model_name} matches no "
+                           f"module (patterns {sorted(layers)[:3]} ...); the plan and the model "
+                           "disagree"])
+    return touched
+
+
+def permute_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Reorder a full (unsharded) state dict's fused rows as TP reordered the model's."""
+    for name, module in model.named_modules():
+        order = getattr(module, ROWS_ATTR, None)
+        if order is None:
+            continue
+        for p in ("weight", "bias"):
+            key = f"{name}.{p}"
+            if key in full and full[key] is not None:
+                full[key] = full[key][order]
