@@ -45,6 +45,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from plan_accuracy import rss_mb  # noqa: E402  (this folder: the same /proc reading)
+
 WORLD = 4
 GLOBAL_BATCH = 8  # sequences per step, every layout
 MODELS = {
@@ -87,13 +89,6 @@ def write_config(folder: Path, model: str, tp: int, seq: int, batch: int) -> Pat
     path = folder / f"{model}-tp{tp}-s{seq}-b{batch}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def status_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(field)
 
 
 def saved_bytes(model, batch, n_layers: int) -> tuple[int, int]:
@@ -149,7 +144,7 @@ def worker(config: str, steps: int) -> None:
         builders.build_optimizer(cfg, builders.build_model(cfg, None))  # plan_accuracy.py
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
-    before = status_mb("VmRSS")
+    before = rss_mb("VmRSS")
     torch.manual_seed(0)
     model = builders.build_parallelism(cfg, builders.build_model(cfg, None))
     opt = builders.build_optimizer(cfg, model)
@@ -172,8 +167,8 @@ def worker(config: str, steps: int) -> None:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     dist.barrier()
-    result = {"step_peak_mb": round(status_mb("VmHWM") - before, 1),
-              "process_peak_mb": round(status_mb("VmHWM"), 1),
+    result = {"step_peak_mb": round(rss_mb("VmHWM") - before, 1),
+              "process_peak_mb": round(rss_mb("VmHWM"), 1),
               "activations_mb": round(acts / MB, 2), "block_activations_mb":
               round(block_acts / MB, 2), "loss": round(loss.item(), 4),
               "step_s": times}
