@@ -119,6 +119,36 @@ def sum_only_reductions(replicate: int, device_type: str) -> bool:
     return True
 
 
+def reduce_scatter_sums_averages(mesh: DeviceMesh) -> bool:
+    """Whether the reduce-scatter of ``mesh``'s shard axis sums when asked to average.
+
+    gloo in torch 2.7 does (torch 2.14's averages): FSDP2 reduce-scatters fp32 gradients with
+    AVG, so each rank's gradient came out the SUM over the data-parallel ranks, N times too
+    large. AdamW hides a constant factor, but not gradient clipping, SGD, or a resume at
+    another data-parallel degree (the AdamW moments of N-fold gradients meet M-fold ones). One
+    two-element probe per call; every rank calls it (it is a collective)."""
+    import torch.distributed as tdist
+
+    if mesh.device_type != "cpu":
+        return False
+    group = mesh.get_group(mesh.ndim - 1)
+    n = tdist.get_world_size(group)
+    if n == 1:
+        return False
+    out = torch.zeros(1)
+    tdist.reduce_scatter_tensor(out, torch.ones(n), op=tdist.ReduceOp.AVG, group=group)
+    return out.item() > 1.5
+
+
+def _mean_of_sums(n: int):
+    def hook(reduced: torch.Tensor) -> None:
+        # fp32/bf16 went through the (summing) AVG; FSDP2 reduces fp16 with SUM and divides
+        # by the data-parallel size itself (torch's _get_gradient_divide_factors)
+        if reduced.dtype in (torch.float32, torch.bfloat16):
+            reduced.div_(n)
+    return hook
+
+
 def fsdp_units(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """The modules :func:`shard_model` makes FSDP2 units, in its order: each block, then each
     direct child of ``model`` that has parameters."""
@@ -157,3 +187,10 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_force_sum_reduction_for_comms(True)
+    elif reduce_scatter_sums_averages(mesh):
+        n = mesh.size(mesh.ndim - 1)
+        log.info("FSDP2: gloo's reduce-scatter in torch %s sums where asked to average; "
+                 "gradients are divided by the %d data-parallel ranks after it", torch.__version__, n)
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(_mean_of_sums(n))
