@@ -2,7 +2,8 @@
 numbers side by side, and the wall time of each, alternating.
 
     python benchmarks/eval_vs_llmfoundry.py [--tasks eval/yamls/tasks.yaml] [--examples N]
-            [--rounds 1] [--batch-size 4] [--profile] [--out benchmarks/RESULTS.md]
+            [--rounds 1] [--batch-size 4] [--generation-batch-size N] [--profile]
+            [--out benchmarks/RESULTS.md]
 
 Installs LLM Foundry 0.22 in its own venv as benchmarks/vs_llmfoundry.py does (once, under
 ``--venv``). Builds one Hugging Face model folder both sides read: a byte-level BPE (vocab
@@ -43,13 +44,22 @@ VOCAB, MAX_LEN = 8192, 2048
 FOUNDRYX_RUN = """
 import json, sys, time
 t0 = time.perf_counter()
+from foundryx.eval import runner
 from foundryx.eval.run import load_eval_config, run_eval
 t1 = time.perf_counter()
+task_s, evaluate_task = {}, runner.evaluate_task
+def timed(model, task, *args, **kwargs):  # seconds per task result
+    start = time.perf_counter()
+    out = evaluate_task(model, task, *args, **kwargs)
+    task_s[task.key] = time.perf_counter() - start
+    return out
+runner.evaluate_task = timed
 out = run_eval(load_eval_config(sys.argv[1]), write=False)
 t2 = time.perf_counter()
 res = out.results
 scores = {k: v for k, v in res.scores[res.models[0]].items() if res.kinds[k] in ("task", "metric")}
-json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores}, open(sys.argv[2], "w"))
+json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores, "task_s": task_s},
+          open(sys.argv[2], "w"))
 """
 
 LLMFOUNDRY_RUN = """
@@ -134,11 +144,14 @@ def llmfoundry_entries(entries: list[dict]) -> list[dict]:
     return out
 
 
-def configs(work: Path, model: Path, entries: list[dict], examples: int | None, batch: int) -> dict:
+def configs(work: Path, model: Path, entries: list[dict], examples: int | None, batch: int,
+            generation_batch: int | None = None) -> dict:
     fx = {"models": [{"label": "bench", "hf": str(model)}], "icl_tasks": entries,
           "max_seq_len": MAX_LEN, "device_eval_batch_size": batch, "precision": "fp32",
           "device": "cpu", "progress_bar": False, "output_dir": str(work / "fx-out"),
           "python_log_level": "warning"}
+    if generation_batch:
+        fx["generation_batch_size"] = generation_batch
     lf = {"models": [{"model_name": "bench",
                       "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(model),
                                 "pretrained": True},
@@ -201,6 +214,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--generation-batch-size", type=int,
+                    help="foundryx's generation_batch_size (LLM Foundry has none: its generation "
+                         "batches are --batch-size rows)")
     ap.add_argument("--profile", action="store_true", help="profile one more foundryx run")
     ap.add_argument("--only", choices=["foundryx", "llmfoundry"], help="run one side only")
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
@@ -217,7 +233,8 @@ def main() -> None:
         sys.exit(f"eval_vs_llmfoundry: --examples {args.examples} is too few: a task asks for "
                  f"{most} few-shot examples drawn from the same rows (and jeopardy_small's "
                  f"categories need 16); give at least {max(most + 1, 16)}")
-    cfgs = configs(args.work, model, entries, args.examples, args.batch_size)
+    cfgs = configs(args.work, model, entries, args.examples, args.batch_size,
+                   args.generation_batch_size)
     pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
     rows = []
     for i in range(args.rounds):
@@ -247,18 +264,24 @@ def main() -> None:
     import torch
     cmd = (f"python benchmarks/eval_vs_llmfoundry.py --tasks {os.path.relpath(args.tasks, ROOT)} "
            f"--rounds {args.rounds} --batch-size {args.batch_size} --hidden {args.hidden}"
-           + (f" --examples {args.examples}" if args.examples else ""))
+           + (f" --examples {args.examples}" if args.examples else "")
+           + (f" --generation-batch-size {args.generation_batch_size}" if args.generation_batch_size else ""))
+    slowest = sorted(rows[0]["foundryx"].get("task_s", {}).items(), key=lambda kv: -kv[1])
+    where = ", ".join(f"{k} {v:.1f} s" for k, v in slowest)
     text = (f"\n## foundryx eval vs LLM Foundry 0.22 eval, CPU (issue 25)\n\n{datetime.date.today()}. "
             f"{platform.machine()}, {os.cpu_count()} cores (shared with other work); torch "
             f"{torch.__version__} both sides; transformers: foundryx's venv vs LLM Foundry's pin "
             f"(4.51.3). Command: `{cmd}`. Model: seeded random Llama (hidden {args.hidden}, 2 "
-            f"layers), byte-level BPE 8192 on tinyshakespeare; fp32, batch {args.batch_size}, "
+            f"layers), byte-level BPE 8192 on tinyshakespeare; fp32, batch {args.batch_size}"
+            + (f" (foundryx's generation tasks: generation_batch_size {args.generation_batch_size})"
+               if args.generation_batch_size else "") + ", "
             f"max_seq_len {MAX_LEN}; {'first ' + str(args.examples) if args.examples else 'all'} "
             f"examples of each task.\n\n| round | first | foundryx s (call / process) | LLM Foundry s "
             f"(call / process) | LLM Foundry / foundryx |\n|---|---|---:|---:|---:|\n{times}\n\n"
             f"Speed-up (LLM Foundry / foundryx, the eval call): median {statistics.median(ratios):.2f} "
             f"(min {min(ratios):.2f}, max {max(ratios):.2f}).\n\nScores (round 1): {same} of "
-            f"{compared} results identical.\n\n{table}\n")
+            f"{compared} results identical.\n\n{table}\n\nfoundryx's time per task result "
+            f"(round 1, slowest first): {where}.\n")
     print(text)
     if args.out:
         with args.out.open("a") as f:

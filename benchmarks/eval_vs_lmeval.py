@@ -2,6 +2,7 @@
 every multiple-choice file of ../shared/eval_data: acc and acc_norm side by side.
 
     python benchmarks/eval_vs_lmeval.py [--examples N] [--batch-size 4] [--out benchmarks/RESULTS.md]
+            [--only foundryx|lm_eval] [--reuse foundryx|lm_eval]
 
 Installs ``lm_eval[hf]`` (``--lm-eval-version``, default 0.4.13) with the same torch and
 transformers as foundryx's venv in a venv of its own (once, under ``--venv``); it is not a
@@ -121,6 +122,11 @@ def main() -> None:
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/lmeval")
     ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-eval-vs-lmeval"))
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
+    ap.add_argument("--reuse", choices=["foundryx", "lm_eval"],
+                    help="read this side's result from the last run in --work (same settings) "
+                         "instead of running it again")
+    ap.add_argument("--only", choices=["foundryx", "lm_eval"],
+                    help="run this side only and save its result for a later --reuse")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     py = ensure_lmeval(args.venv, args.lm_eval_version)
@@ -153,8 +159,18 @@ def main() -> None:
     runs = {}
     for side, interpreter, code, cfg in (("foundryx", Path(sys.executable), FOUNDRYX_RUN, fx_cfg),
                                          ("lm_eval", py, LM_EVAL_RUN, lm_cfg)):
-        log(f"{side} on {len(names)} task results")
         script, result = args.work / f"{side}_run.py", args.work / f"{side}.json"
+        stamp = json.dumps({"cfg": Path(cfg).read_text(), "examples": args.examples})
+        if args.only not in (None, side):
+            continue
+        if side == args.reuse:
+            last = json.loads(result.read_text()) if result.exists() else {}
+            if last.get("settings") != stamp:
+                sys.exit(f"eval_vs_lmeval: --reuse {side}: no result of these settings in {args.work}")
+            runs[side] = last
+            log(f"{side}: reusing {result} ({last['eval_s']:.1f} s)")
+            continue
+        log(f"{side} on {len(names)} task results")
         script.write_text(code)
         side_env = {**env, "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")} \
             if side == "foundryx" else env
@@ -163,8 +179,12 @@ def main() -> None:
                            capture_output=True, text=True, env=side_env)
         if p.returncode != 0:
             sys.exit(f"eval_vs_lmeval: {side} failed:\n{p.stderr[-6000:]}")
-        runs[side] = {**json.loads(result.read_text()), "process_s": time.perf_counter() - start}
+        runs[side] = {**json.loads(result.read_text()), "process_s": time.perf_counter() - start,
+                      "settings": stamp}
+        result.write_text(json.dumps(runs[side]))
         log(f"  {runs[side]['eval_s']:.1f} s")
+    if args.only:
+        return
     fx, lm = runs["foundryx"]["scores"], runs["lm_eval"]["scores"]
     lines = ["| task | examples | foundryx acc | lm_eval acc | foundryx acc_norm | lm_eval acc_norm | same |",
              "|---|---:|---:|---:|---:|---:|---|"]

@@ -65,6 +65,35 @@ def test_results_do_not_depend_on_batch_size(tiny_tokenizer, tmp_path):
                             assert ra.get("loss", 0) == pytest.approx(rb.get("loss", 0), abs=1e-5)
 
 
+def test_logits_at_continuations_only_score_as_eval_forward(tiny_tokenizer, tmp_path, monkeypatch):
+    """The scoring forward keeps only the positions a metric reads (foundryx.eval.score); every
+    row's loss, log-likelihood and predicted tokens equal Composer's eval_forward path's, on a
+    Hugging Face Llama (mpt_causal_lm's: test_composer_evaluators_match_the_standalone_loop)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foundryx.eval import runner
+    from foundryx.eval.models import wrap_hf_model
+
+    torch.manual_seed(0)
+    model = wrap_hf_model(LlamaForCausalLM(LlamaConfig(
+        vocab_size=448, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=96)), tiny_tokenizer)
+    files = task_files(tmp_path)
+    configs = [task(files[k], k, num_fewshot=2, example_delimiter=". ")
+               for k in ("language_modeling", "multiple_choice", "schema")]
+    configs.append(task(files["multiple_choice"], "multiple_choice", num_fewshot=2, scoring="lm_eval",
+                        label="mc_lm_eval"))
+    assert runner.scoring_forward(runner.generation_model(model)) is not None
+    fast = [run(model, tiny_tokenizer, c, batch_size=5, max_seq_len=96, dump=13) for c in configs]
+    calls = []
+    monkeypatch.setattr(runner, "_scorer", lambda *a: calls.append(a) and None)
+    full = [run(model, tiny_tokenizer, c, batch_size=5, max_seq_len=96, dump=13) for c in configs]
+    assert len(calls) == len(configs)
+    for a, b in zip(fast, full):
+        assert a[0].outcomes == b[0].outcomes and a[0].metrics == b[0].metrics
+        assert a[0].dumped == b[0].dumped  # losses, log-likelihoods, predictions: bit for bit
+
+
 def test_composer_evaluators_match_the_standalone_loop(tiny_tokenizer, tmp_path):
     from composer import Trainer
     from composer.loggers import InMemoryLogger

@@ -27,9 +27,15 @@ from foundryx.eval.generate import (
     generation_model,
     greedy_generate,
 )
-from foundryx.eval.metrics import macro_average
+from foundryx.eval.metrics import (
+    ICLLanguageModelingAccuracy,
+    ICLLMEvalAccuracy,
+    ICLMultipleChoiceAccuracy,
+    macro_average,
+)
 from foundryx.eval.models import model_max_len
 from foundryx.eval.report import EvalResults
+from foundryx.eval.score import scoring_forward
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +126,19 @@ def _generator(model: Any, task: PreparedTask, tokenizer: Any, world: int) -> An
     return generate
 
 
+# the metrics that read logits only at continuation positions (a plugin's may read others)
+_SCORED_METRICS = (ICLLanguageModelingAccuracy, ICLMultipleChoiceAccuracy, ICLLMEvalAccuracy)
+
+
+def _scorer(model: Any, task: PreparedTask, metric: Any) -> Any:
+    """For a scored task with a built-in ICL metric, a function batch -> (logits, compact
+    batch) computing vocabulary logits only where the metric reads them
+    (:mod:`foundryx.eval.score`); None where Composer's ``eval_forward`` runs it."""
+    if task.task_type.mode == "generate" or type(metric) not in _SCORED_METRICS:
+        return None
+    return scoring_forward(generation_model(model))
+
+
 def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size: int, device: Any,
                   precision: str = "fp32", dump: int = 0, progress: bool = True) -> TaskResult:
     """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task."""
@@ -132,12 +151,16 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
     rows: list[dict[str, Any]] = []
     model.eval()
     generate = _generator(model, task, tokenizer, world)
+    score = _scorer(model, task, metric)
     with torch.inference_mode():
         for batch in tqdm(loader, desc=task.key, disable=not progress or rank != 0, leave=False):
             batch = device.batch_to_device(batch)
             with get_precision_context(precision):
                 if generate is not None:
                     metric.update(batch=batch, outputs=generate(batch), labels=None)
+                elif score is not None:
+                    logits, compact = score(batch)
+                    metric.update(batch=compact, outputs=logits, labels=None)
                 else:
                     outputs = model.eval_forward(batch)
                     model.update_metric(batch, outputs, metric)

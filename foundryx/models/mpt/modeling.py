@@ -316,13 +316,20 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
         labels: torch.LongTensor | None = None,
         return_dict: bool | None = None,
         return_logits: bool = True,
+        logits_to_keep: int | torch.Tensor = 0,
     ) -> CausalLMOutputWithPast:
         """Logits (batch, seq, vocab) and, given ``labels`` aligned with ``input_ids``, the
         next-token loss (see :func:`causal_lm_loss`). With labels and ``return_logits=False``
         the loss is fused with the output projection (:func:`linear_cross_entropy`: the
         vocabulary logits are never held whole) and ``logits`` is None. ``return_dict`` is
-        accepted for Hugging Face callers; the result is always a ``CausalLMOutputWithPast``."""
+        accepted for Hugging Face callers; the result is always a ``CausalLMOutputWithPast``.
+        ``logits_to_keep`` (as Hugging Face models take it): N > 0 keeps the last N positions'
+        logits, a tensor of positions keeps those (without labels)."""
         h = self.transformer(input_ids, attention_mask, sequence_id).last_hidden_state
+        if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
+            if labels is not None:
+                raise ValueError("logits_to_keep and labels together: the loss needs every position")
+            h = h[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else h[:, -logits_to_keep:]
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
         if labels is not None and not return_logits:
             loss = linear_cross_entropy(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
