@@ -31,7 +31,7 @@ from torch import nn
 
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
 from foundryx.loading.quantize import nf4, rowwise
-from foundryx.loading.reader import THREADS, Progress, Read, empty, gb, peak_rss_gb, read_all
+from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
 from foundryx.models.peft.lora import inner_model
 from foundryx.parallel import dist
@@ -199,8 +199,6 @@ def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tenso
         if module.storage == "nf4":
             return nf4(rows, local_like, like.dtype, group)
         return rowwise(rows, module.storage, like.dtype)
-    if device.type == "cpu":
-        return empty(rows.shape, like.dtype).copy_(rows)
     return torch.empty(rows.shape, dtype=like.dtype, device=device).copy_(rows)
 
 

@@ -14,7 +14,8 @@ Row-scaled formats are computed in chunks of rows through one float32 scratch bu
 thread, reused for every tensor (no whole-tensor float32 copy is allocated: allocating and
 first touching those was most of the quantization's time, and its transient memory), with
 the same float32 operations, in the same order, as
-:func:`~foundryx.models.peft.rowwise.quantize_rows` on the whole weight.
+:func:`~foundryx.models.peft.rowwise.quantize_rows` on the whole weight (less a clamp that
+changes nothing, see :func:`rowwise`), one pass per chunk while it is in cache.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 
-from foundryx.loading.reader import empty
 from foundryx.models.peft.rowwise import MIN_SCALE, QDTYPES, QMAX, RowScaledTensor
 
 CHUNK = 1 << 18  # float32 elements of scratch per reader thread (1 MiB: stays in cache)
@@ -61,7 +61,14 @@ def _absmax(c: torch.Tensor) -> torch.Tensor:
 def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTensor:
     """``rows`` (any float dtype, on the CPU or a device) as a RowScaledTensor of ``kind``
     that dequantizes to ``dtype``: bit for bit ``RowScaledTensor.from_weight(rows.to(dtype),
-    kind)``, computed a chunk of rows at a time (see the module doc)."""
+    kind)``, computed a chunk of rows at a time (see the module doc).
+
+    One pass per chunk while it is in cache: its rows' absmax, scales, then the quantized
+    rows. ``quantize_rows`` clamps the scaled rows to the format's range before the cast; that
+    clamp changes nothing and is left out: a finite ``|x| <= amax`` divided by ``scale =
+    max(amax / QMAX, MIN_SCALE)`` is at most ``QMAX`` by a rounding of the division (a few
+    ulps of float32), which int8's ``round`` and float8's nearest-value cast both take to
+    ``QMAX``; NaN stays NaN either way (the tests compare against ``quantize_rows``)."""
     if rows.dim() != 2 or not rows.numel() or rows.device.type != "cpu":
         return RowScaledTensor.from_weight(rows.to(dtype), kind)
     same = exact(rows.dtype, dtype)
@@ -73,29 +80,22 @@ def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTenso
         return rows[i:j] if same else rows[i:j].to(dtype)
 
     if kind == "bf16":  # the weight rounded to bfloat16, scales of 1 (quantize_rows)
-        qdata = empty((n, cols), torch.bfloat16)
+        qdata = torch.empty((n, cols), dtype=torch.bfloat16)
         for i, j in chunks:
             qdata[i:j].copy_(part(i, j))
         return RowScaledTensor(qdata, torch.ones(n), dtype=dtype)
-    amax = torch.empty(n, dtype=torch.float32)
+    scale = torch.empty(n, dtype=torch.float32)
+    qdata = torch.empty((n, cols), dtype=QDTYPES[kind])
     for i, j in chunks:
-        c = part(i, j)
-        if not exact(c.dtype, torch.float32):  # (float64): the float32 working copy's values
-            c = _buffer(j - i, cols).copy_(c)
-        amax[i:j] = _absmax(c)
-    scale = (amax / QMAX[kind]).clamp(min=MIN_SCALE)
-    qdata = empty((n, cols), QDTYPES[kind])
-    for i, j in chunks:
-        w = _buffer(j - i, cols)
-        c = part(i, j)
-        if exact(c.dtype, torch.float32):
-            torch.div(c, scale[i:j, None], out=w)  # computed in float32 (type promotion)
-        else:
-            w.copy_(c).div_(scale[i:j, None])
+        c, w = part(i, j), _buffer(j - i, cols)
+        if c.dtype not in _SIGN:  # (float64): the float32 working copy's values
+            c = w.copy_(c)
+        torch.div(_absmax(c), QMAX[kind], out=scale[i:j]).clamp_(min=MIN_SCALE)
+        if c.dtype != torch.float32:
+            c = w.copy_(c)  # the float32 working copy (exact from bfloat16 / float16)
+        torch.div(c, scale[i:j, None], out=w)
         if kind == "int8":
-            w.round_().clamp_(-127, 127)
-        else:
-            w.clamp_(-QMAX[kind], QMAX[kind])
+            w.round_()
         qdata[i:j].copy_(w)
     return RowScaledTensor(qdata, scale, dtype=dtype)
 
