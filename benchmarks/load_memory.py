@@ -118,8 +118,7 @@ def rank_main(rank: int, world: int, init: str, folder: str, dtype: str, offload
         torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     from types import SimpleNamespace
 
-    from foundryx import builders, loading
-    from foundryx.parallel import parallelize
+    from foundryx import builders
 
     base = rss_gb("VmRSS")
     section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": folder,
@@ -129,14 +128,25 @@ def rank_main(rank: int, world: int, init: str, folder: str, dtype: str, offload
         section["frozen_base"] = {"dtype": dtype, "offload_fraction": offload}
     start = time.perf_counter()
     model = builders.build_model(SimpleNamespace(model=section), None)
-    plan = loading.prepare(model, folder)
-    parallelize(model, ParallelismConfig() if world > 1 else None, device=torch.device("cpu"))
-    built = time.perf_counter() - start
-    if world > 1:
-        torch.distributed.barrier()  # the ranks start loading together
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-    seconds = loading.load(model, plan, torch.device("cpu"))["seconds"]
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    # the path `foundryx train` runs: builders.parallelize_and_load (prepare, the dtype rule of
+    # foundryx/loading/dtypes.py, FSDP2 with the default mixed precision, then the load); only
+    # the loader's own summary is caught on its way back, to time the load alone
+    load, timed = builders.load_pretrained, {}
+
+    def timed_load(*args, **kwargs):
+        if world > 1:
+            torch.distributed.barrier()  # the ranks start loading together
+        timed["built"] = time.perf_counter() - start
+        timed["cpu0"] = resource.getrusage(resource.RUSAGE_SELF)
+        timed["summary"] = load(*args, **kwargs)
+        timed["cpu1"] = resource.getrusage(resource.RUSAGE_SELF)
+        return timed["summary"]
+
+    builders.load_pretrained = timed_load
+    model = builders.parallelize_and_load(model, ParallelismConfig() if world > 1 else None,
+                                          device=torch.device("cpu"), precision="fp32")
+    cpu0, cpu1, seconds = timed["cpu0"], timed["cpu1"], timed["summary"]["seconds"]
+    built = timed["built"]
     held = sum(stored_bytes(p) for p in model.parameters())
     off = sum(stored_bytes(m.offload.host) for m in model.modules()
               if isinstance(m, LowPrecisionLinear) and m.offload is not None)

@@ -200,3 +200,37 @@ def test_chunked_quantize_on_load_equals_quantizing_the_whole_weight(kind, monke
                 bits = torch.int16 if kind == "bf16" else torch.uint8
                 assert mine.dtype == whole.dtype and torch.equal(mine.scale, whole.scale)
                 assert torch.equal(mine.qdata.view(bits), whole.qdata.view(bits)), (stored, dtype, chunk)
+
+
+def test_nf4_on_load_equals_torchao_bit_for_bit():
+    """The loader's NF4 (a table look-up per element, the exact two-level search near a
+    decision boundary) picks torchao's level for every bfloat16 / float16 value in [-1, 1],
+    for float32 values a rounding either side of each boundary, NaN and the ends; and a
+    weight with a zero block and a zero row gives torchao's NF4Tensor exactly."""
+    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+
+    import foundryx.loading.quantize as quantize
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lut = quantize._nf4_lut(dtype)
+        mids = (lut[1:].double() + lut[:-1].double()) / 2
+        v = torch.cat([torch.rand(20000, dtype=torch.float64) * 2 - 1, lut.double(), mids,
+                       mids.nextafter(torch.tensor(2.0, dtype=torch.float64)),
+                       mids.nextafter(torch.tensor(-2.0, dtype=torch.float64)),
+                       torch.tensor([float("nan"), 1.5, -1.5, 0.0, -0.0])]).to(dtype)
+        if dtype != torch.float32:  # every value of the dtype in [-1, 1]
+            every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+            v = torch.cat([v, every[every.float().abs() <= 1]])
+        if dtype == torch.float32:  # float32 values a rounding either side of each boundary
+            edges = (quantize._code_table(dtype) == quantize.AMBIGUOUS).nonzero().squeeze(1)
+            top = ((edges - 32768).to(torch.int32) << 16)
+            top = top[top.view(torch.float32).abs() < 1]  # the boundaries' buckets
+            v = torch.cat([v, *(((top | low).view(torch.float32)) for low in range(0, 1 << 16, 97))])
+        want = NF4Tensor.quantize_tensor_nearest(v, lut).to(torch.uint8)
+        assert torch.equal(quantize._codes(v, lut), want), dtype
+        w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(torch.bfloat16)
+        w[3], w[5, :64] = 0, 0
+        ref, mine = to_nf4(w.to(dtype), 64, 256), quantize.nf4(w, to_nf4(w.to(dtype), 64, 256), dtype)
+        for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+            assert torch.equal(getattr(mine, part), getattr(ref, part)), (dtype, part)

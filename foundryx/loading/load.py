@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
-from foundryx.loading.quantize import nf4, rowwise
-from foundryx.loading.reader import THREADS, Progress, Read, empty, gb, peak_rss_gb, read_all
+from foundryx.loading.quantize import nf4, nf4_encode, rowwise
+from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
 from foundryx.models.peft.lora import inner_model
 from foundryx.parallel import dist
@@ -199,8 +199,6 @@ def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tenso
         if module.storage == "nf4":
             return nf4(rows, local_like, like.dtype, group)
         return rowwise(rows, module.storage, like.dtype)
-    if device.type == "cpu":
-        return empty(rows.shape, like.dtype).copy_(rows)
     return torch.empty(rows.shape, dtype=like.dtype, device=device).copy_(rows)
 
 
@@ -271,12 +269,14 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     since_trim = [0]
 
     def early(r: Read, rows: torch.Tensor) -> tuple[bool, torch.Tensor]:
-        """In a reader thread: (done, the rows converted), or (False, the rows as read)
-        when converting them takes a collective, left to ``use``."""
+        """In a reader thread: (done, the rows converted), or (False, the rows encoded as
+        NF4) when finishing them takes a collective, left to ``use``."""
         t, like, group = jobs[id(r)]
         module = t.holders[0][0]
-        if _collective(t, module):
-            return False, rows
+        if _collective(t, module):  # all but the whole weight's scaler mean, here
+            rows = rows if t.kind == "offload" else rows.to(device)
+            block = getattr(like, "_local_tensor", like).block_size
+            return False, nf4_encode(rows, block, like.dtype)
         return True, _convert(t, module, rows, like, group, device)
 
     def use(r: Read, value: tuple[bool, torch.Tensor]) -> None:
@@ -284,7 +284,7 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
         module = t.holders[0][0]
         done, local = value
         if not done:
-            local = _convert(t, module, local, like, group, device)
+            local = nf4(local, getattr(like, "_local_tensor", like), like.dtype, group)
         since_trim[0] += r.byte_range[1] - r.byte_range[0]
         if since_trim[0] >= TRIM_EVERY_BYTES:
             since_trim[0] = 0

@@ -14,17 +14,18 @@ Row-scaled formats are computed in chunks of rows through one float32 scratch bu
 thread, reused for every tensor (no whole-tensor float32 copy is allocated: allocating and
 first touching those was most of the quantization's time, and its transient memory), with
 the same float32 operations, in the same order, as
-:func:`~foundryx.models.peft.rowwise.quantize_rows` on the whole weight.
+:func:`~foundryx.models.peft.rowwise.quantize_rows` on the whole weight (less a clamp that
+changes nothing, see :func:`rowwise`), one pass per chunk while it is in cache.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from foundryx.loading.reader import empty
 from foundryx.models.peft.rowwise import MIN_SCALE, QDTYPES, QMAX, RowScaledTensor
 
 CHUNK = 1 << 18  # float32 elements of scratch per reader thread (1 MiB: stays in cache)
@@ -61,7 +62,14 @@ def _absmax(c: torch.Tensor) -> torch.Tensor:
 def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTensor:
     """``rows`` (any float dtype, on the CPU or a device) as a RowScaledTensor of ``kind``
     that dequantizes to ``dtype``: bit for bit ``RowScaledTensor.from_weight(rows.to(dtype),
-    kind)``, computed a chunk of rows at a time (see the module doc)."""
+    kind)``, computed a chunk of rows at a time (see the module doc).
+
+    One pass per chunk while it is in cache: its rows' absmax, scales, then the quantized
+    rows. ``quantize_rows`` clamps the scaled rows to the format's range before the cast; that
+    clamp changes nothing and is left out: a finite ``|x| <= amax`` divided by ``scale =
+    max(amax / QMAX, MIN_SCALE)`` is at most ``QMAX`` by a rounding of the division (a few
+    ulps of float32), which int8's ``round`` and float8's nearest-value cast both take to
+    ``QMAX``; NaN stays NaN either way (the tests compare against ``quantize_rows``)."""
     if rows.dim() != 2 or not rows.numel() or rows.device.type != "cpu":
         return RowScaledTensor.from_weight(rows.to(dtype), kind)
     same = exact(rows.dtype, dtype)
@@ -73,29 +81,22 @@ def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTenso
         return rows[i:j] if same else rows[i:j].to(dtype)
 
     if kind == "bf16":  # the weight rounded to bfloat16, scales of 1 (quantize_rows)
-        qdata = empty((n, cols), torch.bfloat16)
+        qdata = torch.empty((n, cols), dtype=torch.bfloat16)
         for i, j in chunks:
             qdata[i:j].copy_(part(i, j))
         return RowScaledTensor(qdata, torch.ones(n), dtype=dtype)
-    amax = torch.empty(n, dtype=torch.float32)
+    scale = torch.empty(n, dtype=torch.float32)
+    qdata = torch.empty((n, cols), dtype=QDTYPES[kind])
     for i, j in chunks:
-        c = part(i, j)
-        if not exact(c.dtype, torch.float32):  # (float64): the float32 working copy's values
-            c = _buffer(j - i, cols).copy_(c)
-        amax[i:j] = _absmax(c)
-    scale = (amax / QMAX[kind]).clamp(min=MIN_SCALE)
-    qdata = empty((n, cols), QDTYPES[kind])
-    for i, j in chunks:
-        w = _buffer(j - i, cols)
-        c = part(i, j)
-        if exact(c.dtype, torch.float32):
-            torch.div(c, scale[i:j, None], out=w)  # computed in float32 (type promotion)
-        else:
-            w.copy_(c).div_(scale[i:j, None])
+        c, w = part(i, j), _buffer(j - i, cols)
+        if c.dtype not in _SIGN:  # (float64): the float32 working copy's values
+            c = w.copy_(c)
+        torch.div(_absmax(c), QMAX[kind], out=scale[i:j]).clamp_(min=MIN_SCALE)
+        if c.dtype != torch.float32:
+            c = w.copy_(c)  # the float32 working copy (exact from bfloat16 / float16)
+        torch.div(c, scale[i:j, None], out=w)
         if kind == "int8":
-            w.round_().clamp_(-127, 127)
-        else:
-            w.clamp_(-QMAX[kind], QMAX[kind])
+            w.round_()
         qdata[i:j].copy_(w)
     return RowScaledTensor(qdata, scale, dtype=dtype)
 
@@ -106,16 +107,108 @@ def _nf4_lut(dtype: torch.dtype) -> torch.Tensor:
     return to_nf4(torch.zeros(64, dtype=dtype), 64, 1).nf4
 
 
-def nf4(rows: torch.Tensor, like: Any, dtype: torch.dtype, group: Any = None) -> Any:
-    """This rank's rows as an ``NF4Tensor`` shard with the block sizes of ``like`` (the meta
-    NF4 shard FSDP2 made); the whole weight's scaler mean from the block maxima of every rank
-    of ``group`` (None: this rank holds the whole weight)."""
-    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs, get_block_absmax
+class Encoded(NamedTuple):
+    """A rank's rows of an NF4 weight before the whole weight's scaler mean is known."""
 
-    w = rows.to(dtype).contiguous()
+    absmax: torch.Tensor
+    codes: torch.Tensor
+    shape: torch.Size
+
+
+def _nearest(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """The index of the NF4 level nearest each of ``scaled`` (1-D), bit for bit torchao's
+    ``quantize_tensor_nearest`` (``argmin |value - level|`` over the 16 levels, the first
+    index on a tie, computed in ``scaled``'s dtype) without its 16 comparisons per element:
+    the two levels around the value (``searchsorted``) are the only candidates, because
+    ``|value - level|`` rounds monotonically in the level and the levels are further apart
+    (>= 0.079) than any rounding of a difference below 2 (the smallest gap stays strict), so
+    no level further out can tie with the nearer neighbour; on a tie between the two the
+    lower index wins, as argmin's first. That holds for ``|value| <= 1``, every value of a
+    block scaled by its absmax; NaN (a block of zeros scaled by its absmax 0) and anything
+    beyond go through torchao's own search."""
+    from torchao.dtypes.nf4tensor import NF4Tensor
+
+    idx = torch.searchsorted(lut, scaled)
+    hi = idx.clamp(max=lut.numel() - 1)
+    lo = idx.sub_(1).clamp_(min=0)
+    pick_hi = (scaled - lut[hi]).abs_() < (scaled - lut[lo]).abs_()
+    codes = torch.where(pick_hi, hi, lo).to(torch.uint8)
+    odd = ~(scaled.abs() <= 1)  # NaN, or beyond the levels (never a scaled block's value)
+    if odd.any():  # where roundings tie far levels: torchao's own search
+        codes[odd] = NF4Tensor.quantize_tensor_nearest(scaled[odd], lut).to(torch.uint8)
+    return codes
+
+
+AMBIGUOUS = 255  # in a code table: the bucket holds values of two codes (see _codes)
+
+
+@functools.cache
+def _code_table(dtype: torch.dtype) -> torch.Tensor:
+    """Per bucket of values (the value's top 16 bits: one value of a 16-bit dtype, an
+    interval of float32), its NF4 code by :func:`_nearest`, or AMBIGUOUS for the few float32
+    buckets whose ends get different codes (within [-1, 1] the code only grows with the
+    value, so a bucket whose two ends agree holds one code) and those beyond [-1, 1]."""
+    lut = _nf4_lut(dtype)
+    patterns = torch.arange(-32768, 32768, dtype=torch.int32)
+    if dtype.itemsize == 2:
+        return _nearest(patterns.to(torch.int16).view(dtype), lut)
+    low = (patterns << 16).view(torch.float32)
+    high = ((patterns << 16) | 0xFFFF).view(torch.float32)
+    a, b = _nearest(low, lut), _nearest(high, lut)
+    inside = (low.abs() <= 1) & (high.abs() <= 1)  # beyond: no monotone code to rely on
+    return torch.where((a == b) & inside, a, AMBIGUOUS)
+
+
+def _codes(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """:func:`_nearest` of ``scaled`` by one table look-up per element (its top 16 bits), the
+    exact search only for float32 values in a bucket that holds a decision boundary."""
+    if scaled.dtype not in (torch.float32, torch.bfloat16, torch.float16) or scaled.device.type != "cpu":
+        return _nearest(scaled, lut)
+    table = _code_table(scaled.dtype)
+    if scaled.dtype == torch.float32:
+        index = (scaled.view(torch.int32) >> 16).to(torch.int64).add_(32768)
+    else:
+        index = scaled.view(torch.int16).to(torch.int64).add_(32768)
+    codes = torch.take(table, index)
+    if scaled.dtype == torch.float32:
+        near = (codes == AMBIGUOUS).nonzero().squeeze(1)
+        if near.numel():
+            codes[near] = _nearest(scaled[near], lut)
+    return codes
+
+
+def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
+    """``(absmax per block, packed 4-bit codes, shape)`` of ``rows`` as ``dtype``: what torchao's
+    ``get_block_absmax`` and ``convert_to_norm_float_weight`` give for ``rows.to(dtype)``,
+    bit for bit, computed a chunk of blocks at a time (no whole-weight copy, no 16-level
+    comparison tensor; see :func:`_nearest`). Needs nothing from other ranks: it runs in a
+    reader thread; :func:`nf4` finishes with the one collective."""
+    flat = rows.reshape(-1)
+    n = flat.numel()
+    lut = _nf4_lut(dtype).to(rows.device)
+    absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
+    packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
+    step = max(1, CHUNK // block) * block
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        blocks = flat[s:e].to(dtype).view(-1, block)
+        am = torch.amax(blocks.abs(), dim=1, out=absmax[s // block:e // block])
+        codes = _codes((blocks / am[:, None]).flatten(), lut)
+        torch.bitwise_or(codes[::2] << 4, codes[1::2], out=packed[s // 2:e // 2])
+    return Encoded(absmax, packed, rows.shape)
+
+
+def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
+        group: Any = None) -> Any:
+    """This rank's rows (or their :func:`nf4_encode`) as an ``NF4Tensor`` shard with the
+    block sizes of ``like`` (the meta NF4 shard FSDP2 made); the whole weight's scaler mean
+    from the block maxima of every rank of ``group`` (None: this rank holds the whole
+    weight)."""
+    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs
+
     block, scaler_block = like.block_size, like.scaler_block_size
-    blocks = w.numel() // block
-    absmax = get_block_absmax(w.flatten(), block)
+    absmax, data, size = rows if isinstance(rows, Encoded) else nf4_encode(rows, block, dtype)
+    blocks = absmax.numel()
     whole = absmax
     if group is not None and torch.distributed.get_world_size(group) > 1:
         parts = [torch.empty_like(absmax) for _ in range(torch.distributed.get_world_size(group))]
@@ -127,8 +220,8 @@ def nf4(rows: torch.Tensor, like: Any, dtype: torch.dtype, group: Any = None) ->
     groups = centred.view(blocks // scaler_block, scaler_block)
     factor = 256 / (2 * groups.abs().max(dim=1).values)
     quantized_scalers = (groups * factor[:, None]).round().clamp(-128, 127).flatten().to(torch.int8)
-    lut = _nf4_lut(dtype)
-    data = NF4Tensor.convert_to_norm_float_weight(w, blocks, block, lut)
-    meta = SubclassTensorArgs(w.size(), w.stride(), 0, dtype, w.device, False)
+    lut = _nf4_lut(dtype).to(absmax.device)
+    contiguous = torch.empty(size, dtype=dtype, device="meta")
+    meta = SubclassTensorArgs(contiguous.size(), contiguous.stride(), 0, dtype, absmax.device, False)
     return NF4Tensor(meta, block, like.n_blocks, scaler_block, quantized_scalers,
                      factor.contiguous(), mean, data, lut)

@@ -8,7 +8,9 @@ read's time; see benchmarks/RESULTS.md). Reader threads also convert each range 
 form the model keeps (``prepare`` of :func:`read_all`: a dtype cast or a quantization,
 torch ops that release the GIL), so reading and converting overlap across tensors; only what
 needs a collective (NF4's whole-weight statistic) runs on the calling thread, in order.
-Rank 0 logs GB read, GB/s and the time left as it goes.
+Rank 0 logs GB read, GB/s and the time left as it goes. The tensors the model keeps are
+plain allocations: advising them as transparent huge pages before first touch was tried and
+cost 2.7x the kernel time of a load on the benchmark's VM (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -83,42 +85,6 @@ def read_rows(r: Read) -> torch.Tensor:
         m.madvise(mmap.MADV_WILLNEED)  # a cold page cache: read the whole range ahead
     out = torch.frombuffer(m, dtype=torch.uint8, count=end - begin, offset=begin - base)
     return out.view(r.entry.dtype).view(r.shape)
-
-
-HUGE = 2 * 2**20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
-MADV_HUGEPAGE = 14  # Linux
-
-
-def _madvise() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise
-    except (OSError, AttributeError):
-        return None
-
-
-_MADVISE = _madvise()
-
-
-def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor that the loader fills once and the model keeps. Above a
-    few huge pages its memory is advised as transparent-huge-page memory before it is first
-    touched (what torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every allocation): filling
-    a fresh tensor then takes one page fault per 2 MiB instead of one per 4 KiB, 4-5x faster
-    on the benchmark's machine. Nothing changes where the kernel does not do THP."""
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if _MADVISE is not None and nbytes >= 4 * HUGE:
-        ptr = t.data_ptr()
-        start = -(-ptr // mmap.PAGESIZE) * mmap.PAGESIZE
-        stop = (ptr + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        _MADVISE(start, stop - start, MADV_HUGEPAGE)  # advice only: a failure changes nothing
-    return t
 
 
 def peak_rss_gb() -> float:

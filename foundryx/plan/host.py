@@ -37,13 +37,12 @@ READER_THREADS = 4
 READER_BUFFER = 64 * MiB
 # Shard-on-read (foundryx/loading): what a rank keeps, plus in flight READ_AHEAD bytes of file
 # ranges mapped ahead of use (foundryx.loading.reader.AHEAD_BYTES) and the largest tensor's
-# slice; an NF4 frozen base converts a slice through torchao's float32 copies of it (the
-# weight, its scaled blocks: NF4_WORK bytes per element of the largest frozen linear's slice)
-# and a search chunk of NF4_CHUNK bytes (2^20 elements x 16 levels x 4 bytes); offloaded
+# slice; an NF4 frozen base is encoded a chunk at a time in each reader thread (2^18
+# elements: the float32 copy, its scaled values, the int64 table index and the codes, ~32
+# bytes each, x 8 threads: NF4_CHUNK; foundryx.loading.quantize.nf4_encode); offloaded
 # shards are packed into one host buffer at the end of the load, so they are held
 # OFFLOAD_PACK_COPIES times for a moment.
 READ_AHEAD = 64 * MiB
-NF4_WORK = 9
 NF4_CHUNK = 64 * MiB
 OFFLOAD_PACK_COPIES = 2
 
@@ -164,7 +163,7 @@ def shard_on_read_bytes(c: Census, s: Setup, n: int, per_elem: float, offloaded:
         kept = on["frozen_weights"] + on["trainable_weights"]
     work = 0.0
     if s.lora and s.frozen_dtype == "nf4":
-        work = NF4_WORK * c.largest_linear / n + NF4_CHUNK
+        work = NF4_CHUNK
     return (kept + OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + c.largest_param * per_elem / n
             + work)
 
