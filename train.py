@@ -5,7 +5,7 @@ The same as ``foundryx train``; the composer launcher runs this file once per pr
 
 import sys
 
-from foundryx.cli import main
+from foundryx.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(["train", *sys.argv[1:]]))
+    run(["train", *sys.argv[1:]])

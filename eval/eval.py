@@ -5,7 +5,7 @@ The same as ``foundryx eval``; the composer launcher runs this file once per pro
 
 import sys
 
-from foundryx.cli import main
+from foundryx.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main(["eval", *sys.argv[1:]]))
+    run(["eval", *sys.argv[1:]])

@@ -14,11 +14,13 @@ on the line (:func:`split_overrides`), before or after the flags.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.metadata
 import os
 import platform
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from foundryx import __version__, known_warnings, registry
 from foundryx.config.help import component_help, config_help
@@ -403,5 +405,17 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
+def run(argv: list[str] | None = None) -> NoReturn:
+    """A foundryx process from start to exit: the console script, ``train.py`` (once per rank
+    under the composer launcher) and ``eval/eval.py``. ``main`` and then exit, skipping the
+    interpreter's final garbage collection, which walks every object torch, transformers and
+    Composer made and takes ~3 s of a 2-core machine's time per process (measured: ``import
+    composer`` then exit, 13.0 s; with the objects frozen first, 10.3 s). atexit handlers and
+    every module's cleanup still run; only cyclic garbage is left to the operating system."""
+    code = main(argv)
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

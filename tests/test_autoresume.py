@@ -320,6 +320,6 @@ def install_moment(target: tuple[int, int], rank: int, die) -> None:
 if __name__ == "__main__":
     if os.environ.get("FOUNDRYX_TEST_KILL"):
         install_fault(os.environ["FOUNDRYX_TEST_KILL"])
-    from foundryx.cli import main
+    from foundryx.cli import run
 
-    sys.exit(main(["train", "yamls/quickstart.yaml", *sys.argv[1:]]))
+    run(["train", "yamls/quickstart.yaml", *sys.argv[1:]])

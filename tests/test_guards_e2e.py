@@ -182,6 +182,6 @@ def install_hooks() -> None:
 
 if __name__ == "__main__":
     install_hooks()
-    from foundryx.cli import main
+    from foundryx.cli import run
 
-    sys.exit(main(["train", "yamls/quickstart.yaml", *sys.argv[1:]]))
+    run(["train", "yamls/quickstart.yaml", *sys.argv[1:]])

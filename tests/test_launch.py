@@ -85,7 +85,7 @@ def synthetic_loader(cfg, tokenizer, device_batch_size, **_):
 
 if __name__ == "__main__":
     from foundryx import registry
-    from foundryx.cli import main
+    from foundryx.cli import run
 
     registry.dataloaders.register("synthetic", synthetic_loader)
-    sys.exit(main(["train", *sys.argv[1:]]))
+    run(["train", *sys.argv[1:]])

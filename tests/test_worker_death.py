@@ -255,6 +255,6 @@ if __name__ == "__main__":
     if os.environ.get("FOUNDRYX_TEST_WORKER_DIES_AT"):
         install_fault(int(os.environ["FOUNDRYX_TEST_WORKER_DIES_AT"]),
                       os.environ["FOUNDRYX_TEST_PID_FILE"])
-    from foundryx.cli import main
+    from foundryx.cli import run
 
-    sys.exit(main(["train", "yamls/quickstart.yaml", *sys.argv[1:]]))
+    run(["train", "yamls/quickstart.yaml", *sys.argv[1:]])

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from composer.models import HuggingFaceModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_utils import no_init_weights
 
@@ -41,6 +40,7 @@ from foundryx.errors import CheckpointError, ConfigError, FoundryxError
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
 from foundryx.loading import wants_pretrained
+from foundryx.models.composer_base import CausalLMBase
 from foundryx.models.peft.lora import apply_lora
 from foundryx.parallel.materialize import has_meta, init_meta
 
@@ -100,8 +100,7 @@ def saved_tokenizer(meta: Path | None) -> Any:
 
 def wrap_hf_model(model: Any, tokenizer: Any) -> Any:
     """A Hugging Face ``PreTrainedModel`` (causal LM) as a Composer model that ICL eval can run."""
-    return HuggingFaceModel(model=model, tokenizer=tokenizer, use_logits=True, shift_labels=True,
-                            eval_metrics=[])
+    return CausalLMBase(model=model, tokenizer=tokenizer, use_logits=True, eval_metrics=[])
 
 
 def _from_hf_folder(meta: Path, tokenizer: Any) -> Any:

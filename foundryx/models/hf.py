@@ -21,13 +21,13 @@ from typing import Any, Literal
 
 import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
-from composer.models import HuggingFaceModel
 from torch import nn
 
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.hub import looks_like_path, resolve_source
+from foundryx.models.composer_base import CausalLMBase
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.hf_tp import hf_tp_plan
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
@@ -91,7 +91,7 @@ class HFCausalLMOptions:
         return override_problems(hf_config, self.config_overrides, "config_overrides")
 
 
-class ComposerHFCausalLM(HuggingFaceModel):
+class ComposerHFCausalLM(CausalLMBase):
     """A Hugging Face ``AutoModelForCausalLM`` as a Composer model:
     ``ComposerHFCausalLM(tokenizer, options=HFCausalLMOptions(...))`` or with the options as
     keywords, ``ComposerHFCausalLM(tokenizer, pretrained_model_name_or_path=...)`` (see
@@ -118,7 +118,6 @@ class ComposerHFCausalLM(HuggingFaceModel):
             use_logits=True,
             metrics=[LanguageCrossEntropy()],
             eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
-            shift_labels=True,
             allow_embedding_resizing=o.allow_embedding_resizing,
         )
         self.n_matmul_params = matmul_params(self.model)

@@ -7,16 +7,16 @@ from typing import Any
 
 import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
-from composer.models import HuggingFaceModel
 
 from foundryx.config.types import options_or_fields, to_data
 from foundryx.errors import ConfigError, DataError
+from foundryx.models.composer_base import CausalLMBase
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import IGNORE_INDEX, MPTForCausalLM, causal_lm_loss
 from foundryx.models.mpt.options import RUN_FIELDS, MPTOptions
 
 
-class ComposerMPTCausalLM(HuggingFaceModel):
+class ComposerMPTCausalLM(CausalLMBase):
     """An MPT causal LM: ``ComposerMPTCausalLM(tokenizer, options=MPTOptions(...))``, or with
     the options as keywords: ``ComposerMPTCausalLM(tokenizer, d_model=..., attn_config={...})``.
 
@@ -43,7 +43,6 @@ class ComposerMPTCausalLM(HuggingFaceModel):
             use_logits=True,
             metrics=[LanguageCrossEntropy()],
             eval_metrics=[LanguageCrossEntropy(), LanguagePerplexity()],
-            shift_labels=True,
         )
         self.n_matmul_params = matmul_params(model)
         self.uses_sequence_id = options.uses_sequence_id
