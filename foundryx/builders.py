@@ -81,8 +81,8 @@ def tp_degree(parallelism: Any) -> int:
 def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
     batches: only the ``text`` loader (streaming's ``replication``) can, and the ICL evaluators
-    cannot yet. What else does not run under tp yet: low-precision frozen bases, checkpoints of
-    an MPT."""
+    cannot yet. What else does not run under tp yet: NF4 and offloaded frozen bases (int8, fp8
+    and bf16 do), checkpoints of an MPT."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
         return []
@@ -104,10 +104,17 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
         problems.append(f"icl_tasks: the ICL evaluators do not run under parallelism.tp: {tp} "
                         "yet; evaluate the checkpoint with `foundryx eval`, or use tp: 1")
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if model.get("frozen_base"):
-        problems.append(f"model.frozen_base: a low-precision frozen base does not run under "
-                        f"parallelism.tp: {tp} yet (tensor parallelism splits plain linear "
-                        "layers); drop frozen_base, or use tp: 1")
+    frozen = model.get("frozen_base") if isinstance(model.get("frozen_base"), dict) else {}
+    if frozen.get("dtype") == "nf4":
+        problems.append(f"model.frozen_base.dtype: nf4 under parallelism.tp: {tp}: NF4's blocks "
+                        "and double-quantized scales run along each row, which a row-wise "
+                        "tensor-parallel layer splits; use dtype: int8 or fp8 (scales per row, "
+                        "split with the rows), or tp: 1")
+    if frozen.get("offload_fraction"):
+        problems.append(f"model.frozen_base.offload_fraction: {frozen['offload_fraction']} under "
+                        f"parallelism.tp: {tp}: offloaded layers are not split by tensor "
+                        "parallelism yet; use offload_fraction: 0.0 (tp already divides each "
+                        "rank's frozen weights by tp), or tp: 1")
     for key in ("save_folder", "load_path"):
         if model.get("name") == "mpt_causal_lm" and data.get(key):
             problems.append(f"{key}: checkpoints of an MPT under parallelism.tp: {tp} are not "

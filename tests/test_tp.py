@@ -15,7 +15,7 @@ from foundryx.errors import ConfigError
 from foundryx.parallel.fsdp import mesh_dims
 from foundryx.parallel.tp import interleaved_rows, plan_problems
 
-STEPS = 4  # the issue asks 20; 4 AdamW steps at lr 1e-2 already move every weight
+STEPS = 20
 PER_DP = 2  # sequences per data-parallel group
 SEQ = 16
 MPT = dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=SEQ, vocab_size=64,
@@ -28,7 +28,12 @@ LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidde
 LORA_TARGETS = {"mpt": ["o", "up", "down"], "llama": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 
 
-def _build(kind: str, lora: bool):
+VARIANTS = ("full", "lora", "lora+int8")  # what trains: all weights; LoRA; LoRA on an int8 base
+
+
+def _build(kind: str, variant: str):
+    from foundryx.models.peft.frozen_base import apply_frozen_base
+    from foundryx.models.peft.frozen_options import FrozenBaseOptions
     from foundryx.models.peft.lora import apply_lora
     from foundryx.models.peft.options import LoraOptions
 
@@ -41,22 +46,24 @@ def _build(kind: str, lora: bool):
 
         model = ComposerHFCausalLM(None, config=dict(LLAMA), pretrained=False,
                                    attn_implementation="sdpa")
-    if lora:  # colwise and rowwise bases: both adapter rules
+    if variant != "full":  # colwise and rowwise bases: both adapter rules
         model = apply_lora(model, LoraOptions(target_modules=LORA_TARGETS[kind], r=4, lora_alpha=8))
+    if variant == "lora+int8":  # every frozen linear layer (MPT's fused Wqkv too) in int8
+        model = apply_frozen_base(model, FrozenBaseOptions(dtype="int8"))
     return model
 
 
-def _setup(kind: str, shard: int, tp: int, lora: bool = False):
+def _setup(kind: str, shard: int, tp: int, variant: str = "full"):
     from foundryx.parallel import parallelize
 
     torch.manual_seed(0)
-    model = _build(kind, lora)
+    model = _build(kind, variant)
     parallelize(model, ParallelismConfig(data_parallel_shard_degree=shard, tp=tp),
                 device=torch.device("cpu"))
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
-def _losses(kind: str, shard: int, tp: int, lora: bool, steps: range = range(STEPS),
+def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(STEPS),
             model=None, opt=None, save: tuple[int, str] | None = None,
             grad_norms: list[float] | None = None) -> list[float]:
     """The mean loss of each of ``steps`` (AdamW steps on the same global batches at any mesh);
@@ -71,7 +78,7 @@ def _losses(kind: str, shard: int, tp: int, lora: bool, steps: range = range(STE
     dp = world // tp
     ids = torch.randint(0, 64, (STEPS, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
     if model is None:
-        model, opt = _setup(kind, shard, tp, lora)
+        model, opt = _setup(kind, shard, tp, variant)
     mine = rank // tp  # the data-parallel group: TP ranks share a batch
     losses = []
     for step in steps:
@@ -99,19 +106,29 @@ MESHES = {"shard4": (4, 1), "shard2xtp2": (2, 2), "tp4": (1, 4)}
 
 
 def _all_meshes(kind: str, folder: str | None = None) -> dict[Any, Any]:
-    """Every mesh with and without LoRA; the first step's gradient norm of each; with
-    ``folder``: the (shard 2 x tp 2) run without LoRA saves a checkpoint before step 2,
+    """Every mesh with each variant; the first step's gradient norm of each; with
+    ``folder``: the (shard 2 x tp 2) run of the whole model saves a checkpoint before step 2,
     which then resumes at (shard 2 x tp 2), (shard 4) and (tp 4)."""
     out: dict[Any, Any] = {}
-    for lora in (False, True):
+    for variant in VARIANTS:
         for name, (shard, tp) in MESHES.items():
             norms: list[float] = []
-            save = (2, folder) if folder and name == "shard2xtp2" and not lora else None
-            out[(name, lora)] = _losses(kind, shard, tp, lora, save=save, grad_norms=norms)
-            out[("grad_norm", name, lora)] = norms[0]
+            save = (2, folder) if folder and name == "shard2xtp2" and variant == "full" else None
+            out[(name, variant)] = _losses(kind, shard, tp, variant, save=save, grad_norms=norms)
+            out[("grad_norm", name, variant)] = norms[0]
+    out["int8 weights"] = {name: _int8_weights(kind, shard, tp) for name, (shard, tp) in MESHES.items()}
     if folder:
         out["resumed"] = _resume_at_other_degrees(kind, folder)
     return out
+
+
+def _int8_weights(kind: str, shard: int, tp: int) -> int:
+    """How many parameters of the sharded int8-base model hold int8 rows (not dense copies)."""
+    from foundryx.models.peft.rowwise import RowScaledTensor
+
+    model, _ = _setup(kind, shard, tp, "lora+int8")
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    return sum(isinstance(t, RowScaledTensor) and t.qdata.dtype == torch.int8 for t in local)
 
 
 def _resume_at_other_degrees(kind: str, folder: str) -> dict[str, list[float]]:
@@ -127,7 +144,7 @@ def _resume_at_other_degrees(kind: str, folder: str) -> dict[str, list[float]]:
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=folder)
         set_state_dict(model, [opt], model_state_dict=state["model"], optim_state_dict=state["optim"])
-        out[name] = _losses(kind, shard, tp, False, range(2, STEPS), model, opt)
+        out[name] = _losses(kind, shard, tp, "full", range(2, STEPS), model, opt)
     return out
 
 
@@ -136,27 +153,30 @@ def _close(got: list[float], want: list[float]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["mpt", "llama"])
-def test_tp_losses_equal_fsdp_losses_with_and_without_lora(kind, tmp_path):
-    """Also (llama): a checkpoint saved at (shard 2 x tp 2) resumes at its degree, at tp 1
+@pytest.mark.parametrize("kind", ["mpt", pytest.param("llama", marks=pytest.mark.modern_leg)])
+def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, tmp_path):
+    """The whole model, LoRA, and LoRA on an int8 frozen base (its rows and row scales split
+    with a column-wise layer, its columns with a row-wise one). Also (llama): a checkpoint saved at (shard 2 x tp 2) resumes at its degree, at tp 1
     (shard 4) and at tp 4 to the losses of the uninterrupted run, AdamW moments included
     (one 4-process launch for all of it: CI time)."""
     folder = str(tmp_path / "ckpt") if kind == "llama" else None
     results = run_distributed(_all_meshes, world_size=4, args=(kind, folder), timeout=900)
-    for lora in (False, True):
-        ref = results[0][("shard4", lora)]
-        assert ref[-1] < ref[0], (lora, ref)  # it trains
-        norm = results[0][("grad_norm", "shard4", lora)]
+    for variant in VARIANTS:
+        ref = results[0][("shard4", variant)]
+        assert ref[-1] < ref[0] - 0.1, (variant, ref)  # it trains
+        norm = results[0][("grad_norm", "shard4", variant)]
         for r in results:
             for name in ("shard2xtp2", "tp4"):
-                got = r[(name, lora)]
-                assert _close(got, ref), (name, lora, got, ref)
+                got = r[(name, variant)]
+                assert _close(got, ref), (name, variant, got, ref)
                 # the mean gradient over the data-parallel ranks (AdamW alone would hide a
                 # constant factor, e.g. a sum over them; a resume at another degree would not)
-                assert abs(r[("grad_norm", name, lora)] - norm) <= 1e-5 * norm, (name, lora, r)
+                assert abs(r[("grad_norm", name, variant)] - norm) <= 1e-5 * norm, (name, variant, r)
+    frozen_linear = {"mpt": 2 * 5, "llama": 2 * 7}[kind]  # per block: Wqkv o gate up down; q k v o gate up down
+    assert all(r["int8 weights"] == dict.fromkeys(MESHES, frozen_linear) for r in results), results[0]
     if folder:
         for r in results:
-            straight = r[("shard2xtp2", False)][2:]
+            straight = r[("shard2xtp2", "full")][2:]
             for name, got in r["resumed"].items():
                 assert _close(got, straight), (name, got, straight)
 
@@ -200,8 +220,12 @@ def test_tp_data_and_checkpoint_problems_are_said_up_front():
     assert any(p.startswith("train_loader.name: 'finetuning' with parallelism.tp: 2") for p in problems)
     assert any(p.startswith("icl_tasks: the ICL evaluators do not run") for p in problems)
     assert any(p.startswith("save_folder: checkpoints of an MPT under parallelism.tp") for p in problems)
-    assert any(p.startswith("model.frozen_base: a low-precision frozen base") for p in problems)
-    assert len(problems) == 4, problems
+    assert len(problems) == 3, problems  # an int8 (fp8, bf16) base runs under tp
+    nf4 = {**data["model"], "frozen_base": {"dtype": "nf4", "offload_fraction": 0.5}}
+    problems = tp_run_problems({"parallelism": {"tp": 2}, "model": nf4})
+    assert [p.split(":")[0] for p in problems] == ["model.frozen_base.dtype",
+                                                  "model.frozen_base.offload_fraction"], problems
+    assert "use dtype: int8 or fp8" in problems[0] and "offload_fraction: 0.0" in problems[1]
     assert tp_run_problems({**data, "parallelism": {"tp": 1}}) == []
 
 

@@ -41,6 +41,7 @@ from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
 
 log = logging.getLogger(__name__)
 
+LINEAR_STYLES = ("colwise", "colwise_fused", "colwise_gather", "rowwise")
 PLAN_HOOK = "foundryx_tp_plan"  # HF models have a tp_plan of their own
 # The models that declare a plan (said when a model without one asks for tp).
 MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
@@ -109,7 +110,50 @@ def _reorder_rows(module: nn.Module, tp: int) -> None:
                 p.copy_(p[order])
 
 
-def _styles(style: str) -> list[Any]:
+def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any) -> torch.Tensor:
+    """This rank's part of ``p`` as a DTensor, cut with ``narrow`` (the storage's own slicing:
+    a low-precision weight keeps its form; every rank holds the same ``p``, so nothing is
+    sent)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = p.detach()
+    if isinstance(placement, Shard):
+        shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, [placement])
+        d = placement.dim
+        local = local.narrow(d, offset[d], shape[d]).clone()
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=p.shape,
+                              stride=p.stride())
+
+
+def _cut_params(layout: dict[str, Any], name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for pname, p in list(module.named_parameters(recurse=False)):
+        if p is not None:
+            module.register_parameter(pname, nn.Parameter(_cut(p, mesh, layout[pname]),
+                                                          requires_grad=p.requires_grad))
+
+
+def _any_linear(style_cls: type, layout: dict[str, Any], input_layouts: tuple[Any, ...] | None):
+    """``style_cls`` (torch's ColwiseParallel or RowwiseParallel) for a linear layer that is
+    not an ``nn.Linear`` (a frozen low-precision layer: ``weight`` [out, in] in a storage
+    subclass, dequantized when it runs): its parameters cut as ``layout`` says."""
+    from functools import partial
+
+    from torch.distributed.tensor.parallel.style import distribute_module
+
+    class AnyLinear(style_cls):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            if input_layouts is not None:
+                self.desired_input_layouts = input_layouts
+            return distribute_module(
+                module, device_mesh, partial(_cut_params, layout),
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    return AnyLinear
+
+
+def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -119,12 +163,18 @@ def _styles(style: str) -> list[Any]:
         SequenceParallel,
     )
 
+    if module is not None and not isinstance(module, nn.Linear) and style in LINEAR_STYLES:
+        colwise = _any_linear(ColwiseParallel, {"weight": Shard(0), "bias": Shard(0)}, None)
+        rowwise = _any_linear(RowwiseParallel, {"weight": Shard(1), "bias": Replicate()},
+                              (Shard(-1),))
+    else:
+        colwise, rowwise = ColwiseParallel, RowwiseParallel
     if style in ("colwise", "colwise_fused"):
-        return [ColwiseParallel()]
+        return [colwise()]
     if style == "colwise_gather":
-        return [ColwiseParallel(output_layouts=Replicate())]
+        return [colwise(output_layouts=Replicate())]
     if style == "rowwise":
-        return [RowwiseParallel(output_layouts=Shard(1))]
+        return [rowwise(output_layouts=Shard(1))]
     if style == "sequence_parallel":
         return [SequenceParallel()]
     if style == "sequence_parallel_start":
@@ -169,7 +219,7 @@ def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: 
         raise ConfigError([f"model.peft_config: LoRA on {model_name}'s fused projections (MPT's "
                            "q/k/v slices of Wqkv) does not run under parallelism.tp yet; target "
                            "o, up, down (or all-linear without q/k/v), or use tp: 1"])
-    for s in _styles(style):
+    for s in _styles(style, module.base_layer):
         parallelize_module(module.base_layer, tp_mesh, s)
     for key in module.lora_A:
         a, b = module.lora_A[key], module.lora_B[key]
@@ -212,7 +262,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
             else:
                 if style == "colwise_fused":
                     _reorder_rows(module, tp)
-                for s in _styles(style):
+                for s in _styles(style, module):
                     parallelize_module(module, tp_mesh, s)
             for n, p in module.named_parameters():  # TP styles make new nn.Parameters
                 p.requires_grad_(trainable[n])

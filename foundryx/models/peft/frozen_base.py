@@ -56,7 +56,14 @@ def _nf4_tensor_type() -> type:
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages,
-    allocating little more than that copy."""
+    allocating little more than that copy. A tensor-parallel weight (a DTensor) is dequantized
+    in its local part and stays a DTensor with the same placement."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        return DTensor.from_local(dequantize(weight.to_local(), dtype), weight.device_mesh,
+                                  weight.placements, run_check=False, shape=weight.shape,
+                                  stride=weight.stride())
     if isinstance(weight, RowScaledTensor):
         return weight.dequantize(dtype)
     if hasattr(weight, "quantized_scalers") and weight.is_contiguous():  # torchao's NF4Tensor
@@ -154,6 +161,8 @@ class LowPrecisionLinear(nn.Module):
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
         self.offload: _Offloaded | None = None
+        if hasattr(linear, "_fused"):  # a fused layer's part sizes (LoRA slices, TP's row order)
+            self._fused = linear._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenLinearFn.apply(x, self)

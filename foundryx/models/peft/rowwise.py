@@ -158,9 +158,20 @@ def _empty_like(t, **kwargs):
 
 
 def _slice(t, dim=0, start=None, end=None, step=1):
-    if dim != 0 or step != 1:
-        raise NotImplementedError("RowScaledTensor slices only whole rows")
-    return _like(t, t.qdata[start:end], t.scale[start:end])
+    if step != 1 or dim not in (0, 1, -1):
+        raise NotImplementedError("RowScaledTensor slices only whole rows or whole columns")
+    if dim == 0:
+        return _like(t, t.qdata[start:end], t.scale[start:end])
+    # columns (a tensor-parallel row-wise layer's input features): every row keeps its scale
+    qdata = t.qdata[:, start:end]
+    return _like(t, qdata, t.scale, qdata.shape)
+
+
+def _index(t, indices):
+    """Rows picked by one index tensor (the tensor-parallel reorder of a fused layer's rows)."""
+    if len(indices) != 1 or indices[0] is None:
+        raise NotImplementedError("RowScaledTensor is indexed only by rows")
+    return _like(t, t.qdata[indices[0]], t.scale[indices[0]])
 
 
 def _view(t, size):
@@ -209,6 +220,7 @@ _OPS = {
     aten.detach.default: _same, aten.alias.default: _same,
     aten.split.Tensor: _split, aten.new_zeros.default: _new_zeros,
     aten.empty_like.default: _empty_like, aten.slice.Tensor: _slice, aten.view.default: _view,
+    aten.index.Tensor: _index,
     aten.as_strided.default: _as_strided, aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy, aten.clone.default: _clone,
     aten.is_pinned.default: _is_pinned, aten._pin_memory.default: _pin_memory,
