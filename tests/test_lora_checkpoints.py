@@ -316,6 +316,49 @@ def test_llama_lora_on_two_processes_resumes_exactly(quickstart_data, tmp_path):
     assert losses(res) == {b: want[b] for b in range(5, 9)}
 
 
+@pytest.mark.slow
+@pytest.mark.modern_leg
+def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_data, tmp_path):
+    """4 processes through the composer launcher, parallelism.tp: 2 (2 data-parallel ranks x
+    TP 2): the loss falls, the checkpoint holds only the adapters, and its PEFT export (and the
+    hf_export callback's, written by the TP ranks at the end) gives the trained model's logits
+    in plain peft; so does the merged export in plain transformers."""
+    from safetensors.torch import load_file
+
+    from foundryx.export import export_checkpoint
+
+    base = llama_folder(tmp_path / "llama")
+    run = tmp_path / "run"
+    run.mkdir()
+    config = llama_yaml(run, quickstart_data, {
+        "name": "hf_causal_lm", "pretrained_model_name_or_path": str(base), "init_device": "cpu",
+        "peft_config": {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}})
+    cmd = [str(BIN / "composer"), "-n", "4", "--stderr", str(run / "rank{rank}.err"),
+           "--stdout", str(run / "rank{rank}.out"), "train.py", str(config), "parallelism.tp=2",
+           "global_train_batch_size=4", "max_duration=6ba", "save_interval=6ba"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert r.returncode == 0, ok(run, r)
+    said = r.stdout + r.stderr  # rank 0 writes to the launcher's streams
+    assert "tensor_parallel               2" in said and "data_parallel_ranks           2" in said, said
+    got_losses = losses(run)
+    assert sorted(got_losses) == list(range(1, 7)) and got_losses[6] < got_losses[1], got_losses
+    ckpt = run / "ckpt" / "ep0-ba6"
+    adapter = export_checkpoint(ckpt, tmp_path / "adapter", progress=False)
+    during = load_file(str(run / "hf" / "ba6" / "adapter_model.safetensors"))
+    exported = load_file(str(adapter / "adapter_model.safetensors"))
+    assert sorted(during) == sorted(exported) and len(exported) == 2 * 7 * LLAMA["num_hidden_layers"]
+    assert all(torch.equal(during[k], exported[k]) for k in exported)
+    assert cli("export", str(ckpt), str(tmp_path / "merged"), "--merged", "--no-progress") == 0
+    ids = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(5))
+    want = trained_logits(ckpt, ids)
+    got = judge(base, adapter, tmp_path / "merged", ids, tmp_path)
+    assert (got["adapter"] - want).abs().max() <= 1e-5
+    assert (got["merged"] - want).abs().max() <= 1e-5
+    # the adapters moved from their initialisation (lora_B starts at zero)
+    assert any(k.endswith("lora_B.weight") and exported[k].abs().max() > 0 for k in exported)
+
+
 # -- fast: the name and weight mappings ----------------------------------------------------
 
 def test_wqkv_adapter_splits_exactly_into_q_k_v_and_names_round_trip():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from distributed import run_distributed
 
+from foundryx.algorithms.gradient_clipping import total_norm
 from foundryx.config.schema import ParallelismConfig
 from foundryx.errors import ConfigError
 from foundryx.parallel.fsdp import mesh_dims
@@ -94,6 +95,8 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
             grad_norms.append(torch.cat([g.flatten() for g in full]).norm().item())
+            # gradient clipping's norm over the gradients' mixed meshes ((shard, tp) and shard)
+            grad_norms.append(total_norm(grads, 2.0).item())
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -116,6 +119,7 @@ def _all_meshes(kind: str, folder: str | None = None) -> dict[Any, Any]:
             save = (2, folder) if folder and name == "shard2xtp2" and variant == "full" else None
             out[(name, variant)] = _losses(kind, shard, tp, variant, save=save, grad_norms=norms)
             out[("grad_norm", name, variant)] = norms[0]
+            out[("clip_norm", name, variant)] = norms[1]
     out["int8 weights"] = {name: _int8_weights(kind, shard, tp) for name, (shard, tp) in MESHES.items()}
     if folder:
         out["resumed"] = _resume_at_other_degrees(kind, folder)
@@ -172,6 +176,8 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
                 # the mean gradient over the data-parallel ranks (AdamW alone would hide a
                 # constant factor, e.g. a sum over them; a resume at another degree would not)
                 assert abs(r[("grad_norm", name, variant)] - norm) <= 1e-5 * norm, (name, variant, r)
+            for name in MESHES:
+                assert abs(r[("clip_norm", name, variant)] - norm) <= 1e-5 * norm, (name, variant, r)
     frozen_linear = {"mpt": 2 * 5, "llama": 2 * 7}[kind]  # per block: Wqkv o gate up down; q k v o gate up down
     assert all(r["int8 weights"] == dict.fromkeys(MESHES, frozen_linear) for r in results), results[0]
     if folder:
