@@ -28,6 +28,7 @@ from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
 from foundryx.plan.planner import plan_here, render
 from foundryx.plan.prelaunch import check_fits, host_problem
@@ -235,6 +236,11 @@ def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: A
         if eval_first:
             trainer.eval()
         trainer.fit()
+    except NotImplementedError as e:  # an operator this torch cannot run under tensor parallelism
+        error = missing_op_error(e, builders.tp_degree(cfg.parallelism))
+        if error is None:
+            raise
+        raise error from e
     except (RuntimeError, ConnectionError, EOFError) as e:  # see foundryx.data.workers
         def translate(err: BaseException) -> Any:
             return worker_death_error(err, trainer.state, save_folder=cfg.save_folder,

@@ -247,3 +247,15 @@ def test_derived_numbers_split_the_batch_over_data_parallel_ranks():
     assert problems == [] and (derived.data_parallel_ranks, derived.device_train_batch_size) == (2, 4)
     _, problems = derive(cfg, 3)
     assert problems[0].startswith("parallelism.tp: 2 does not divide the world size 3")
+
+
+def test_an_operator_torch_cannot_split_names_the_torch_versions_tested():
+    from foundryx.parallel.tp import missing_op_error
+
+    err = NotImplementedError("Operator aten._fused_rms_norm.default does not have a sharding "
+                              "strategy registered.")
+    problem = missing_op_error(err, 2).problems[0]
+    assert problem.startswith("parallelism.tp: 2: torch ") and "aten._fused_rms_norm.default" in problem
+    assert "tested on torch 2.7.0 and 2.14.1" in problem and "or tp: 1" in problem
+    assert missing_op_error(err, 1) is None  # not a tensor-parallel run: torch's own error
+    assert missing_op_error(NotImplementedError("something else"), 2) is None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+import re
 from typing import Any
 
 import torch
@@ -272,6 +273,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
                            f"module (patterns {sorted(layers)[:3]} ...); the plan and the model "
                            "disagree"])
     return touched
+
+
+TESTED_TORCH = ("2.7.0", "2.14.1")  # the two legs of make test; tests/test_tp.py runs on both
+_MISSING_OP = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
+
+
+def missing_op_error(err: BaseException, tp: int) -> ConfigError | None:
+    """The error to show for ``err`` when it is DTensor saying that this torch has no
+    tensor-parallel rule for an operator the model runs (None: it is something else)."""
+    found = _MISSING_OP.search(str(err))
+    if tp == 1 or found is None:
+        return None
+    return ConfigError([
+        f"parallelism.tp: {tp}: torch {torch.__version__} has no tensor-parallel (DTensor) rule "
+        f"for {found.group(1)}, which this model runs; foundryx's tensor parallelism is tested "
+        f"on torch {' and '.join(TESTED_TORCH)} (make install-modern installs "
+        f"{TESTED_TORCH[-1]}); use one of those, or tp: 1"])
 
 
 def permute_full_state(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
