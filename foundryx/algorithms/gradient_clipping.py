@@ -39,8 +39,8 @@ def total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     for group in _by_mesh(grads):
         n = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    if not norms:
-        return torch.tensor(0.0)
+    if len(norms) <= 1:  # one mesh (or none): torch's own number, bit for bit
+        return norms[0] if norms else torch.tensor(0.0)
     device = norms[0].device
     return torch.nn.utils.get_total_norm([n.to(device) for n in norms], norm_type)
 
