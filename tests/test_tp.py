@@ -30,6 +30,7 @@ LORA_TARGETS = {"mpt": ["o", "up", "down"], "llama": ["q_proj", "v_proj", "o_pro
 
 
 VARIANTS = ("full", "lora", "lora+int8")  # what trains: all weights; LoRA; LoRA on an int8 base
+# (and "lora+fp8", "lora+bf16": the other row-scaled storages, in a 2-process test)
 
 
 def _build(kind: str, variant: str):
@@ -49,8 +50,8 @@ def _build(kind: str, variant: str):
                                    attn_implementation="sdpa")
     if variant != "full":  # colwise and rowwise bases: both adapter rules
         model = apply_lora(model, LoraOptions(target_modules=LORA_TARGETS[kind], r=4, lora_alpha=8))
-    if variant == "lora+int8":  # every frozen linear layer (MPT's fused Wqkv too) in int8
-        model = apply_frozen_base(model, FrozenBaseOptions(dtype="int8"))
+    if variant.startswith("lora+"):  # every frozen linear layer (MPT's fused Wqkv too) stored so
+        model = apply_frozen_base(model, FrozenBaseOptions(dtype=variant.removeprefix("lora+")))
     return model
 
 
@@ -185,6 +186,20 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
             straight = r[("shard2xtp2", "full")][2:]
             for name, got in r["resumed"].items():
                 assert _close(got, straight), (name, got, straight)
+
+
+def _fp8_and_bf16_bases(kind: str) -> dict[tuple[str, str], list[float]]:
+    return {(variant, name): _losses(kind, shard, tp, variant, steps=range(3))
+            for variant in ("lora+fp8", "lora+bf16")
+            for name, (shard, tp) in {"shard2": (2, 1), "tp2": (1, 2)}.items()}
+
+
+def test_fp8_and_bf16_bases_under_tp_give_the_losses_of_fsdp():
+    """The other row-scaled storages on 2 processes (MPT: its fused Wqkv reordered with its
+    FP8 rows and scales): tp 2 gives the losses of shard 2."""
+    got = run_distributed(_fp8_and_bf16_bases, world_size=2, args=("mpt",), timeout=300)[0]
+    for variant in ("lora+fp8", "lora+bf16"):
+        assert _close(got[(variant, "tp2")], got[(variant, "shard2")]), (variant, got)
 
 
 def test_fused_rows_are_interleaved_by_logical_part():

@@ -110,8 +110,20 @@ class RowScaledTensor(torch.Tensor):
 
     def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: torch.Tensor | None = None) -> Any:
-        qdata, scale = outputs
         tail, dtype = metadata
+        if len(outputs) == 1:
+            # torch 2.14's FSDP2 skips the all-gather on a one-rank mesh (tp = world size) and
+            # copies only the first input (qdata); there this shard is the whole weight, and its
+            # scales are copied here (FSDP2 frees the unsharded tensors after use)
+            qdata = outputs[0]
+            if out is not None:
+                out = getattr(out, "_local_tensor", out)  # a tensor-parallel DTensor's part
+                out.qdata.copy_(qdata.view_as(out.qdata))
+                out.scale.copy_(self.scale)
+                return None
+            scale = self.scale.clone()
+        else:
+            qdata, scale = outputs
         if out is not None:  # FSDP2 refilled the storages ``out`` already views
             return None
         rows = scale.numel()
