@@ -201,6 +201,26 @@ def llama_yaml(tmp: Path, data: Path, model: dict) -> Path:
     return path
 
 
+def check_llama_exports(ckpt: Path, adapter: Path, during: Path, base: Path,
+                        tmp: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The hf_export callback's adapter (in ``during``) is the checkpoint's export
+    (``adapter``), and that adapter in plain peft and the merged export in plain transformers
+    give the trained model's logits; returns the adapter's tensors, the ids and those logits."""
+    from safetensors.torch import load_file
+
+    written = load_file(str(during / "adapter_model.safetensors"))
+    exported = load_file(str(adapter / "adapter_model.safetensors"))
+    assert sorted(written) == sorted(exported) and len(exported) == 2 * 7 * LLAMA["num_hidden_layers"]
+    assert all(torch.equal(written[k], exported[k]) for k in exported)
+    assert cli("export", str(ckpt), str(tmp / "merged"), "--merged", "--no-progress") == 0
+    ids = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(5))
+    want = trained_logits(ckpt, ids)
+    got = judge(base, adapter, tmp / "merged", ids, tmp)
+    assert (got["adapter"] - want).abs().max() <= 1e-5
+    assert (got["merged"] - want).abs().max() <= 1e-5
+    return exported, ids, want
+
+
 @pytest.mark.slow
 def test_llama_lora_export_and_start_from_the_adapter(quickstart_data, tmp_path, capsys):
     from types import SimpleNamespace
@@ -227,19 +247,8 @@ def test_llama_lora_export_and_start_from_the_adapter(quickstart_data, tmp_path,
 
         adapter = export_checkpoint(ckpt, tmp_path / "adapter", progress=False)
         # the hf_export callback wrote the same adapter at the end of training
-        from safetensors.torch import load_file
-
-        during = load_file(str(run / "hf" / "ba4" / "adapter_model.safetensors"))
-        exported = load_file(str(adapter / "adapter_model.safetensors"))
-        assert sorted(during) == sorted(exported) and len(exported) == 2 * 7 * 2
-        assert all(torch.equal(during[k], exported[k]) for k in exported)
+        _, ids, want = check_llama_exports(ckpt, adapter, run / "hf" / "ba4", base, tmp_path)
         assert json.loads((run / "hf" / "ba4" / "adapter_config.json").read_text())["r"] == 4
-        assert cli("export", str(ckpt), str(tmp_path / "merged"), "--merged", "--no-progress") == 0
-        ids = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(5))
-        want = trained_logits(ckpt, ids)
-        got = judge(base, adapter, tmp_path / "merged", ids, tmp_path)
-        assert (got["adapter"] - want).abs().max() <= 1e-5
-        assert (got["merged"] - want).abs().max() <= 1e-5
 
         # Start from the adapter: peft_config taken from it, the trained model's logits, and
         # training continues from there.
@@ -323,7 +332,6 @@ def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_
     TP 2): the loss falls, the checkpoint holds only the adapters, and its PEFT export (and the
     hf_export callback's, written by the TP ranks at the end) gives the trained model's logits
     in plain peft; so does the merged export in plain transformers."""
-    from safetensors.torch import load_file
 
     from foundryx.export import export_checkpoint
 
@@ -345,16 +353,7 @@ def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_
     assert sorted(got_losses) == list(range(1, 7)) and got_losses[6] < got_losses[1], got_losses
     ckpt = run / "ckpt" / "ep0-ba6"
     adapter = export_checkpoint(ckpt, tmp_path / "adapter", progress=False)
-    during = load_file(str(run / "hf" / "ba6" / "adapter_model.safetensors"))
-    exported = load_file(str(adapter / "adapter_model.safetensors"))
-    assert sorted(during) == sorted(exported) and len(exported) == 2 * 7 * LLAMA["num_hidden_layers"]
-    assert all(torch.equal(during[k], exported[k]) for k in exported)
-    assert cli("export", str(ckpt), str(tmp_path / "merged"), "--merged", "--no-progress") == 0
-    ids = torch.randint(0, 1024, (2, 20), generator=torch.Generator().manual_seed(5))
-    want = trained_logits(ckpt, ids)
-    got = judge(base, adapter, tmp_path / "merged", ids, tmp_path)
-    assert (got["adapter"] - want).abs().max() <= 1e-5
-    assert (got["merged"] - want).abs().max() <= 1e-5
+    exported, _, _ = check_llama_exports(ckpt, adapter, run / "hf" / "ba6", base, tmp_path)
     # the adapters moved from their initialisation (lora_B starts at zero)
     assert any(k.endswith("lora_B.weight") and exported[k].abs().max() > 0 for k in exported)
 
