@@ -78,7 +78,9 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
 
     rank, world = tdist.get_rank(), tdist.get_world_size()
     dp = world // tp
-    ids = torch.randint(0, 64, (STEPS, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
+    # two global batches of random tokens, taken in turn: what a model learns from them shows
+    # as a lower loss on the same batch later (one batch per step would sit at ln 64 = 4.16)
+    ids = torch.randint(0, 64, (2, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
     if model is None:
         model, opt = _setup(kind, shard, tp, variant)
     mine = rank // tp  # the data-parallel group: TP ranks share a batch
@@ -88,7 +90,7 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
             msd, osd = get_state_dict(model, [opt])
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=save[1])
         per = 4 * PER_DP // dp
-        batch = ids[step, mine * per:(mine + 1) * per]
+        batch = ids[step % 2, mine * per:(mine + 1) * per]
         batch = {"input_ids": batch, "labels": batch.clone(), "attention_mask": torch.ones_like(batch)}
         loss = model.loss(model(batch), batch)
         loss.backward()
@@ -168,7 +170,7 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
     results = run_distributed(_all_meshes, world_size=4, args=(kind, folder), timeout=900)
     for variant in VARIANTS:
         ref = results[0][("shard4", variant)]
-        assert ref[-1] < ref[0] - 0.1, (variant, ref)  # it trains
+        assert ref[-1] < ref[1] - 0.1, (variant, ref)  # it trains: batch 1 at steps 1 and 19
         norm = results[0][("grad_norm", "shard4", variant)]
         for r in results:
             for name in ("shard2xtp2", "tp4"):
