@@ -183,7 +183,12 @@ def _index(t, indices):
     """Rows picked by one index tensor (the tensor-parallel reorder of a fused layer's rows)."""
     if len(indices) != 1 or indices[0] is None:
         raise NotImplementedError("RowScaledTensor is indexed only by rows")
-    return _like(t, t.qdata[indices[0]], t.scale[indices[0]])
+    q = t.qdata
+    if q.is_floating_point() and q.element_size() == 1:  # torch 2.7 cannot index float8 on CPU
+        picked = q.view(torch.uint8)[indices[0]].view(q.dtype)
+    else:
+        picked = q[indices[0]]
+    return _like(t, picked, t.scale[indices[0]])
 
 
 def _view(t, size):
