@@ -2,13 +2,9 @@
 bit-identical to an uninterrupted run; resume on a different world size (2 -> 1, 1 -> 2,
 4 -> 2).
 
-Runs go through a launcher with this file as the training script: its ``__main__`` installs
-the fault (``FOUNDRYX_TEST_KILL``) and runs ``foundryx train``. Every run is the same command;
-only the fault differs. The reference run and the world-size changes use the composer launcher
-(torchrun for 1 -> 2); the kill harness's runs (one launch per kill) use torchrun: the composer
-launcher imports all of Composer before it starts the ranks and tears down after them, ~10 s
-of a 2-core machine per launch, and what the harness tests (the save folder after SIGKILL, the
-resume) does not depend on the launcher.
+Runs go through the composer launcher (and torchrun for 1 -> 2) with this file as the
+training script: its ``__main__`` installs the fault (``FOUNDRYX_TEST_KILL``) and runs
+``foundryx train``. Every run is the same command; only the fault differs.
 """
 
 from __future__ import annotations
@@ -152,7 +148,7 @@ def kill_and_resume(reference: Path, data: Path, out: Path, seed: int, n: int) -
     print(f"kill moments (seed {seed}): " + ", ".join(f"{s}@ba{b}/rank{r}" for s, b, r in moments))
     ckpt, keep, seen = out / "ckpt", "save_num_checkpoints_to_keep=1", []
     for stage, batch, rank in moments:
-        r = train(data, out, keep, kill=f"moment:{stage}:{batch}:{rank}", launcher="torchrun")
+        r = train(data, out, keep, kill=f"moment:{stage}:{batch}:{rank}")
         said = logs(out, r)
         if seen and seen[-1].endswith("/rank0"):  # rank 0 was SIGKILLed holding the lock
             assert "save_folder lock: taking over" in said, said[-3000:]
@@ -161,7 +157,7 @@ def kill_and_resume(reference: Path, data: Path, out: Path, seed: int, n: int) -
         seen.append(died[-1])
         problems = check_save_folder(ckpt)
         assert not problems, f"after {died[-1]}: {problems}\nkills so far: {seen}"
-    r = train(data, out, keep, launcher="torchrun")
+    r = train(data, out, keep)
     assert r.returncode == 0, ok(r)
     assert "resumed from" in logs(out, r)
     print("killed at:\n  " + "\n  ".join(seen))
