@@ -67,10 +67,12 @@ def _setup(kind: str, shard: int, tp: int, variant: str = "full"):
 
 def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(STEPS),
             model=None, opt=None, save: tuple[int, str] | None = None,
-            grad_norms: list[float] | None = None) -> list[float]:
+            first_step: dict[str, float] | None = None) -> list[float]:
     """The mean loss of each of ``steps`` (AdamW steps on the same global batches at any mesh);
     ``save=(step, folder)``: a DCP checkpoint (model + AdamW state, as foundryx's checkpoints
-    hold them) before that step; ``grad_norms``: gets the first step's gradient norm."""
+    hold them) before that step; ``first_step``: gets the first step's gradient norm
+    (``grad_norm``, from the full gradients; ``clip_norm``, gradient clipping's) and, at the end,
+    how far the trained weights moved (``moved``)."""
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -97,20 +99,20 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
         batch = {"input_ids": batch, "labels": batch.clone(), "attention_mask": torch.ones_like(batch)}
         loss = model.loss(model(batch), batch)
         loss.backward()
-        if grad_norms is not None and step == steps[0]:  # the mean gradient, at any mesh
+        if first_step is not None and step == steps[0]:  # the mean gradient, at any mesh
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
-            grad_norms.append(torch.cat([g.flatten() for g in full]).norm().item())
+            first_step["grad_norm"] = torch.cat([g.flatten() for g in full]).norm().item()
             # gradient clipping's norm over the gradients' mixed meshes ((shard, tp) and shard)
-            grad_norms.append(total_norm(grads, 2.0).item())
+            first_step["clip_norm"] = total_norm(grads, 2.0).item()
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
         tdist.all_reduce(total)  # TP ranks hold the same loss: the mean over all = over dp
         losses.append(total.item() / world)
-    if grad_norms is not None:  # how far the trained weights moved (this rank's shards)
-        grad_norms.append(max((getattr(p, "_local_tensor", p).detach() - b).abs().max().item()
-                              for p, b in zip(trained, before) if b.numel()))
+    if first_step is not None:  # and how far the trained weights moved (this rank's shards)
+        first_step["moved"] = max((getattr(p, "_local_tensor", p).detach() - b).abs().max().item()
+                                  for p, b in zip(trained, before) if b.numel())
     return losses
 
 
@@ -124,12 +126,10 @@ def _all_meshes(kind: str, folder: str | None = None) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for variant in VARIANTS:
         for name, (shard, tp) in MESHES.items():
-            norms: list[float] = []
+            stats: dict[str, float] = {}
             save = (2, folder) if folder and name == "shard2xtp2" and variant == "full" else None
-            out[(name, variant)] = _losses(kind, shard, tp, variant, save=save, grad_norms=norms)
-            out[("grad_norm", name, variant)] = norms[0]
-            out[("clip_norm", name, variant)] = norms[1]
-            out[("moved", name, variant)] = norms[2]
+            out[(name, variant)] = _losses(kind, shard, tp, variant, save=save, first_step=stats)
+            out.update({(key, name, variant): value for key, value in stats.items()})
     out["int8 weights"] = {name: _int8_weights(kind, shard, tp) for name, (shard, tp) in MESHES.items()}
     if folder:
         out["resumed"] = _resume_at_other_degrees(kind, folder)
@@ -170,8 +170,8 @@ def _close(got: list[float], want: list[float]) -> bool:
 @pytest.mark.parametrize("kind", ["mpt", pytest.param("llama", marks=pytest.mark.modern_leg)])
 def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, tmp_path):
     """The whole model, LoRA, and LoRA on an int8 frozen base (its rows and row scales split
-    with a column-wise layer, its columns with a row-wise one). Also (llama): a checkpoint saved at (shard 2 x tp 2) resumes at its degree, at tp 1
-    (shard 4) and at tp 4 to the losses of the uninterrupted run, AdamW moments included
+    with a column-wise layer, its columns with a row-wise one). Also (llama): a checkpoint saved
+    at (shard 2 x tp 2) resumes at its degree, at tp 1 (shard 4) and at tp 4 to the losses of the uninterrupted run, AdamW moments included
     (one 4-process launch for all of it: CI time)."""
     folder = str(tmp_path / "ckpt") if kind == "llama" else None
     results = run_distributed(_all_meshes, world_size=4, args=(kind, folder), timeout=900)

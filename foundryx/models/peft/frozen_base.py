@@ -35,6 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from foundryx.errors import ConfigError
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
@@ -58,8 +59,6 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages,
     allocating little more than that copy. A tensor-parallel weight (a DTensor) is dequantized
     in its local part and stays a DTensor with the same placement."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(weight, DTensor):
         return DTensor.from_local(dequantize(weight.to_local(), dtype), weight.device_mesh,
                                   weight.placements, run_check=False, shape=weight.shape,
