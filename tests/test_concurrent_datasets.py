@@ -92,7 +92,8 @@ def _wait_for(path: Path, seconds: float) -> bool:
 def _rank_of_run(mds: str, run: str, flags: str) -> tuple[int, list[tuple[int, ...]]]:
     """One rank of run ``run`` builds a text loader on ``mds`` and reads it; returns its
     shared-memory prefix and rows. Rank 0 of "a" chooses its prefix first; then "b" starts;
-    rank 1 of "a" comes once "b" has its loader (or after 4 s, when "b" has to wait for "a")."""
+    rank 1 of "a" comes once "b" has its loader (or after 4 s, when "b" has to wait for "a").
+    Each run keeps its dataset, so its shared memory, until the other has built its own."""
     import streaming.base.shared.prefix as prefix
     import torch.distributed as tdist
 
@@ -118,6 +119,8 @@ def _rank_of_run(mds: str, run: str, flags: str) -> tuple[int, list[tuple[int, .
         (here / "b-built").touch()
         _wait_for(here / "a1-built", 30)  # b's memory stays while a claims its own
     rows = [tuple(r) for batch in spec.dataloader for r in batch["input_ids"].tolist()]
+    if run == "a":  # a's memory stays until b has claimed its own (else b may rightly reuse it)
+        _wait_for(here / "b-built", 60)
     return spec.dataloader.dataset._shm_prefix_int, rows
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,10 @@ def test_only_dead_runs_are_cleaned(mds_root):  # noqa: F811
         assert segments(live_prefix)
         out, _ = live.communicate("go\n", timeout=120)
         assert live.returncode == 0 and int(out) == len(stored_rows(mds_root))
+        # a normal exit leaves nothing of its prefix behind: no segment, no lock file
+        assert not segments(live_prefix)
+        assert not sorted(Path(tempfile.gettempdir()).glob(f"{live_prefix}_*"))
+        assert not shm.lock_path(int(live_prefix)).exists()
     finally:
         for p in (dead, live):
             if p.poll() is None:

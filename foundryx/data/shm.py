@@ -20,7 +20,8 @@ other ranks start only once every leader holds it.
 
 So each foundryx process that builds a dataset holds a shared ``flock`` on
 ``<tmp>/foundryx_shm_<prefix>.lock`` for as long as it lives (the kernel releases it when the
-process dies, however it dies) and removes the file at a normal exit. A prefix is stale when
+process dies, however it dies); at a normal exit the last of them removes that file and the
+lock files streaming leaves behind. A prefix is stale when
 its lock file exists but nobody holds the lock: then its segments, streaming's lock files and
 the lock file are removed. Prefixes without a foundryx lock file (other programs' datasets)
 are never touched.
@@ -61,7 +62,28 @@ def hold(dataset: Any) -> None:
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a cleanup is checking this prefix
     _held[prefix] = fd
-    atexit.register(path.unlink, missing_ok=True)
+    atexit.register(_let_go, prefix)
+
+
+def _let_go(prefix: int) -> None:
+    """At a normal exit: the last process of the run on ``prefix`` removes streaming's lock
+    files and ours. streaming leaves its two lock files in the temp folder for good, so every
+    run would add two files there and every later prefix scan would walk past them."""
+    import fcntl
+
+    fd = _held.pop(prefix, None)
+    if fd is None:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another process of this run still uses it; it cleans up
+        os.close(fd)
+        return
+    try:
+        _unlink_segments(f"{prefix:06d}")
+        lock_path(prefix).unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _unlink_segments(prefix: str) -> None:
