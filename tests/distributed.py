@@ -57,7 +57,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, backend: str = 
     with tempfile.TemporaryDirectory(prefix="run_distributed_") as tmp:
         folder = Path(tmp)
         env = {**os.environ, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-               "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+               "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         procs = [ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
                              args=(rank, world_size, backend, env, str(folder), fn, args, timeout))
                  for rank in range(world_size)]
@@ -156,7 +156,7 @@ def _faithful_pickle(e: BaseException) -> bytes | None:
     return data if type(back) is type(e) and str(back) == str(e) else None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

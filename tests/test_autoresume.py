@@ -2,8 +2,8 @@
 bit-identical to an uninterrupted run; resume on a different world size (2 -> 1, 1 -> 2,
 4 -> 2).
 
-Runs go through the composer launcher (and torchrun for 1 -> 2) with this file as the
-training script: its ``__main__`` installs the fault (``FOUNDRYX_TEST_KILL``) and runs
+Runs start as the composer launcher starts them (tests/launcher.py; torchrun for 1 -> 2)
+with this file as the training script: its ``__main__`` installs the fault (``FOUNDRYX_TEST_KILL``) and runs
 ``foundryx train``. Every run is the same command; only the fault differs.
 """
 
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launcher import launch
 
 from foundryx.loggers.jsonl import read_metrics
 
@@ -37,17 +38,14 @@ def train(data: Path, out: Path, *extra: str, nproc: int = 2, kill: str = "", la
     args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
             f"loggers.jsonl.path={out}/metrics.jsonl", *TINY, *extra]
     script = [str(Path(__file__).resolve()), *args]
-    if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--standalone", *script]
-    elif nproc == 1:
-        cmd = [sys.executable, *script]
-    else:
-        cmd = [str(BIN / "composer"), "-n", str(nproc), "--stderr", str(out / "rank{rank}.err"),
-               "--stdout", str(out / "rank{rank}.out"), *script]
     env = {**os.environ, "FOUNDRYX_TEST_KILL": kill, "PYTHONUNBUFFERED": "1"}
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.*"):  # the per-rank logs of this run only
         old.unlink()
+    if launcher == "composer" and nproc > 1:
+        return launch(script, nproc, out, ROOT, env)
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--standalone", *script] \
+        if launcher == "torchrun" else [sys.executable, *script]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
 
 

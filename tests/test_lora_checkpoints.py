@@ -23,13 +23,13 @@ import pytest
 import torch
 import yaml
 from hf_tiny import train_steps
+from launcher import launch
 
 from foundryx.loggers.jsonl import read_metrics
 
 ROOT = Path(__file__).parents[1]
 JUDGE = Path(__file__).with_name("peft_judge.py")
 LOSS = "loss/train/total"
-BIN = Path(sys.executable).parent
 MPT_DIMS = {"d_model": 32, "n_heads": 2, "n_layers": 2, "max_seq_len": 32, "vocab_size": 16384,
             "attn_config": {"rope": True}, "norm_type": "rmsnorm",
             "ffn_config": {"ffn_type": "swiglu"}, "no_bias": True}
@@ -59,11 +59,8 @@ def mpt_base(path: Path, seed: int) -> Path:
 def train(data: Path, out: Path, base: Path, nproc: int = 2) -> subprocess.CompletedProcess:
     args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
             f"loggers.jsonl.path={out}/metrics.jsonl", f"load_path={base}", *TINY]
-    cmd = [str(BIN / "composer"), "-n", str(nproc), "--stderr", str(out / "rank{rank}.err"),
-           "--stdout", str(out / "rank{rank}.out"), "train.py", "yamls/quickstart.yaml", *args]
-    out.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return launch(["train.py", "yamls/quickstart.yaml", *args], nproc, out, ROOT,
+                  {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -303,11 +300,9 @@ def test_llama_lora_on_two_processes_resumes_exactly(quickstart_data, tmp_path):
         cfg = yaml.safe_load(config.read_text())
         del cfg["callbacks"]["hf_export"]
         config.write_text(yaml.safe_dump(cfg))
-        cmd = [str(BIN / "composer"), "-n", "2", "--stderr", str(out / "rank{rank}.err"),
-               "--stdout", str(out / "rank{rank}.out"), "train.py", str(config),
-               "max_duration=8ba", "save_num_checkpoints_to_keep=-1"]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return launch(["train.py", str(config), "max_duration=8ba",
+                       "save_num_checkpoints_to_keep=-1"], 2, out, ROOT,
+                      {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
 
     r = run(ref)
     assert r.returncode == 0, ok(ref, r)
@@ -328,7 +323,7 @@ def test_llama_lora_on_two_processes_resumes_exactly(quickstart_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.modern_leg
 def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_data, tmp_path):
-    """4 processes through the composer launcher, parallelism.tp: 2 (2 data-parallel ranks x
+    """4 processes started as the composer launcher starts them, parallelism.tp: 2 (2 data-parallel ranks x
     TP 2): the loss falls, the checkpoint holds only the adapters, and its PEFT export (and the
     hf_export callback's, written by the TP ranks at the end) gives the trained model's logits
     in plain peft; so does the merged export in plain transformers."""
@@ -341,13 +336,11 @@ def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_
     config = llama_yaml(run, quickstart_data, {
         "name": "hf_causal_lm", "pretrained_model_name_or_path": str(base), "init_device": "cpu",
         "peft_config": {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}})
-    cmd = [str(BIN / "composer"), "-n", "4", "--stderr", str(run / "rank{rank}.err"),
-           "--stdout", str(run / "rank{rank}.out"), "train.py", str(config), "parallelism.tp=2",
-           "global_train_batch_size=4", "max_duration=6ba", "save_interval=6ba"]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    r = launch(["train.py", str(config), "parallelism.tp=2", "global_train_batch_size=4",
+                "max_duration=6ba", "save_interval=6ba"], 4, run, ROOT,
+               {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert r.returncode == 0, ok(run, r)
-    said = r.stdout + r.stderr  # rank 0 writes to the launcher's streams
+    said = r.stdout + r.stderr  # rank 0's output
     assert "tensor_parallel               2" in said and "data_parallel_ranks           2" in said, said
     got_losses = losses(run)
     assert sorted(got_losses) == list(range(1, 7)) and got_losses[6] < got_losses[1], got_losses

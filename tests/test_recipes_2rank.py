@@ -1,5 +1,5 @@
 """Every recipe in yamls/ runs, in its own configuration, on 2 CPU ranks: ``composer -n 2
-train.py RECIPE`` with only the model (a tiny model of the same family, saved in bf16
+train.py RECIPE`` (started as that launcher starts it: tests/launcher.py) with only the model (a tiny model of the same family, saved in bf16
 safetensors as the real one is), the data paths, the sizes, the device and the precision
 overridden, for 2 batches. Its init mode, LoRA, frozen base, offload, sharding, activation
 checkpointing, compile setting, dataloader workers, callbacks and loggers are the recipe's.
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 SHAPES = ROOT / "yamls" / "shapes"
 
 # Tiny sizes: the model is the only thing scaled down (with the batch and sequence sizes). A
@@ -130,17 +128,14 @@ def overrides(recipe: str, models: dict[str, Path], data: Path) -> list[str]:
 
 
 def launch(recipe: str, args: list[str], out: Path) -> tuple[int, str]:
-    """``composer -n 2 train.py yamls/RECIPE ARGS`` in the folder ``out``; (exit code, logs)."""
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(BIN / "composer"), "-n", "2", "--stdout", str(out / "rank{rank}.out"),
-           "--stderr", str(out / "rank{rank}.err"), str(ROOT / "train.py"),
-           str(ROOT / "yamls" / recipe), *args]
+    """``composer -n 2 train.py yamls/RECIPE ARGS`` in the folder ``out`` (started as the
+    composer launcher starts it: tests/launcher.py); (exit code, logs)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=900, env=env)
-    logs = proc.stdout + proc.stderr + "".join(
-        f"\n--- {p.name}\n{p.read_text()[-6000:]}" for p in sorted(out.glob("rank*.*")))
-    return proc.returncode, logs
+    proc = launcher.launch([str(ROOT / "train.py"), str(ROOT / "yamls" / recipe), *args], 2, out, out,
+                  env, timeout=900)
+    return proc.returncode, "".join(f"\n--- {p.name}\n{p.read_text()[-6000:]}"
+                                    for p in sorted(out.glob("rank*.*")))
 
 
 def _leg(recipe: str):

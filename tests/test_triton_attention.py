@@ -248,16 +248,17 @@ def test_bf16_on_gpu(case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])  # GQA: fast cases
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "mqa"])  # GQA: fast cases
 @pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
 @pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 @pytest.mark.parametrize("window", [None, 7], ids=["", "window"])
 @pytest.mark.parametrize("padding", [False, True], ids=["", "padding"])
 def test_every_combination(causal, kv_heads, packed, alibi, window, padding):
+    # 2 heads: the interpreter's time grows with heads; the masks are what vary here
     check(
         batch=2,
         seq=40 * SCALE,
-        n_heads=4,
+        n_heads=2,
         kv_heads=kv_heads,
         head_dim=32,
         dtype=torch.float32,
