@@ -68,7 +68,8 @@ def hold(dataset: Any) -> None:
 def _let_go(prefix: int) -> None:
     """At a normal exit: the last process of the run on ``prefix`` removes streaming's lock
     files and ours. streaming leaves its two lock files in the temp folder for good, so every
-    run would add two files there and every later prefix scan would walk past them."""
+    run would add two files there and every later prefix scan would walk past them. (The
+    segments are the live dataset's; streaming and Python's resource tracker free them later.)"""
     import fcntl
 
     fd = _held.pop(prefix, None)
@@ -80,7 +81,7 @@ def _let_go(prefix: int) -> None:
         os.close(fd)
         return
     try:
-        _unlink_segments(f"{prefix:06d}")
+        _unlink_filelocks(f"{prefix:06d}")
         lock_path(prefix).unlink(missing_ok=True)
     finally:
         os.close(fd)
@@ -89,7 +90,7 @@ def _let_go(prefix: int) -> None:
 def _unlink_segments(prefix: str) -> None:
     from multiprocessing import shared_memory
 
-    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK, SHM_TO_CLEAN
+    from streaming.base.constant import SHM_TO_CLEAN
 
     posixshmem = getattr(shared_memory, "_posixshmem", None)
     for name in SHM_TO_CLEAN:
@@ -98,6 +99,12 @@ def _unlink_segments(prefix: str) -> None:
                 posixshmem.shm_unlink(f"/{prefix}_{name}")
         except FileNotFoundError:
             pass
+    _unlink_filelocks(prefix)
+
+
+def _unlink_filelocks(prefix: str) -> None:
+    from streaming.base.constant import BARRIER_FILELOCK, CACHE_FILELOCK
+
     for name in (BARRIER_FILELOCK, CACHE_FILELOCK):
         (Path(tempfile.gettempdir()) / f"{prefix}_{name}").unlink(missing_ok=True)
 
