@@ -80,8 +80,8 @@ def tp_degree(parallelism: Any) -> int:
 
 def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
-    batches: only the ``text`` loader (streaming's ``replication``) can, and the ICL evaluators
-    cannot yet. What else does not run under tp yet: NF4 and offloaded frozen bases (int8, fp8
+    batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators read
+    by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: NF4 and offloaded frozen bases (int8, fp8
     and bf16 do), checkpoints of an MPT."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
@@ -100,9 +100,6 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
             if rep not in (None, tp):
                 problems.append(f"{key}.dataset.replication: {rep}, but parallelism.tp is {tp}; "
                                 f"drop it (foundryx sets it to {tp})")
-    if data.get("icl_tasks"):
-        problems.append(f"icl_tasks: the ICL evaluators do not run under parallelism.tp: {tp} "
-                        "yet; evaluate the checkpoint with `foundryx eval`, or use tp: 1")
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
     frozen = model.get("frozen_base") if isinstance(model.get("frozen_base"), dict) else {}
     if frozen.get("dtype") == "nf4":

@@ -252,9 +252,8 @@ def test_tp_data_and_checkpoint_problems_are_said_up_front():
             "icl_tasks": [{"label": "x"}], "save_folder": "ckpt"}
     problems = tp_run_problems(data)
     assert any(p.startswith("train_loader.name: 'finetuning' with parallelism.tp: 2") for p in problems)
-    assert any(p.startswith("icl_tasks: the ICL evaluators do not run") for p in problems)
     assert any(p.startswith("save_folder: checkpoints of an MPT under parallelism.tp") for p in problems)
-    assert len(problems) == 3, problems  # an int8 (fp8, bf16) base runs under tp
+    assert len(problems) == 2, problems  # an int8 (fp8, bf16) base and ICL tasks run under tp
     nf4 = {**data["model"], "frozen_base": {"dtype": "nf4", "offload_fraction": 0.5}}
     problems = tp_run_problems({"parallelism": {"tp": 2}, "model": nf4})
     assert [p.split(":")[0] for p in problems] == ["model.frozen_base.dtype",

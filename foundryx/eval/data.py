@@ -2,7 +2,9 @@
 
 Each rank evaluates every ``world_size``-th example, starting at its rank. Ranks with fewer
 examples repeat one marked ``primary = 0``, so every rank runs as many batches (FSDP needs
-that) and metrics count every example exactly once. A batch holds ``batch_size`` examples, one
+that) and metrics count every example exactly once. Under tensor parallelism ``rank`` and
+``world_size`` are the data-parallel ones (:func:`data_parallel_share`): the ranks of a
+tensor-parallel group read the same examples, and only the first counts them. A batch holds ``batch_size`` examples, one
 row per choice, right-padded to its own longest row (generation: left-padded prompts).
 """
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from foundryx import registry
@@ -142,20 +144,28 @@ def prepare_task(cfg: ICLTaskConfig, tokenizer: Any, max_seq_len: int,
     return prepared
 
 
-def rank_share(n: int, rank: int, world_size: int) -> list[tuple[int, bool]]:
-    """(example index, primary) pairs of one rank; every rank gets ``ceil(n / world_size)``."""
+def rank_share(n: int, rank: int, world_size: int, counts: bool = True) -> list[tuple[int, bool]]:
+    """(example index, primary) pairs of one rank; every rank gets ``ceil(n / world_size)``.
+    ``counts=False``: none is primary (a tensor-parallel peer of the rank that counts them)."""
     own = list(range(rank, n, world_size))
     pad = math.ceil(n / world_size) - len(own)
-    return [(i, True) for i in own] + [(rank % n, False)] * pad
+    return [(i, counts) for i in own] + [(rank % n, False)] * pad
+
+
+def data_parallel_share(rank: int, world_size: int, tp: int) -> tuple[int, int, bool]:
+    """(data-parallel rank, data-parallel ranks, whether this rank counts its examples) of a
+    global rank when ``tp`` consecutive ranks form a tensor-parallel group (foundryx's mesh is
+    (replicate, shard, tp), tp innermost): they evaluate the same examples, the first counts."""
+    return rank // tp, world_size // tp, rank % tp == 0
 
 
 class ICLDataset(Dataset):
     """The examples one rank evaluates (see module doc), longest first: batches of similar
     lengths need little padding, and a batch too large for memory fails at once."""
 
-    def __init__(self, task: PreparedTask, rank: int = 0, world_size: int = 1):
+    def __init__(self, task: PreparedTask, rank: int = 0, world_size: int = 1, counts: bool = True):
         self.task = task
-        self.items = sorted(rank_share(len(task.examples), rank, world_size),
+        self.items = sorted(rank_share(len(task.examples), rank, world_size, counts),
                             key=lambda item: -max(len(r.ids) for r in task.examples[item[0]].rows))
 
     def __len__(self) -> int:
@@ -166,8 +176,9 @@ class ICLDataset(Dataset):
         return self.task.examples[idx], primary
 
 
-def _pad(rows: list[tuple[int, ...]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
+def _pad(rows: list[tuple[int, ...]], pad_id: int, left: bool,
+         multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    width = -(-max(len(r) for r in rows) // multiple) * multiple
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
@@ -178,18 +189,22 @@ def _pad(rows: list[tuple[int, ...]], pad_id: int, left: bool) -> tuple[torch.Te
 
 
 class ICLCollator:
-    """Examples → one batch dict (keys documented in docs/eval.md)."""
+    """Examples → one batch dict (keys documented in docs/eval.md). ``pad_multiple``: the
+    padded length is a multiple of it (sequence parallelism splits the sequence over the
+    tensor-parallel ranks)."""
 
-    def __init__(self, task: PreparedTask, tokenizer: Any):
+    def __init__(self, task: PreparedTask, tokenizer: Any, pad_multiple: int = 1):
         self.task = task
         self.tokenizer = tokenizer
+        self.pad_multiple = pad_multiple
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = pad if pad is not None else 0
 
     def __call__(self, items: list[tuple[ICLExample, bool]]) -> dict[str, Any]:
         rows = [(ex, primary, choice, enc) for ex, primary in items for choice, enc in enumerate(ex.rows)]
         generate = self.task.task_type.mode == "generate"
-        ids, mask = _pad([enc.ids for *_, enc in rows], self.pad_id, left=generate)
+        ids, mask = _pad([enc.ids for *_, enc in rows], self.pad_id, left=generate,
+                         multiple=self.pad_multiple)
         batch: dict[str, Any] = {
             "input_ids": ids,
             "attention_mask": mask,
@@ -251,17 +266,21 @@ def split_batch(batch: dict[str, Any], rows_per_chunk: int) -> list[dict[str, An
 
 
 def build_dataloader(task: PreparedTask, tokenizer: Any, batch_size: int, rank: int = 0,
-                     world_size: int = 1) -> DataLoader:
-    return DataLoader(ICLDataset(task, rank, world_size), batch_size=batch_size, shuffle=False,
-                      collate_fn=ICLCollator(task, tokenizer), num_workers=0)
+                     world_size: int = 1, counts: bool = True, pad_multiple: int = 1) -> DataLoader:
+    dataset = ICLDataset(task, rank, world_size, counts)
+    # the dataset is this rank's share already; a one-replica DistributedSampler reads it in
+    # order, and is what Composer's DataSpec asks of a map-style dataset on several processes
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                      collate_fn=ICLCollator(task, tokenizer, pad_multiple), num_workers=0)
 
 
 def build_dataspec(task: PreparedTask, tokenizer: Any, batch_size: int, rank: int = 0,
-                   world_size: int = 1) -> Any:
+                   world_size: int = 1, counts: bool = True, pad_multiple: int = 1) -> Any:
     """A Composer DataSpec for an Evaluator."""
     from composer.core import DataSpec
 
-    loader = build_dataloader(task, tokenizer, batch_size, rank, world_size)
+    loader = build_dataloader(task, tokenizer, batch_size, rank, world_size, counts, pad_multiple)
     return DataSpec(loader, split_batch=split_batch,
                     get_num_samples_in_batch=_num_examples)
 

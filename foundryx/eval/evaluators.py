@@ -13,7 +13,7 @@ from composer.loggers import Logger
 from foundryx import registry
 from foundryx.config import TrainConfig
 from foundryx.errors import ConfigError
-from foundryx.eval.data import build_dataspec, prepare_task
+from foundryx.eval.data import build_dataspec, data_parallel_share, prepare_task
 from foundryx.eval.gauntlet import Gauntlet, gauntlet_scores, load_gauntlet
 from foundryx.eval.models import model_max_len
 from foundryx.eval.task_config import load_icl_tasks
@@ -49,14 +49,22 @@ def build_icl_evaluators(cfg: TrainConfig, tokenizer: Any, model: Any,
     limit = model_max_len(model)
     prepared = [p for t in tasks for p in prepare_task(
         t, tokenizer, cfg.max_seq_len or limit or 2048, cfg.icl_max_examples, limit)]
+    tp = getattr(cfg.parallelism, "tp", 1) if cfg.parallelism is not None else 1
+    generating = sorted({p.cfg.label for p in prepared if p.task_type.mode == "generate"})
+    if tp > 1 and generating:
+        raise ConfigError([f"icl_tasks: {', '.join(generating)}: generation tasks do not run "
+                           f"under parallelism.tp: {tp} yet (sequence parallelism splits each "
+                           "step's sequence over the tensor-parallel ranks); evaluate the "
+                           "checkpoint with `foundryx eval`, or use tp: 1"])
     names = add_icl_metrics(model, {p.metric for p in prepared})
-    rank, world = dist.get_global_rank(), dist.get_world_size()
+    # under tp the ranks of a group read the same examples, padded to a multiple of tp
+    rank, world, counts = data_parallel_share(dist.get_global_rank(), dist.get_world_size(), tp)
     evaluators = []
     for p in prepared:
         size = p.cfg.batch_size or batch_size
         evaluators.append(Evaluator(
             label=p.key,
-            dataloader=build_dataspec(p, tokenizer, size, rank, world),
+            dataloader=build_dataspec(p, tokenizer, size, rank, world, counts, pad_multiple=tp),
             metric_names=[names[p.metric]],
             subset_num_batches=-1,  # the whole task, whatever eval_subset_num_batches says
             # one forward per batch: Composer counts rows, a batch has one row per choice

@@ -1,0 +1,80 @@
+"""ICL evaluators in a training run on several processes, with and without tensor parallelism:
+the ranks of a tensor-parallel group read the same examples (padded to a multiple of tp for
+sequence parallelism) and only the first counts them, so the results equal FSDP's; generation
+tasks under tp are refused with the way out."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from launcher import launch
+
+from foundryx.errors import ConfigError
+from foundryx.eval.data import data_parallel_share, rank_share
+from foundryx.eval.evaluators import build_icl_evaluators
+from foundryx.eval.quickstart_tasks import write_quickstart_tasks
+from foundryx.loggers.jsonl import read_metrics
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_each_example_is_counted_once_over_data_parallel_ranks_and_tp_groups():
+    n, world, tp = 13, 4, 2
+    counted, seen = [], {}
+    for rank in range(world):
+        dp_rank, dp_world, counts = data_parallel_share(rank, world, tp)
+        items = rank_share(n, dp_rank, dp_world, counts)
+        seen[rank] = [i for i, _ in items]
+        counted += [i for i, primary in items if primary]
+        assert len(items) == -(-n // dp_world)  # every rank runs as many batches
+    assert sorted(counted) == list(range(n))
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]  # tp groups (0,1), (2,3)
+
+
+def test_generation_tasks_under_tp_are_refused_with_the_way_out(tiny_tokenizer, tmp_path):
+    rows = [{"context": f"Question {i}:", "answer": f" {i}"} for i in range(4)]
+    (tmp_path / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = [{"label": "gen", "dataset_uri": str(tmp_path / "gen.jsonl"),
+              "icl_task_type": "generation_task_with_answers"}]
+    cfg = SimpleNamespace(icl_tasks=tasks, eval_gauntlet=None, icl_data_root=None, max_seq_len=64,
+                          icl_max_examples=None, parallelism=SimpleNamespace(tp=2))
+    with pytest.raises(ConfigError) as err:
+        build_icl_evaluators(cfg, tiny_tokenizer, SimpleNamespace(), 4)
+    said = str(err.value)
+    assert "icl_tasks: gen: generation tasks do not run under parallelism.tp: 2" in said, said
+    assert "foundryx eval" in said and "tp: 1" in said, said
+
+
+@pytest.mark.slow
+@pytest.mark.modern_leg
+def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickstart_data, tmp_path):
+    """The quickstart recipe on 2 processes with its ICL tasks, once as FSDP (shard 2) and once
+    as tp 2; the learning rate is 0, so both evaluate the same weights."""
+    write_quickstart_tasks(tmp_path / "eval", seed=0)
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text(yaml.safe_dump({"data_root": str(tmp_path / "eval"), "icl_tasks": [
+        {"label": "facts_lm", "dataset_uri": "facts_lm.jsonl", "icl_task_type": "language_modeling"},
+        {"label": "facts_mc", "dataset_uri": "facts_mc.jsonl", "icl_task_type": "multiple_choice"},
+    ]}))
+    results = {}
+    for name, parallelism in (("fsdp", "parallelism={}"), ("tp", "parallelism.tp=2")):
+        out = tmp_path / name
+        r = launch(["train.py", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
+                    "max_duration=2ba", "eval_interval=2ba", "optimizer.lr=0.0",
+                    "global_train_batch_size=4", "save_folder=null", f"icl_tasks={tasks}",
+                    f"loggers.jsonl.path={out}/metrics.jsonl", "device_eval_batch_size=8",
+                    "eval_subset_num_batches=1", "progress_bar=false", parallelism],
+                   2, out, ROOT, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        said = "".join(p.read_text() for p in sorted(out.glob("rank*.*")))
+        assert r.returncode == 0, said[-6000:]
+        results[name] = {k: v for row in read_metrics(out / "metrics.jsonl")
+                         for k, v in row.items() if "-shot/" in k}
+    assert len(results["fsdp"]) == 2, results
+    # 176 questions each; a random model: chance on the 4 choices, ~0 on exact answers
+    assert 0.15 < results["fsdp"]["metrics/facts_mc/0-shot/ICLMultipleChoiceAccuracy"] < 0.35
+    assert results["tp"] == results["fsdp"]
