@@ -247,3 +247,22 @@ def test_prelaunch_refuses_a_run_the_node_cannot_hold(tmp_path, monkeypatch, cap
     assert "loading" in text and "training" in text
     assert "fix: read the checkpoint shard by shard" in text and "model.init_device=meta" in text
     assert "GiB per device" not in text  # the device fits: only the host is refused
+
+
+def test_frozen_embedding_and_head_read_shard_by_shard_count_in_the_checkpoint_dtype(tmp_path):
+    """Under LoRA on 2+ ranks, read shard by shard with a casting mixed-precision policy, the
+    loader keeps the frozen embedding, final norm and head in the checkpoint's bf16
+    (foundryx/loading/dtypes.py); the planner counts them so. Every rank loading, one rank, or
+    a policy that does not cast: the stored (master) bytes."""
+    from foundryx.plan.memory import frozen_linear_bytes, tp_other
+
+    path = _config(tmp_path, init_device="meta", frozen_base={"dtype": "int8"})
+    sharded = make_plan(path, gpus=2, gpu="h100")
+    s, c = sharded.setup, sharded.census
+    assert s.frozen_other_bytes == 2 and s.master_bytes == 4
+    want = (frozen_linear_bytes(c, s) + tp_other(c, s.tp, s.tp_vocab) * 2) / 2
+    assert terms(c, s)["frozen_weights"] == math.ceil(want)
+    for overrides, gpus in ((["model.init_device=cpu"], 2), ([], 1),
+                            (["parallelism.mixed_precision=FULL"], 2)):
+        other = make_plan(path, overrides, gpus=gpus, gpu="h100")
+        assert other.setup.frozen_other_bytes == 0, overrides

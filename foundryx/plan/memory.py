@@ -88,6 +88,10 @@ class Setup:
     node_size: int = 0  # devices per node (the TP degrees worth trying divide it); 0: world_size
     # how TP splits the embedding, the output projection and the loss (TP_VOCAB_MODES)
     tp_vocab: str = "parallel"
+    # bytes per element of the frozen weights outside the blocks' linear layers (embedding,
+    # norms, output projection) where the loader keeps the checkpoint's dtype for them
+    # (foundryx/loading/dtypes.py); 0: the stored (master) bytes
+    frozen_other_bytes: int = 0
 
     @property
     def lora(self) -> bool:
@@ -120,8 +124,8 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     t: dict[str, float] = dict.fromkeys(TERM_DOCS, 0.0)
     if s.lora:
         lin = frozen_linear_bytes(c, s) * lf
-        t["frozen_weights"] = ((lin * (1 - s.offload_fraction) + tp_other(c, s.tp, s.tp_vocab) * pb) / w_div
-                               * on_device)
+        other = tp_other(c, s.tp, s.tp_vocab) * (s.frozen_other_bytes or pb)
+        t["frozen_weights"] = (lin * (1 - s.offload_fraction) + other) / w_div * on_device
     if s.zero_stage in (1, 2):
         # ZeRO-1/2 (DeepSpeed's layout): a replicated working copy in the compute dtype; the
         # fp32 master weights are sharded with the optimizer state, the gradients (compute

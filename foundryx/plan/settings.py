@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from torch import nn
 from foundryx.config.load import LoadedConfig
 from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.models.peft.lora import apply_lora, inner_model
+from foundryx.parallel.fsdp import mixed_precision_policy
 from foundryx.plan.census import Census, NotPlannable, build_meta, take_census
 from foundryx.plan.host import HostSetup
 from foundryx.plan.memory import Setup
@@ -194,4 +195,21 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
     )
     if setup.frozen_dtype is not None and not setup.lora:
         notes.append("frozen_base without peft_config: nothing is frozen, so it changes nothing")
-    return Planned(census, setup, notes, host_setup(loaded, opts, census, gpus_per_node, notes))
+    host = host_setup(loaded, opts, census, gpus_per_node, notes)
+    kept = kept_stored_bytes(setup, host, census, par, cfg.precision)
+    if kept:
+        setup = replace(setup, frozen_other_bytes=kept)
+    return Planned(census, setup, notes, host)
+
+
+def kept_stored_bytes(s: Setup, h: HostSetup, c: Census, par: Any, precision: str) -> int:
+    """Bytes per element of the frozen weights outside the blocks when the loader keeps the
+    checkpoint's dtype for them (foundryx/loading/dtypes.py: LoRA, read shard by shard on 2+
+    ranks, a mixed-precision policy that casts, a checkpoint narrower than the stored
+    weights); 0 otherwise."""
+    if not (s.lora and h.load == "shard" and h.stored_bytes and s.world_size >= 2):
+        return 0
+    if par is None or mixed_precision_policy(par.mixed_precision, precision).param_dtype is None:
+        return 0
+    per_elem = round(h.stored_bytes / max(c.total, 1))
+    return per_elem if 0 < per_elem < s.master_bytes else 0
