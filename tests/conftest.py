@@ -46,6 +46,7 @@ MODERN_LEG_SLOW_FILES = {
     "test_quickstart_e2e.py",
     "test_plugin_model.py",
     "test_walkthrough.py",
+    "test_concurrent_datasets.py",
 }
 
 

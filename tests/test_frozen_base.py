@@ -323,6 +323,7 @@ def _shakespeare_losses(text: bytes, dtype: str, steps: int = 300) -> list[float
 
 
 @pytest.mark.slow
+@pytest.mark.modern_leg  # the legs' balance (tests/conftest.py)
 def test_low_precision_bases_train_as_well_as_bf16_on_tinyshakespeare(shared_dir: Path):
     text = (shared_dir / "corpus" / "tinyshakespeare.txt").read_bytes()
     final = {}
