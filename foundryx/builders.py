@@ -80,9 +80,9 @@ def tp_degree(parallelism: Any) -> int:
 
 def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
-    batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators read
-    by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: NF4 and offloaded frozen bases (int8, fp8
-    and bf16 do), checkpoints of an MPT."""
+    batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators
+    read by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: NF4
+    and offloaded frozen bases (int8, fp8 and bf16 do), checkpoints of an MPT."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
         return []

@@ -4,8 +4,9 @@ Each rank evaluates every ``world_size``-th example, starting at its rank. Ranks
 examples repeat one marked ``primary = 0``, so every rank runs as many batches (FSDP needs
 that) and metrics count every example exactly once. Under tensor parallelism ``rank`` and
 ``world_size`` are the data-parallel ones (:func:`data_parallel_share`): the ranks of a
-tensor-parallel group read the same examples, and only the first counts them. A batch holds ``batch_size`` examples, one
-row per choice, right-padded to its own longest row (generation: left-padded prompts).
+tensor-parallel group read the same examples, and only the first counts them. A batch holds
+``batch_size`` examples, one row per choice, right-padded to its own longest row (generation:
+left-padded prompts).
 """
 
 from __future__ import annotations
