@@ -18,6 +18,7 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     options_parameter,
     split_name,
 )
+from foundryx.config.schema import tp_degree
 from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
 from foundryx.loading import keep_stored_dtype, wants_pretrained
@@ -70,12 +71,6 @@ def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size:
         return build_component("dataloaders", section, tokenizer=tokenizer,
                                device_batch_size=device_batch_size)
     return factory(section, tokenizer, device_batch_size)
-
-
-def tp_degree(parallelism: Any) -> int:
-    if isinstance(parallelism, dict):
-        return int(parallelism.get("tp", 1) or 1)
-    return int(getattr(parallelism, "tp", 1) or 1)
 
 
 def tp_run_problems(data: dict[str, Any]) -> list[str]:

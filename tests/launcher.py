@@ -16,6 +16,7 @@ The README's and the docs' commands keep the real ``composer`` command in their 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -24,10 +25,11 @@ from pathlib import Path
 from distributed import free_port
 
 
-def launch(script_args: list[str], nproc: int, out: Path, cwd: Path, env: dict[str, str],
-           timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``python *script_args`` on ``nproc`` ranks; rank 0's output is the result's
-    stdout/stderr (as the composer command prints it), every rank's is in ``out``."""
+def launch(script_args: list[str], nproc: int, out: Path, cwd: Path,
+           env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``python *script_args`` on ``nproc`` ranks with ``env`` (default: this process's),
+    plus what the launcher sets; rank 0's output is the result's stdout/stderr (as the
+    composer command prints it), every rank's is in ``out``."""
     from composer.cli.launcher import _aggregate_process_returncode, _cleanup_processes
 
     out.mkdir(parents=True, exist_ok=True)
@@ -36,7 +38,7 @@ def launch(script_args: list[str], nproc: int, out: Path, cwd: Path, env: dict[s
     files = []
     try:
         for rank in range(nproc):
-            rank_env = {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc),
+            rank_env = {**(os.environ if env is None else env), "RANK": str(rank), "WORLD_SIZE": str(nproc),
                         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(nproc),
                         "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                         "PYTHONUNBUFFERED": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}

@@ -6,7 +6,6 @@ tasks under tp are refused with the way out."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -69,7 +68,7 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
                     "global_train_batch_size=4", "save_folder=null", f"icl_tasks={tasks}",
                     f"loggers.jsonl.path={out}/metrics.jsonl", "device_eval_batch_size=8",
                     "eval_subset_num_batches=1", "progress_bar=false", parallelism],
-                   2, out, ROOT, {**os.environ, "PYTHONUNBUFFERED": "1"})
+                   2, out, ROOT)
         said = "".join(p.read_text() for p in sorted(out.glob("rank*.*")))
         assert r.returncode == 0, said[-6000:]
         results[name] = {k: v for row in read_metrics(out / "metrics.jsonl")

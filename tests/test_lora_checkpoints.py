@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -59,8 +58,7 @@ def mpt_base(path: Path, seed: int) -> Path:
 def train(data: Path, out: Path, base: Path, nproc: int = 2) -> subprocess.CompletedProcess:
     args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
             f"loggers.jsonl.path={out}/metrics.jsonl", f"load_path={base}", *TINY]
-    return launch(["train.py", "yamls/quickstart.yaml", *args], nproc, out, ROOT,
-                  {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+    return launch(["train.py", "yamls/quickstart.yaml", *args], nproc, out, ROOT, timeout=900)
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -301,8 +299,7 @@ def test_llama_lora_on_two_processes_resumes_exactly(quickstart_data, tmp_path):
         del cfg["callbacks"]["hf_export"]
         config.write_text(yaml.safe_dump(cfg))
         return launch(["train.py", str(config), "max_duration=8ba",
-                       "save_num_checkpoints_to_keep=-1"], 2, out, ROOT,
-                      {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+                       "save_num_checkpoints_to_keep=-1"], 2, out, ROOT, timeout=900)
 
     r = run(ref)
     assert r.returncode == 0, ok(ref, r)
@@ -323,8 +320,8 @@ def test_llama_lora_on_two_processes_resumes_exactly(quickstart_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.modern_leg
 def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_data, tmp_path):
-    """4 processes started as the composer launcher starts them, parallelism.tp: 2 (2 data-parallel ranks x
-    TP 2): the loss falls, the checkpoint holds only the adapters, and its PEFT export (and the
+    """4 processes started as the composer launcher starts them, parallelism.tp: 2 (2
+    data-parallel ranks x TP 2): the loss falls, the checkpoint holds only the adapters, and its PEFT export (and the
     hf_export callback's, written by the TP ranks at the end) gives the trained model's logits
     in plain peft; so does the merged export in plain transformers."""
 
@@ -337,8 +334,7 @@ def test_llama_lora_trained_under_tensor_parallelism_exports_to_peft(quickstart_
         "name": "hf_causal_lm", "pretrained_model_name_or_path": str(base), "init_device": "cpu",
         "peft_config": {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}})
     r = launch(["train.py", str(config), "parallelism.tp=2", "global_train_batch_size=4",
-                "max_duration=6ba", "save_interval=6ba"], 4, run, ROOT,
-               {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+                "max_duration=6ba", "save_interval=6ba"], 4, run, ROOT, timeout=900)
     assert r.returncode == 0, ok(run, r)
     said = r.stdout + r.stderr  # rank 0's output
     assert "tensor_parallel               2" in said and "data_parallel_ranks           2" in said, said

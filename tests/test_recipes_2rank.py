@@ -1,6 +1,6 @@
 """Every recipe in yamls/ runs, in its own configuration, on 2 CPU ranks: ``composer -n 2
-train.py RECIPE`` (started as that launcher starts it: tests/launcher.py) with only the model (a tiny model of the same family, saved in bf16
-safetensors as the real one is), the data paths, the sizes, the device and the precision
+train.py RECIPE`` (started as that launcher starts it: tests/launcher.py) with only the model
+(a tiny model of the same family, saved in bf16 safetensors as the real one is), the data paths, the sizes, the device and the precision
 overridden, for 2 batches. Its init mode, LoRA, frozen base, offload, sharding, activation
 checkpointing, compile setting, dataloader workers, callbacks and loggers are the recipe's.
 
@@ -130,10 +130,10 @@ def overrides(recipe: str, models: dict[str, Path], data: Path) -> list[str]:
 def launch(recipe: str, args: list[str], out: Path) -> tuple[int, str]:
     """``composer -n 2 train.py yamls/RECIPE ARGS`` in the folder ``out`` (started as the
     composer launcher starts it: tests/launcher.py); (exit code, logs)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    env = {**os.environ,
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = launcher.launch([str(ROOT / "train.py"), str(ROOT / "yamls" / recipe), *args], 2, out, out,
-                  env, timeout=900)
+    proc = launcher.launch([str(ROOT / "train.py"), str(ROOT / "yamls" / recipe), *args], 2,
+                           out, out, env, timeout=900)
     return proc.returncode, "".join(f"\n--- {p.name}\n{p.read_text()[-6000:]}"
                                     for p in sorted(out.glob("rank*.*")))
 

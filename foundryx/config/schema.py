@@ -63,6 +63,13 @@ class ParallelismConfig:
     verbose: bool = doc("log the sharded model", default=False)
 
 
+def tp_degree(parallelism: Any) -> int:
+    """``parallelism.tp`` of a ParallelismConfig, its raw mapping or None (1)."""
+    if isinstance(parallelism, dict):
+        return int(parallelism.get("tp", 1) or 1)
+    return int(getattr(parallelism, "tp", 1) or 1)
+
+
 @dataclass
 class ActivationCheckpointingConfig:
     """``activation_checkpointing``: recompute activations in backward instead of storing them;

@@ -12,6 +12,7 @@ from composer.loggers import Logger
 
 from foundryx import registry
 from foundryx.config import TrainConfig
+from foundryx.config.schema import tp_degree
 from foundryx.errors import ConfigError
 from foundryx.eval.data import build_dataspec, data_parallel_share, prepare_task
 from foundryx.eval.gauntlet import Gauntlet, gauntlet_scores, load_gauntlet
@@ -49,7 +50,7 @@ def build_icl_evaluators(cfg: TrainConfig, tokenizer: Any, model: Any,
     limit = model_max_len(model)
     prepared = [p for t in tasks for p in prepare_task(
         t, tokenizer, cfg.max_seq_len or limit or 2048, cfg.icl_max_examples, limit)]
-    tp = getattr(cfg.parallelism, "tp", 1) if cfg.parallelism is not None else 1
+    tp = tp_degree(cfg.parallelism)
     generating = sorted({p.cfg.label for p in prepared if p.task_type.mode == "generate"})
     if tp > 1 and generating:
         raise ConfigError([f"icl_tasks: {', '.join(generating)}: generation tasks do not run "
