@@ -77,7 +77,7 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
     batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators
     read by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: NF4
-    and offloaded frozen bases (int8, fp8 and bf16 do), checkpoints of an MPT."""
+    and offloaded frozen bases (int8, fp8 and bf16 do)."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
         return []
@@ -107,11 +107,6 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
                         f"parallelism.tp: {tp}: offloaded layers are not split by tensor "
                         "parallelism yet; use offload_fraction: 0.0 (tp already divides each "
                         "rank's frozen weights by tp), or tp: 1")
-    for key in ("save_folder", "load_path"):
-        if model.get("name") == "mpt_causal_lm" and data.get(key):
-            problems.append(f"{key}: checkpoints of an MPT under parallelism.tp: {tp} are not "
-                            "supported yet (its fused Wqkv is held in the TP ranks' row order, "
-                            "which a checkpoint would keep); drop it, or use tp: 1")
     return problems
 
 

@@ -10,9 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 from launcher import launch
+from safetensors.torch import load_file
 
+from foundryx.checkpoint.layout import DCP_DIR
 from foundryx.errors import ConfigError
 from foundryx.eval.data import data_parallel_share, rank_share
 from foundryx.eval.evaluators import build_icl_evaluators
@@ -52,14 +55,17 @@ def test_generation_tasks_under_tp_are_refused_with_the_way_out(tiny_tokenizer, 
 @pytest.mark.slow
 @pytest.mark.modern_leg
 def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickstart_data, tmp_path):
-    """The quickstart recipe on 2 processes with its ICL tasks, once as FSDP (shard 2) and once
-    as tp 2; the learning rate is 0, so both evaluate the same weights."""
+    """The quickstart recipe (an MPT) on 2 processes with its ICL tasks, once as FSDP (shard 2)
+    and once as tp 2; the learning rate is 0, so both evaluate the same weights. Both save a
+    checkpoint and an hf_export: the tp run's hold the same tensors as FSDP's (MPT's fused Wqkv
+    in its logical row order, not the TP ranks')."""
     write_quickstart_tasks(tmp_path / "eval", seed=0)
     tasks = tmp_path / "tasks.yaml"
     tasks.write_text(yaml.safe_dump({"data_root": str(tmp_path / "eval"), "icl_tasks": [
         {"label": "facts_lm", "dataset_uri": "facts_lm.jsonl", "icl_task_type": "language_modeling"},
         {"label": "facts_mc", "dataset_uri": "facts_mc.jsonl", "icl_task_type": "multiple_choice"},
     ]}))
+    weights = _weights_file(tmp_path / "start.safetensors")
     results = {}
     for name, parallelism in (("fsdp", "parallelism={}"), ("tp", "parallelism.tp=2")):
         out = tmp_path / name
@@ -67,7 +73,9 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
                     "max_duration=2ba", "eval_interval=2ba", "optimizer.lr=0.0",
                     "global_train_batch_size=4", "save_folder=null", f"icl_tasks={tasks}",
                     f"loggers.jsonl.path={out}/metrics.jsonl", "device_eval_batch_size=8",
-                    "eval_subset_num_batches=1", "progress_bar=false", parallelism],
+                    "eval_subset_num_batches=1", "progress_bar=false", parallelism,
+                    f"load_path={weights}", f"save_folder={out}/ckpt", "save_interval=2ba",
+                    f"callbacks.hf_export.save_folder={out}/hf"],
                    2, out, ROOT)
         said = "".join(p.read_text() for p in sorted(out.glob("rank*.*")))
         assert r.returncode == 0, said[-6000:]
@@ -77,3 +85,37 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
     # 176 questions each; a random model: chance on the 4 choices, ~0 on exact answers
     assert 0.15 < results["fsdp"]["metrics/facts_mc/0-shot/ICLMultipleChoiceAccuracy"] < 0.35
     assert results["tp"] == results["fsdp"]
+    start = load_file(weights)
+    for name in ("checkpoint", "hf_export"):
+        fsdp, tp = (_saved_tensors(tmp_path / run, name) for run in ("fsdp", "tp"))
+        assert any(q in k for k in fsdp for q in ("Wqkv", "q_proj")) and fsdp.keys() == tp.keys()
+        assert all(torch.equal(fsdp[k], tp[k]) for k in fsdp), (
+            name, [k for k in fsdp if not torch.equal(fsdp[k], tp[k])])
+        if name == "checkpoint":  # what both runs loaded (its Wqkv put in TP order, under tp)
+            assert all(torch.equal(fsdp[k], start[k.removeprefix("model.")]) for k in fsdp)
+
+
+def _weights_file(path: Path) -> Path:
+    """A weights file of the quickstart's MPT with weights of another seed than the runs'."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
+    cfg = OmegaConf.to_container(OmegaConf.load(ROOT / "yamls/quickstart.yaml"), resolve=True)
+    torch.manual_seed(123)
+    model = ComposerMPTCausalLM(None, **{k: v for k, v in cfg["model"].items() if k != "name"})
+    save_file({k: v.contiguous() for k, v in model.model.state_dict().items()}, path)
+    return path
+
+
+def _saved_tensors(out: Path, kind: str) -> dict[str, torch.Tensor]:
+    """The model tensors of a run's checkpoint (DCP) or of its hf_export (safetensors)."""
+    if kind == "hf_export":
+        (path,) = out.glob("hf/*/model.safetensors")
+        return load_file(path)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp = out / "ckpt" / "latest" / DCP_DIR
+    dcp_to_torch_save(dcp, out / "ckpt.pt")
+    return {k: v for k, v in torch.load(out / "ckpt.pt")["model"].items() if isinstance(v, torch.Tensor)}

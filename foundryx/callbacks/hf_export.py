@@ -33,6 +33,7 @@ from foundryx.export.core import (
 )
 from foundryx.export.lora import options_of, write_adapter
 from foundryx.models.peft.adapters import has_lora
+from foundryx.parallel.tp import unpermute_full_state
 
 log = logging.getLogger(__name__)
 
@@ -139,9 +140,10 @@ def _full_state_dict(model: Any) -> dict[str, Any]:
     if any(isinstance(p, DTensor) for p in model.parameters()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        unpermute_full_state(model, full)  # a fused layer's rows back from TP order
+        return full
     if dist.get_global_rank() != 0:
         return {}
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}

@@ -21,6 +21,7 @@ from foundryx.checkpoint.trainer_state import set_rng_state
 from foundryx.checkpoint.weights import load_model_weights, match_prefix
 from foundryx.errors import CheckpointError
 from foundryx.models.peft.adapters import base_key, is_adapter_key
+from foundryx.parallel.tp import permute_full_state
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,7 @@ class Checkpointer(Callback):
             names = {base_key(k): k for k in keys if not is_adapter_key(k)} if lora else {}
             full = _match_keys(full, set(names) if lora else keys, path)
             full = {names[k]: v for k, v in full.items()} if lora else full
+            permute_full_state(state.model, full)  # a fused layer's rows in this run's TP order
         distributed = dist.get_world_size() > 1
         try:
             set_model_state_dict(state.model, full, options=StateDictOptions(

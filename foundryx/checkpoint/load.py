@@ -27,7 +27,8 @@ from foundryx.checkpoint.safe_dcp import (
     dcp_error_text,
     read_metadata,
 )
-from foundryx.checkpoint.save import model_and_optim_state, tensor_shapes
+from foundryx.checkpoint.save import live_state, tensor_shapes
+from foundryx.checkpoint.tp_rows import to_model_rows
 from foundryx.checkpoint.verify import raise_problems, shape_mismatches, verify_files
 from foundryx.checkpoint.weights import model_tensor_shapes
 from foundryx.errors import CheckpointError
@@ -120,7 +121,7 @@ def load(state: Any, folder: Path, weights_only: bool = False,
     if weights_only:
         model_sd, optim_sd = get_model_state_dict(state.model), {}
     else:
-        model_sd, optim_sd = model_and_optim_state(state.model, state.optimizers)
+        model_sd, optim_sd = live_state(state.model, state.optimizers)
     names: dict[str, str] | None = None  # checkpoint name -> model name, for a base into LoRA
     if partial:
         model_sd = adapter_state(model_sd)
@@ -142,6 +143,7 @@ def load(state: Any, folder: Path, weights_only: bool = False,
         raise CheckpointError(f"{reader.where()}: cannot load ({dcp_error_text(e)}); the "
                               "checkpoint is damaged: use an earlier one") from None
     loaded = target["model"] if names is None else {names[k]: v for k, v in target["model"].items()}
+    to_model_rows(state.model, loaded, target.get("optim", {}))
     options = StateDictOptions(strict=not partial)
     if weights_only:
         set_model_state_dict(state.model, loaded, options=options)

@@ -29,6 +29,7 @@ from foundryx.checkpoint.layout import (
 )
 from foundryx.checkpoint.lora import adapter_state, write_base
 from foundryx.checkpoint.metadata import write_components, write_model_metadata
+from foundryx.checkpoint.tp_rows import to_logical_rows
 from foundryx.checkpoint.verify import file_digest, signature
 from foundryx.checkpoint.write_failure import describe, state_bytes
 from foundryx.errors import CheckpointError
@@ -40,7 +41,15 @@ WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, CheckpointException)
 
 
 def model_and_optim_state(model: torch.nn.Module, optimizers: Any) -> tuple[dict, dict]:
-    """Sharded (DTensor under FSDP) model and optimizer state dicts, keyed by parameter name."""
+    """Sharded (DTensor under FSDP) model and optimizer state dicts, keyed by parameter name,
+    with fused layers' rows in their logical order (:mod:`foundryx.checkpoint.tp_rows`)."""
+    model_sd, optim_sd = live_state(model, optimizers)
+    to_logical_rows(model, model_sd, optim_sd)
+    return model_sd, optim_sd
+
+
+def live_state(model: torch.nn.Module, optimizers: Any) -> tuple[dict, dict]:
+    """The model and optimizer state dicts as the model holds them (a load's target)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     return get_state_dict(model, list(optimizers or []))
