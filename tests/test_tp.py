@@ -27,7 +27,7 @@ LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidde
              max_position_embeddings=SEQ, tie_word_embeddings=False)
 
 
-LORA_TARGETS = {"mpt": ["o", "up", "down"], "llama": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+LORA_TARGETS = {"mpt": ["q", "v", "o", "up", "down"], "llama": ["q_proj", "v_proj", "o_proj", "down_proj"]}
 
 
 VARIANTS = ("full", "lora", "lora+int8")  # what trains: all weights; LoRA; LoRA on an int8 base

@@ -204,8 +204,8 @@ def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
 
 
 def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: str) -> None:
-    """torchtitan's rule for LoRA adapters on a split linear layer: column-wise base ->
-    ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0)); row-wise base ->
+    """torchtitan's rule for LoRA adapters on a split linear layer: column-wise base (a fused
+    one's slices too) -> ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0)); row-wise base ->
     ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on the whole sequence;
     its output then cut to this rank's sequence shard, as the base layer's is)."""
     from torch.distributed.tensor import Replicate, Shard
@@ -216,10 +216,11 @@ def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: 
         parallelize_module,
     )
 
-    if style not in ("colwise", "colwise_gather", "rowwise"):
-        raise ConfigError([f"model.peft_config: LoRA on {model_name}'s fused projections (MPT's "
-                           "q/k/v slices of Wqkv) does not run under parallelism.tp yet; target "
-                           "o, up, down (or all-linear without q/k/v), or use tp: 1"])
+    if style == "colwise_fused":  # LoRA on slices of a fused layer (MPT's q, k, v of Wqkv):
+        # its rows reordered as without LoRA, each slice's lora_B split like the slice's rows
+        tp = tp_mesh.size()
+        _reorder_rows(module.base_layer, tp)
+        module.slice_sizes = tuple(n // tp for n in module.slice_sizes)
     for s in _styles(style, module.base_layer):
         parallelize_module(module.base_layer, tp_mesh, s)
     for key in module.lora_A:
