@@ -174,7 +174,9 @@ def worker(config: str, steps: int) -> None:
               "step_s": times}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, result)
-    dist.destroy_process_group()
+    # no destroy_process_group: under tp (torch 2.7, gloo) rank 0 deadlocked in the process
+    # group's destructor (the GIL against a gloo worker thread) after every rank had finished,
+    # which is what lost the Llama tp rows of 2026-11-25; the process exit tears it down
     if rank == 0:
         timed = [max(r["step_s"][i] for r in everyone) for i in range(1, steps)] or [0.0]
         out = {k: max(r[k] for r in everyone) for k in ("step_peak_mb", "process_peak_mb",

@@ -58,7 +58,7 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
     """The quickstart recipe (an MPT) on 2 processes with its ICL tasks, once as FSDP (shard 2)
     and once as tp 2; the learning rate is 0, so both evaluate the same weights. Both save a
     checkpoint and an hf_export: the tp run's hold the same tensors as FSDP's (MPT's fused Wqkv
-    in its logical row order, not the TP ranks')."""
+    in its logical row order, not the TP ranks'), and the same sample and token counts."""
     write_quickstart_tasks(tmp_path / "eval", seed=0)
     tasks = tmp_path / "tasks.yaml"
     tasks.write_text(yaml.safe_dump({"data_root": str(tmp_path / "eval"), "icl_tasks": [
@@ -85,6 +85,13 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
     # 176 questions each; a random model: chance on the 4 choices, ~0 on exact answers
     assert 0.15 < results["fsdp"]["metrics/facts_mc/0-shot/ICLMultipleChoiceAccuracy"] < 0.35
     assert results["tp"] == results["fsdp"]
+    # each sample counted once, not once per TP rank: what max_duration in samples or tokens
+    # counts, and the data position a resume starts from (streaming's state wants unique samples)
+    saved = {run: json.loads((tmp_path / run / "ckpt/latest/trainer_state.json").read_text())
+             for run in results}
+    for key, want in (("sample", 8), ("sample_in_epoch", 8), ("token", 8 * 128)):
+        assert saved["tp"]["timestamp"][key] == saved["fsdp"]["timestamp"][key] == want, key
+    assert saved["tp"]["dataset"] == saved["fsdp"]["dataset"]
     start = load_file(weights)
     for name in ("checkpoint", "hf_export"):
         fsdp, tp = (_saved_tensors(tmp_path / run, name) for run in ("fsdp", "tp"))

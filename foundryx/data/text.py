@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from composer.utils import dist
+
 from foundryx.config.components import ModelFacts
 from foundryx.config.types import coerce, option
 from foundryx.data import remote as remotes
@@ -145,6 +147,18 @@ def _num_tokens(batch: dict[str, Any]) -> int:
     return int(batch["attention_mask"].sum())
 
 
+def _shared_samples(batch: dict[str, Any], share: int) -> float:
+    return len(batch["input_ids"]) / share
+
+
+def _shared_tokens(batch: dict[str, Any], share: int, part: int) -> int:
+    """This rank's whole share of the batch's tokens (Composer wants an int): the remainder of
+    the division goes one token each to the first ranks of the group, so the group sums to the
+    batch's tokens exactly."""
+    whole, rest = divmod(_num_tokens(batch), share)
+    return whole + (part < rest)
+
+
 def _check_tokenizer(manifest: dict[str, Any] | None, tokenizer: Any, folder: Path | str) -> None:
     if manifest is None or tokenizer is None:
         return
@@ -231,4 +245,14 @@ def build_text_dataloader(options: TextLoaderOptions | Mapping[str, Any], tokeni
         drop_last=options.drop_last,
         num_workers=options.num_workers,
     )
+    share = ds.replication or 1
+    if share > 1:
+        # the `share` ranks that read one batch (a tensor-parallel group) count 1/share of it
+        # each: Composer sums the counts over ranks (float counts are its way for sequence
+        # parallelism), so samples, tokens, a max_duration in them and the data position a
+        # checkpoint resumes from (streaming's state_dict wants unique samples) are the data read
+        part = dist.get_global_rank() % share  # the group's ranks are consecutive (streaming's)
+        return DataSpec(loader, get_num_samples_in_batch=functools.partial(_shared_samples, share=share),
+                        get_num_tokens_in_batch=functools.partial(_shared_tokens, share=share,
+                                                                  part=part))
     return DataSpec(loader, get_num_tokens_in_batch=_num_tokens)
