@@ -164,7 +164,7 @@ def test_a_run_that_does_not_fit_gets_a_tp_degree_with_its_numbers(tmp_path, cap
     one = make_plan(cfg, gpus=4, gpu="h100")
     two = make_plan(cfg, gpus=4, gpu="h100", tp=2)
     assert two.setup.tp == 2 and two.setup.shard_degree == 2 and two.setup.grad_accum == 2
-    assert two.setup.tp_vocab == "head"  # Llama's plan: lm_head column-wise, logits gathered
+    assert two.setup.tp_vocab == "parallel"  # Llama's untied head: embedding, head and loss split
     assert "FSDP2 over 2 x TP 2 (sequence parallel)" in render(two)
     memory = (one.per_device_bytes + two.per_device_bytes) // 2
     plan = make_plan(cfg, gpus=4, gpu="h100", gpu_memory=f"{memory}B")
@@ -226,3 +226,16 @@ def test_an_all_gather_bound_run_gets_the_tp_degree_that_ends_it(census):
     assert options[1].comm.all_gather_bound and not options[2].comm.all_gather_bound
     proposal = propose_tp(list(options.values()), 1, 2**40, all_gather_bound=True)
     assert proposal is not None and proposal.tp == 2
+
+
+def test_the_planner_splits_the_vocabulary_as_the_models_plan_does(tmp_path):
+    """An untied Hugging Face head: embedding, head and loss vocabulary-parallel; a tied one (and
+    MPT's) whole on every TP rank."""
+    import yaml
+
+    untied = make_plan(_write(tmp_path, 256), gpus=4, gpu="h100", tp=2)
+    cfg = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    cfg["model"]["config"]["tie_word_embeddings"] = True
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    tied = make_plan(tmp_path / "run.yaml", gpus=4, gpu="h100", tp=2)
+    assert (untied.setup.tp_vocab, tied.setup.tp_vocab) == ("parallel", "replicated")

@@ -99,9 +99,13 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
         per = 4 * PER_DP // dp
         batch = ids[step, mine * per:(mine + 1) * per]
         batch = {"input_ids": batch, "labels": batch.clone(), "attention_mask": torch.ones_like(batch)}
-        loss = model.loss(model(batch), batch)
+        out = model(batch)
+        loss = model.loss(out, batch)
         loss.backward()
         if first_step is not None and step == steps[0]:  # the mean gradient, at any mesh
+            logits = getattr(out, "logits", out)  # and the vocabulary columns a rank holds
+            first_step["logit_cols"] = None if logits is None else getattr(
+                logits, "_local_tensor", logits).shape[-1]
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
             first_step["grad_norm"] = torch.cat([g.flatten() for g in full]).norm().item()
@@ -112,6 +116,12 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
         total = loss.detach().clone()
         tdist.all_reduce(total)  # TP ranks hold the same loss: the mean over all = over dp
         losses.append(total.item() / world)
+    if first_step is not None:  # eval forward (metrics, ICL) gets whole plain logits
+        model.eval()
+        with torch.no_grad():
+            logits = model.eval_forward(dict(batch))
+        model.train()
+        first_step["eval_cols"] = logits.shape[-1] if type(logits) is torch.Tensor else -1
     if first_step is not None:  # and how far the trained weights moved (this rank's shards)
         first_step["moved"] = max((getattr(p, "_local_tensor", p).detach() - b).abs().max().item()
                                   for p, b in zip(trained, before) if b.numel())
@@ -196,8 +206,13 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
                 # the mean gradient over the data-parallel ranks (AdamW alone would hide a
                 # constant factor, e.g. a sum over them; a resume at another degree would not)
                 assert abs(r[("grad_norm", name, variant)] - norm) <= 1e-5 * norm, (name, variant, r)
-            for name in MESHES:
+            for name, (_, tp) in MESHES.items():
                 assert abs(r[("clip_norm", name, variant)] - norm) <= 1e-5 * norm, (name, variant, r)
+                # Llama's untied head: loss parallel, each rank 1/tp of the logits (MPT's
+                # fused loss makes no logits in training)
+                want = 64 // tp if kind == "llama" else None
+                assert r[("logit_cols", name, variant)] == want, (name, variant)
+                assert r[("eval_cols", name, variant)] == 64, (name, variant)
     frozen_linear = {"mpt": 2 * 5, "llama": 2 * 7}[kind]  # per block: Wqkv o gate up down; q k v o gate up down
     assert all(r["int8 weights"] == dict.fromkeys(MESHES, frozen_linear) for r in results), results[0]
     for r in results:

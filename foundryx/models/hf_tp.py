@@ -35,9 +35,15 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any] | None:
         f"{layers}.mlp.down_proj": "rowwise",
         "model.norm": "sequence_parallel_end",
     }
+    out: dict[str, Any] = {}
     if not config.tie_word_embeddings:  # a tied head shares the (replicated) embedding
-        plan["lm_head"] = "colwise_gather"
+        # vocabulary-parallel, as torchtitan: the embedding split by rows, the head by rows
+        # too, its logits left split for the loss (the model's loss_function), whole in eval
+        plan["model.embed_tokens"] = "vocab_parallel_embedding"
+        plan["lm_head"] = "colwise_loss_parallel"
+        out["loss_parallel"] = "loss_function"
     return {
+        **out,
         "layers": plan,
         "divisible": {"num_attention_heads": config.num_attention_heads,
                       "num_key_value_heads": getattr(config, "num_key_value_heads", None)

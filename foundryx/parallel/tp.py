@@ -6,7 +6,11 @@ A model (the ComposerModel or one of its direct children, as for the FSDP hooks 
     {"layers": {"<module-name pattern>": "<style>", ...},   # fnmatch patterns, relative
      "local": {"<pattern>": ["n_heads", ...]},              # int (or tuple) attributes that
                                                             # become per-rank: divided by tp
-     "divisible": {"n_heads": 8, "kv_n_heads": 2, ...}}     # numbers tp must divide
+     "divisible": {"n_heads": 8, "kv_n_heads": 2, ...},     # numbers tp must divide
+     "loss_parallel": "loss_function"}                      # optional: the owner's attribute
+                                                            # holding its loss callable, called
+                                                            # as fn(logits=, labels=, ...), run
+                                                            # vocabulary-parallel on split logits
 
 The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner):
 
@@ -16,6 +20,10 @@ The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner
   logical parts: each part is split by heads, and the rows reordered so that each rank's block
   is its q, k and v heads (a plain column split of the raw rows would be wrong).
 - ``colwise_gather``: column-wise with the output gathered (the LM head: full logits).
+- ``colwise_loss_parallel``: the LM head column-wise with its logits left split by vocabulary
+  in training (a DTensor, for the loss named by the plan's ``loss_parallel``), gathered whole in
+  eval (metrics, ICL).
+- ``vocab_parallel_embedding``: an embedding split by vocabulary rows, its output summed whole.
 - ``sequence_parallel``: a norm run on the rank's sequence shard (weights replicated).
 - ``sequence_parallel_start``: a block whose full-sequence input becomes the rank's shard.
 - ``sequence_parallel_end``: a final norm on the shard, its output gathered back whole.
@@ -36,13 +44,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from foundryx.errors import ConfigError
 from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
 
 log = logging.getLogger(__name__)
 
-LINEAR_STYLES = ("colwise", "colwise_fused", "colwise_gather", "rowwise")
+LINEAR_STYLES = ("colwise", "colwise_fused", "colwise_gather", "colwise_loss_parallel", "rowwise")
 PLAN_HOOK = "foundryx_tp_plan"  # HF models have a tp_plan of their own
 # The models that declare a plan (said when a model without one asks for tp).
 MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
@@ -172,6 +181,10 @@ def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
         colwise, rowwise = ColwiseParallel, RowwiseParallel
     if style in ("colwise", "colwise_fused"):
         return [colwise()]
+    if style == "colwise_loss_parallel":
+        return [colwise(output_layouts=Shard(-1), use_local_output=False), _SplitLogits()]
+    if style == "vocab_parallel_embedding":
+        return [rowwise(input_layouts=Replicate(), output_layouts=Replicate())]
     if style == "colwise_gather":
         return [colwise(output_layouts=Replicate())]
     if style == "rowwise":
@@ -216,6 +229,10 @@ def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: 
         parallelize_module,
     )
 
+    if style == "colwise_loss_parallel":  # the adapters' output would have to stay split too
+        log.info("parallelism.tp: %s has LoRA adapters on the output projection; its logits "
+                 "are gathered whole for the loss (no loss parallel)", model_name)
+        style = "colwise_gather"
     if style == "colwise_fused":  # LoRA on slices of a fused layer (MPT's q, k, v of Wqkv):
         # its rows reordered as without LoRA, each slice's lora_B split like the slice's rows
         tp = tp_mesh.size()
@@ -247,7 +264,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
     prefix, _, plan = find_plan(model)
     layers: dict[str, str] = plan["layers"]
     local: dict[str, list[str]] = plan.get("local", {})
-    touched = 0
+    touched, split_logits = 0, False
     for name, module in list(model.named_modules()):
         if not name.startswith(prefix):
             continue
@@ -262,6 +279,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
             if hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
                 _apply_lora(module, style, tp_mesh, model_name)
             else:
+                split_logits |= style == "colwise_loss_parallel"
                 if style == "colwise_fused":
                     _reorder_rows(module, tp)
                 for s in _styles(style, module):
@@ -269,11 +287,90 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
             for n, p in module.named_parameters():  # TP styles make new nn.Parameters
                 p.requires_grad_(trainable[n])
             touched += 1
+    if split_logits and plan.get("loss_parallel"):
+        owner, attr = find_plan(model)[1], plan["loss_parallel"]
+        setattr(owner, attr, loss_parallel(getattr(owner, attr)))
+        if callable(getattr(model, "eval_forward", None)):  # Composer's train metrics reuse
+            model.eval_forward = _whole_logits(model.eval_forward)  # the training outputs
     if not touched:
         raise ConfigError([f"parallelism.tp: the tensor-parallel plan of {model_name} matches no "
                            f"module (patterns {sorted(layers)[:3]} ...); the plan and the model "
                            "disagree"])
     return touched
+
+
+class _SplitLogits(ParallelStyle):
+    """A parallel style (a forward hook on the LM head): its DTensor logits stay split by
+    vocabulary in training (the loss runs on them, :func:`loss_parallel`), and are gathered
+    whole in eval, where metrics and ICL tasks read them."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_hook(_logits_for_mode)
+        return module
+
+
+def _logits_for_mode(module: nn.Module, args: Any, out: Any) -> Any:
+    return out if module.training else out.full_tensor()
+
+
+def _whole_logits(eval_forward: Any) -> Any:
+    """A ComposerModel's ``eval_forward`` whose outputs hold whole logits: Composer's training
+    metrics are computed on the training step's outputs, whose logits are split (gathered here,
+    without autograd, once per step)."""
+    from torch.distributed.tensor import DTensor
+
+    def whole(batch: Any, outputs: Any = None) -> Any:
+        out = eval_forward(batch, outputs)  # the logits (Composer's HF models), or a dict
+        if isinstance(out, DTensor):
+            return out.detach().full_tensor()
+        if isinstance(out, dict) and isinstance(out.get("logits"), DTensor):
+            out["logits"] = out["logits"].detach().full_tensor()
+        return out
+
+    return whole
+
+
+def loss_parallel(fn: Any) -> Any:
+    """``fn`` (a loss called as ``fn(logits=..., labels=..., ...)``) run on vocabulary-split
+    DTensor logits inside torch's ``loss_parallel`` context, forward and backward (each rank
+    holds its 1/tp of the logits and of their gradient; the loss is the same number); whole
+    logits go to ``fn`` as they are."""
+    from torch.distributed.tensor import DTensor
+
+    def loss(logits: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        if not isinstance(logits, DTensor):
+            return fn(logits=logits, labels=labels, **kwargs)
+        return _ParallelLoss.apply(logits, lambda x: fn(logits=x, labels=labels, **kwargs))
+
+    loss.foundryx_loss_parallel = fn  # what it wraps
+    return loss
+
+
+class _ParallelLoss(torch.autograd.Function):
+    """The loss's own graph built and run backward inside ``loss_parallel`` (which the caller's
+    ``backward()``, Composer's, does not enter)."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: Any, compute: Any) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel as context
+
+        with torch.enable_grad(), context():
+            x = logits.detach().requires_grad_(True)
+            out = compute(x)
+            out = out.full_tensor() if isinstance(out, DTensor) else out
+        ctx.inner = (x, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
+        from torch.distributed.tensor.parallel import loss_parallel as context
+
+        x, out = ctx.inner
+        ctx.inner = None
+        with context():
+            torch.autograd.backward(out, grad)
+        return x.grad, None
 
 
 TESTED_TORCH = ("2.7.0", "2.14.1")  # the two legs of make test; tests/test_tp.py runs on both

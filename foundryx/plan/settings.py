@@ -34,11 +34,18 @@ class Planned:
 
 
 # How foundryx's TP plans (the ones the models declare, applied by foundryx/parallel) treat
-# the vocabulary today: MPT keeps its tied embedding and head whole on every TP rank (FSDP
-# shards them); Hugging Face Llama / Mistral / Qwen2 split an untied lm_head column-wise and
-# gather its logits whole for the loss. "parallel" (embedding, head and loss split, as
-# torchtitan does) is the planner's default for a Setup built by hand.
-TP_VOCAB = {"mpt_causal_lm": "replicated", "hf_causal_lm": "head"}
+# the vocabulary: MPT keeps its tied embedding and head whole on every TP rank (FSDP shards
+# them); Hugging Face Llama / Mistral / Qwen2 with an untied lm_head split the embedding, the
+# head and the loss by vocabulary ("parallel", as torchtitan does, also the planner's default
+# for a Setup built by hand), with a tied one keep both whole ("replicated").
+TP_VOCAB = {"mpt_causal_lm": "replicated"}
+
+
+def tp_vocab(model_name: str, census: Census) -> str:
+    if model_name == "hf_causal_lm" and not census.head_params:
+        return "replicated"
+    return TP_VOCAB.get(model_name, "parallel")
+
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -190,7 +197,7 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
         offload_fraction=float(getattr(frozen, "offload_fraction", 0.0) or 0.0) if frozen else 0.0,
         tp=tp,
         sequence_parallel=sp,
-        tp_vocab=TP_VOCAB.get(str(cfg.model.get("name")), "parallel"),
+        tp_vocab=tp_vocab(str(cfg.model.get("name")), census),
         node_size=gpus_per_node,
     )
     if setup.frozen_dtype is not None and not setup.lora:
