@@ -151,11 +151,6 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
     """:func:`foundryx.parallel.parallelize` with ``kwargs``, and the pretrained weights of a
     meta-built model read into its shards afterwards."""
     folder = wants_pretrained(model)
-    if folder and tp_degree(parallelism) > 1:
-        raise ConfigError([f"model.init_device: meta with pretrained weights and parallelism.tp: "
-                           f"{tp_degree(parallelism)}: reading each rank's 2-D block of the "
-                           "safetensors files is not supported yet; use init_device: cpu (every "
-                           "rank reads the whole model, then keeps its shards), or tp: 1"])
     plan = prepare_pretrained(model, folder) if folder else None
     if plan is not None:  # frozen-only FSDP2 units keep the checkpoint's dtype
         keep_stored_dtype(model, plan, parallelism, kwargs.get("precision") or "fp32")

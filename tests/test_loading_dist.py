@@ -171,3 +171,57 @@ def test_tied_embeddings_stay_one_parameter_under_meta_init(tmp_path):
             assert losses[-1] < losses[0], (init, losses)
         assert r["meta_losses"] == r["cpu_losses"], r
     assert results[0]["meta_losses"] == results[1]["meta_losses"]
+
+
+def _tp_build(folder: str, frozen: str | None, init: str) -> dict:
+    """One build at (shard 2 x tp 2), a fresh launch each (torch 2.7's DTensor caches the
+    vocabulary-parallel embedding's mask between models of one process: the second model's
+    forward failed); its stored bytes, placements and 2 training steps; for the meta-built
+    whole model, the tensors that differ from from_pretrained's."""
+    from transformers import AutoModelForCausalLM
+
+    from foundryx import builders
+    from foundryx.config.schema import ParallelismConfig
+
+    torch.set_num_threads(1)  # 4 processes on a 2-core machine
+    section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": folder, "init_device": init}
+    if frozen:
+        section.update(peft_config=LORA, frozen_base={"dtype": frozen})
+    cfg = SimpleNamespace(model=section, optimizer={"name": "adamw", "lr": 1e-2})
+    torch.manual_seed(0)
+    model = builders.parallelize_and_load(
+        builders.build_model(cfg, None), ParallelismConfig(data_parallel_shard_degree=2, tp=2),
+        device=torch.device("cpu"))
+    out = {"placements": sorted({str(p.placements) for p in model.parameters()}),
+           "state": {n: _local_bytes(p) for n, p in model.named_parameters()}}
+    if frozen is None and init == "meta":  # bit for bit from_pretrained's weights
+        ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).state_dict()
+        mine = {k.removeprefix("model."): p.full_tensor() for k, p in model.state_dict().items()}
+        out["exact"] = sorted(k for k in ref if not torch.equal(ref[k], mine[k]))
+    out["losses"] = train_steps(model, 2, opt=builders.build_optimizer(cfg, model))
+    return out
+
+
+@pytest.mark.modern_leg  # CI time: the torch 2.7 leg is the longer one (passes on both)
+def test_shard_on_read_reads_each_ranks_2d_block_under_tensor_parallelism(tmp_path):
+    """Under (shard 2 x tp 2) a meta-built Llama reads its 2-D blocks (column-wise layers: rows
+    split by TP, then by FSDP; row-wise ones: columns by TP; the vocabulary-parallel embedding
+    and head): bit for bit from_pretrained's weights, each rank the same stored bytes as when
+    every rank loads the whole model (an int8 base quantized from whole rows, then cut), and
+    the same losses (within 1e-6: the first loss differs in its last bits, weights equal)."""
+    folder = save_llama(tmp_path / "bf16", torch.bfloat16)
+    for frozen in (None, "int8"):
+        cpu, meta = (run_distributed(_tp_build, world_size=4, args=(folder, frozen, init),
+                                     timeout=600) for init in ("cpu", "meta"))
+        for c, m in zip(cpu, meta):
+            assert m.get("exact", []) == [], m["exact"]
+            assert c["placements"] == m["placements"]
+            differ = sorted(n for n in c["state"] if not all(
+                torch.equal(a, m["state"][n][k].to(a.dtype)) for k, a in c["state"][n].items()))
+            assert differ == [], (frozen, differ)
+            assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(c["losses"], m["losses"])), (
+                frozen, c["losses"], m["losses"])
+            assert m["losses"][-1] < m["losses"][0]
+        # both kinds of split were read: rows over (shard, tp) and columns over tp
+        kinds = " ".join(meta[0]["placements"])
+        assert "Shard(dim=1)" in kinds and "_StridedShard" in kinds, kinds

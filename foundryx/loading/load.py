@@ -13,8 +13,10 @@ Two steps around :func:`foundryx.parallel.parallelize`:
 2. :func:`load` (after parallelism): for each parameter, the rows of this rank's shard
    (``Shard(0)``: rows ``[offset, offset + local rows)``) are read as one byte range, converted
    to the parameter's dtype or quantized to its ``frozen_base`` storage right there
-   (:mod:`foundryx.loading.quantize`), and become the parameter's local shard. No rank holds
-   a full-size copy of any tensor it does not keep whole.
+   (:mod:`foundryx.loading.quantize`), and become the parameter's local shard. Under tensor
+   parallelism a rank's block of a row-wise layer is some columns of its rows: the rows are
+   read and converted whole (a row's scale needs all its columns), then cut. No rank holds a
+   full-size copy of any tensor it does not keep whole.
 """
 
 from __future__ import annotations
@@ -153,32 +155,56 @@ def _plan(model: nn.Module, folder: str) -> LoadPlan:
     return plan
 
 
-def _rows(p: torch.Tensor) -> tuple[int, int, Any]:
-    """``(start, stop, group)``: the rows of ``p``'s dim 0 this rank holds, and the process
-    group the rows are split over (None when it holds them all)."""
+def _rows(p: torch.Tensor) -> tuple[int, int, tuple[int, int] | None, Any]:
+    """``(start, stop, columns, group)``: the rows of ``p``'s dim 0 this rank holds, the
+    columns ``(start, stop)`` when it holds only some (a tensor-parallel row-wise layer's
+    input features; None: all), and the process group the rows are split over (None when it
+    holds them all; on a 2-D mesh, the group of the first mesh dimension that splits rows)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     rows = p.shape[0] if p.dim() else 1
     if not isinstance(p, DTensor):
-        return 0, rows, None
+        return 0, rows, None, None
     group = None
-    for i, pl in enumerate(p.placements):
-        if isinstance(pl, Shard) and pl.dim == 0:
-            group = p.device_mesh.get_group(i)
-        elif not isinstance(pl, Replicate):
+    for i, pl in enumerate(p.placements):  # _StridedShard: FSDP2 over rows TP split already
+        split = isinstance(pl, (Shard, _StridedShard))
+        if split and pl.dim == 0:
+            group = group or p.device_mesh.get_group(i)
+        elif not (isinstance(pl, Replicate) or (split and pl.dim == 1)):
             raise PretrainedLoadError(f"cannot load into a parameter placed as {p.placements}: "
-                                      "only Shard(0) and Replicate are supported")
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                                      "only Shard(0), Shard(1) and Replicate are supported")
     if not p.dim():
-        return 0, 1, None
-    return offset[0], offset[0] + shape[0], group
+        return 0, 1, None, None
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    columns = None
+    if p.dim() > 1 and shape[1] != p.shape[1]:
+        columns = (offset[1], offset[1] + shape[1])
+    return offset[0], offset[0] + shape[0], columns, group
 
 
-def _offload_rows(t: Target) -> tuple[int, int, Any]:
+def _columns(local: torch.Tensor, columns: tuple[int, int] | None) -> torch.Tensor:
+    """This rank's ``columns`` of whole converted rows, as a tensor of its own (a row-scaled
+    storage keeps each row's scale, computed from the whole row: the same bytes as
+    quantizing the whole weight, then cutting it)."""
+    if columns is None:
+        return local
+    start, stop = columns
+    inner = getattr(local, "__tensor_flatten__", None)
+    if inner is None:
+        return local[:, start:stop].clone()
+    names, meta = inner()
+    parts = {n: getattr(local, n) for n in names}
+    parts = {n: t[:, start:stop].clone() if t.dim() == 2 else t for n, t in parts.items()}
+    shape = (local.shape[0], stop - start)
+    return type(local).__tensor_unflatten__(parts, (shape, *meta[1:]), shape, None)
+
+
+def _offload_rows(t: Target) -> tuple[int, int, None, Any]:
     off = t.holders[0][0].offload
     start, stop = off.shard_range()
-    return start, stop, (torch.distributed.group.WORLD if off.rows is not None else None)
+    return start, stop, None, (torch.distributed.group.WORLD if off.rows is not None else None)
 
 
 def _collective(t: Target, module: nn.Module) -> bool:
@@ -254,10 +280,10 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     reads, jobs = [], {}
     for t in plan.targets:
         like = _current(t)
-        start, stop, group = _rows(like) if t.kind != "offload" else _offload_rows(t)
+        start, stop, columns, group = _rows(like) if t.kind != "offload" else _offload_rows(t)
         r = Read(t.key, t.entry, start, stop)
         reads.append(r)
-        jobs[id(r)] = (t, like, group)
+        jobs[id(r)] = (t, like, group, columns)
     total = sum(r.byte_range[1] - r.byte_range[0] for r in reads)
     dtypes = sorted({str(t.entry.dtype).removeprefix("torch.") for t in plan.targets})
     if dist.rank() == 0:
@@ -271,16 +297,17 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     def early(r: Read, rows: torch.Tensor) -> tuple[bool, torch.Tensor]:
         """In a reader thread: (done, the rows converted), or (False, the rows encoded as
         NF4) when finishing them takes a collective, left to ``use``."""
-        t, like, group = jobs[id(r)]
+        t, like, group, columns = jobs[id(r)]
         module = t.holders[0][0]
         if _collective(t, module):  # all but the whole weight's scaler mean, here
             rows = rows if t.kind == "offload" else rows.to(device)
             block = getattr(like, "_local_tensor", like).block_size
             return False, nf4_encode(rows, block, like.dtype)
-        return True, _convert(t, module, rows, like, group, device)
+        # whole rows converted (a row's scale needs all its columns), then this rank's columns
+        return True, _columns(_convert(t, module, rows, like, group, device), columns)
 
     def use(r: Read, value: tuple[bool, torch.Tensor]) -> None:
-        t, like, group = jobs[id(r)]
+        t, like, group, _ = jobs[id(r)]
         module = t.holders[0][0]
         done, local = value
         if not done:
