@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ParallelStyle
 
 from foundryx.errors import ConfigError
+from foundryx.parallel.loss_parallel import SplitLogits, loss_parallel, whole_logits
 from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
 
 log = logging.getLogger(__name__)
@@ -182,7 +182,7 @@ def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
     if style in ("colwise", "colwise_fused"):
         return [colwise()]
     if style == "colwise_loss_parallel":
-        return [colwise(output_layouts=Shard(-1), use_local_output=False), _SplitLogits()]
+        return [colwise(output_layouts=Shard(-1), use_local_output=False), SplitLogits()]
     if style == "vocab_parallel_embedding":
         return [rowwise(input_layouts=Replicate(), output_layouts=Replicate())]
     if style == "colwise_gather":
@@ -218,9 +218,10 @@ def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
 
 def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: str) -> None:
     """torchtitan's rule for LoRA adapters on a split linear layer: column-wise base (a fused
-    one's slices too) -> ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0)); row-wise base ->
-    ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on the whole sequence;
-    its output then cut to this rank's sequence shard, as the base layer's is)."""
+    one's slices too) -> ``lora_A`` replicated, ``lora_B`` split by output rows (Shard(0));
+    row-wise base -> ``lora_A`` split by input columns (Shard(1)), ``lora_B`` replicated (on
+    the whole sequence; its output then cut to this rank's sequence shard, as the base
+    layer's is)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -291,86 +292,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
         owner, attr = find_plan(model)[1], plan["loss_parallel"]
         setattr(owner, attr, loss_parallel(getattr(owner, attr)))
         if callable(getattr(model, "eval_forward", None)):  # Composer's train metrics reuse
-            model.eval_forward = _whole_logits(model.eval_forward)  # the training outputs
+            model.eval_forward = whole_logits(model.eval_forward)  # the training outputs
     if not touched:
         raise ConfigError([f"parallelism.tp: the tensor-parallel plan of {model_name} matches no "
                            f"module (patterns {sorted(layers)[:3]} ...); the plan and the model "
                            "disagree"])
     return touched
-
-
-class _SplitLogits(ParallelStyle):
-    """A parallel style (a forward hook on the LM head): its DTensor logits stay split by
-    vocabulary in training (the loss runs on them, :func:`loss_parallel`), and are gathered
-    whole in eval, where metrics and ICL tasks read them."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        module.register_forward_hook(_logits_for_mode)
-        return module
-
-
-def _logits_for_mode(module: nn.Module, args: Any, out: Any) -> Any:
-    return out if module.training else out.full_tensor()
-
-
-def _whole_logits(eval_forward: Any) -> Any:
-    """A ComposerModel's ``eval_forward`` whose outputs hold whole logits: Composer's training
-    metrics are computed on the training step's outputs, whose logits are split (gathered here,
-    without autograd, once per step)."""
-    from torch.distributed.tensor import DTensor
-
-    def whole(batch: Any, outputs: Any = None) -> Any:
-        out = eval_forward(batch, outputs)  # the logits (Composer's HF models), or a dict
-        if isinstance(out, DTensor):
-            return out.detach().full_tensor()
-        if isinstance(out, dict) and isinstance(out.get("logits"), DTensor):
-            out["logits"] = out["logits"].detach().full_tensor()
-        return out
-
-    return whole
-
-
-def loss_parallel(fn: Any) -> Any:
-    """``fn`` (a loss called as ``fn(logits=..., labels=..., ...)``) run on vocabulary-split
-    DTensor logits inside torch's ``loss_parallel`` context, forward and backward (each rank
-    holds its 1/tp of the logits and of their gradient; the loss is the same number); whole
-    logits go to ``fn`` as they are."""
-    from torch.distributed.tensor import DTensor
-
-    def loss(logits: Any = None, labels: Any = None, **kwargs: Any) -> Any:
-        if not isinstance(logits, DTensor):
-            return fn(logits=logits, labels=labels, **kwargs)
-        return _ParallelLoss.apply(logits, lambda x: fn(logits=x, labels=labels, **kwargs))
-
-    loss.foundryx_loss_parallel = fn  # what it wraps
-    return loss
-
-
-class _ParallelLoss(torch.autograd.Function):
-    """The loss's own graph built and run backward inside ``loss_parallel`` (which the caller's
-    ``backward()``, Composer's, does not enter)."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: Any, compute: Any) -> torch.Tensor:
-        from torch.distributed.tensor import DTensor
-        from torch.distributed.tensor.parallel import loss_parallel as context
-
-        with torch.enable_grad(), context():
-            x = logits.detach().requires_grad_(True)
-            out = compute(x)
-            out = out.full_tensor() if isinstance(out, DTensor) else out
-        ctx.inner = (x, out)
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, None]:
-        from torch.distributed.tensor.parallel import loss_parallel as context
-
-        x, out = ctx.inner
-        ctx.inner = None
-        with context():
-            torch.autograd.backward(out, grad)
-        return x.grad, None
 
 
 TESTED_TORCH = ("2.7.0", "2.14.1")  # the two legs of make test; tests/test_tp.py runs on both
