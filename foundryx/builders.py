@@ -110,6 +110,23 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
     return problems
 
 
+def frozen_base_checkpoint_problems(data: dict[str, Any]) -> list[str]:
+    """A LoRA run on a low-precision ``frozen_base`` whose base comes from no pretrained folder
+    and no ``load_path`` saves full checkpoints, the quantized base in them; DCP stores that
+    storage (a tensor subclass) pickled, which no checkpoint load reads back (no pickled code
+    runs: docs/checkpoints.md). Refused when it would save one."""
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if not (model.get("peft_config") and model.get("frozen_base") and data.get("save_folder")):
+        return []
+    pretrained = model.get("pretrained_model_name_or_path") and model.get("pretrained", True)
+    if pretrained or data.get("load_path"):
+        return []  # adapter-only checkpoints: the base is read again from its source
+    return ["model.frozen_base: LoRA on a base with no pretrained weights "
+            "(model.pretrained_model_name_or_path) and no load_path saves its quantized base in "
+            "every checkpoint, which cannot be read back; give the base's weights as one of "
+            "those, drop frozen_base, or drop save_folder"]
+
+
 def replicate_data_for_tp(cfg: TrainConfig) -> None:
     """Set ``dataset.replication`` of the text loaders to ``parallelism.tp`` (said in one line)."""
     tp = tp_degree(cfg.parallelism)

@@ -38,7 +38,8 @@ from foundryx.runtime import pick_device, setup_logging
 log = logging.getLogger("foundryx")
 
 # Checks of a run config by layers above foundryx.config, run with its own by load_run_config.
-RUN_CONFIG_CHECKS = (run_config_icl_problems, builders.tp_run_problems)
+RUN_CONFIG_CHECKS = (run_config_icl_problems, builders.tp_run_problems,
+                     builders.frozen_base_checkpoint_problems)
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None,

@@ -333,3 +333,27 @@ def test_low_precision_bases_train_as_well_as_bf16_on_tinyshakespeare(shared_dir
         assert final[dtype] < 0.75 * losses[0], (dtype, losses[0], final[dtype])
     for dtype in ("int8", "fp8", "nf4"):
         assert abs(final[dtype] - final["bf16"]) <= 0.03 * final["bf16"], final
+
+
+def test_a_checkpoint_holding_a_quantized_base_is_refused_up_front(quickstart_data):
+    """LoRA on a frozen_base with no pretrained weights and no load_path would save the
+    quantized base (pickled by DCP, which no load reads back): refused before the run, with
+    the ways out; with a load_path (adapter-only checkpoints) or no save_folder it runs."""
+    from foundryx.builders import frozen_base_checkpoint_problems
+    from foundryx.errors import ConfigError
+    from foundryx.train import load_run_config
+
+    lora = ["model.peft_config.peft_type=LORA", "model.peft_config.r=4",
+            "model.peft_config.target_modules=[o]", "model.frozen_base.dtype=int8"]
+    with pytest.raises(ConfigError) as e:
+        load_run_config("yamls/quickstart.yaml", [f"variables.data_root={quickstart_data}",
+                                                  "save_folder=runs/x", *lora])
+    assert "model.frozen_base: LoRA on a base with no pretrained weights" in str(e.value)
+    assert "load_path" in str(e.value)
+    model = {"peft_config": {"r": 4}, "frozen_base": {"dtype": "int8"}}
+    assert frozen_base_checkpoint_problems({"model": model}) == []
+    assert frozen_base_checkpoint_problems({"model": model, "save_folder": "s", "load_path": "b"}) == []
+    hf = {**model, "pretrained_model_name_or_path": "some/folder"}
+    assert frozen_base_checkpoint_problems({"model": hf, "save_folder": "s"}) == []
+    assert len(frozen_base_checkpoint_problems({"model": {**hf, "pretrained": False},
+                                                "save_folder": "s"})) == 1
