@@ -71,7 +71,7 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
         out = tmp_path / name
         r = launch(["train.py", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
                     "max_duration=2ba", "eval_interval=2ba", "optimizer.lr=0.0",
-                    "global_train_batch_size=4", "save_folder=null", f"icl_tasks={tasks}",
+                    "global_train_batch_size=4", f"icl_tasks={tasks}",
                     f"loggers.jsonl.path={out}/metrics.jsonl", "device_eval_batch_size=8",
                     "eval_subset_num_batches=1", "progress_bar=false", parallelism,
                     f"load_path={weights}", f"save_folder={out}/ckpt", "save_interval=2ba",
