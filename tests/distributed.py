@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -142,7 +143,13 @@ def _rank_main(rank: int, world_size: int, backend: str, env: dict[str, str], fo
             out.with_suffix(".exception").write_bytes(data)
         os._exit(EXIT_RAISED)  # now, without waiting for peers stuck in a collective
     out.with_suffix(".result").write_bytes(result)
-    tdist.destroy_process_group()
+    # no destroy_process_group: on torch 2.7 its gloo destructor can deadlock (the main thread
+    # waiting on a mutex that a gloo thread holds while it waits for the GIL; seen with gdb in
+    # benchmarks/tp.py, and as a rank "still running" after its function returned in a test
+    # leg); the process ends now, as a failing rank does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _faithful_pickle(e: BaseException) -> bytes | None:
