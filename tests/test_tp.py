@@ -253,8 +253,10 @@ def _parts(t: Any) -> list[bytes]:
     from torch.distributed.tensor import DTensor
 
     local = t.to_local()
+    if type(local) is torch.Tensor:
+        return [t.full_tensor().numpy().tobytes()]
     out = []
-    for part in ([local] if type(local) is torch.Tensor else [local.qdata, local.scale]):
+    for part in (local.qdata, local.scale):  # a fused layer's: split by rows only
         raw = part.view(torch.uint8) if part.element_size() == 1 else part
         shape = (t.shape[0], *part.shape[1:])
         whole = DTensor.from_local(raw, t.device_mesh, t.placements, run_check=False, shape=shape,
