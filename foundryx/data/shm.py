@@ -22,8 +22,8 @@ So each foundryx process that builds a dataset holds a shared ``flock`` on
 ``<tmp>/foundryx_shm_<prefix>.lock`` for as long as it lives (the kernel releases it when the
 process dies, however it dies); at a normal exit the last of them removes that file and the
 lock files streaming leaves behind. A prefix is stale when its lock file exists but nobody
-holds the lock: then its segments, streaming's lock files and the lock file are removed. Prefixes without a foundryx lock file (other programs' datasets)
-are never touched.
+holds the lock: then its segments, streaming's lock files and the lock file are removed.
+Prefixes without a foundryx lock file (other programs' datasets) are never touched.
 """
 
 from __future__ import annotations

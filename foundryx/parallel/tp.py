@@ -262,7 +262,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
     problems = plan_problems(model, tp, model_name)
     if problems:
         raise ConfigError(problems)
-    prefix, _, plan = find_plan(model)
+    prefix, owner, plan = find_plan(model)
     layers: dict[str, str] = plan["layers"]
     local: dict[str, list[str]] = plan.get("local", {})
     touched, split_logits = 0, False
@@ -289,7 +289,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
                 p.requires_grad_(trainable[n])
             touched += 1
     if split_logits and plan.get("loss_parallel"):
-        owner, attr = find_plan(model)[1], plan["loss_parallel"]
+        attr = plan["loss_parallel"]
         setattr(owner, attr, loss_parallel(getattr(owner, attr)))
         if callable(getattr(model, "eval_forward", None)):  # Composer's train metrics reuse
             model.eval_forward = whole_logits(model.eval_forward)  # the training outputs
