@@ -25,7 +25,7 @@ from foundryx.loading import keep_stored_dtype, wants_pretrained
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
 from foundryx.models.peft.adapters import load_adapter, section_options
-from foundryx.models.peft.frozen_base import apply_frozen_base
+from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base, pack_offloaded
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.parallel import parallelize
@@ -76,8 +76,8 @@ def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size:
 def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
     batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators
-    read by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: NF4
-    and offloaded frozen bases (int8, fp8 and bf16 do)."""
+    read by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: an
+    NF4 frozen base (int8, fp8 and bf16 do, offloaded too)."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
         return []
@@ -102,11 +102,6 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
                         "and double-quantized scales run along each row, which a row-wise "
                         "tensor-parallel layer splits; use dtype: int8 or fp8 (scales per row, "
                         "split with the rows), or tp: 1")
-    if frozen.get("offload_fraction"):
-        problems.append(f"model.frozen_base.offload_fraction: {frozen['offload_fraction']} under "
-                        f"parallelism.tp: {tp}: offloaded layers are not split by tensor "
-                        "parallelism yet; use offload_fraction: 0.0 (tp already divides each "
-                        "rank's frozen weights by tp), or tp: 1")
     return problems
 
 
@@ -174,6 +169,11 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
     model = parallelize(model, parallelism, **kwargs)
     if plan is not None:
         load_pretrained(model, plan, kwargs.get("device") or default_device())
+    elif tp_degree(parallelism) > 1:  # TP cut the offloaded shards again: one buffer once more
+        offloaded = [m for m in model.modules()
+                     if isinstance(m, LowPrecisionLinear) and m.offload is not None]
+        if offloaded and not offloaded[0].offload.host.is_meta:
+            pack_offloaded(offloaded)
     return model
 
 

@@ -201,10 +201,13 @@ def _columns(local: torch.Tensor, columns: tuple[int, int] | None) -> torch.Tens
     return type(local).__tensor_unflatten__(parts, (shape, *meta[1:]), shape, None)
 
 
-def _offload_rows(t: Target) -> tuple[int, int, None, Any]:
+def _offload_rows(t: Target) -> tuple[int, int, tuple[int, int] | None, Any]:
+    """:func:`_rows` of an offloaded weight: this rank's rows of it, its columns under
+    tensor parallelism (a row-wise layer's), and the group its rows are split over."""
     off = t.holders[0][0].offload
     start, stop = off.shard_range()
-    return start, stop, None, (torch.distributed.group.WORLD if off.rows is not None else None)
+    group = None if off.rows is None else (off.group or torch.distributed.group.WORLD)
+    return start, stop, off.columns, group
 
 
 def _collective(t: Target, module: nn.Module) -> bool:

@@ -156,7 +156,7 @@ def parallelize(
         sum_only = sum_only_reductions(replicate, device.type)  # before any work: fail fast
         mesh = build_mesh(replicate, shard, device.type, tp)
         if tp > 1:  # torchtitan's order: TP, then AC, compile, FSDP
-            touched = apply_tensor_parallel(model, mesh["tp"])
+            touched = apply_tensor_parallel(model, mesh["tp"], world_mesh=mesh)
             if full:
                 permute_full_state(model, full)
             summary.append(f"tensor + sequence parallel over {tp} ranks ({touched} modules "

@@ -254,11 +254,40 @@ def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: 
             parallelize_module(b, tp_mesh, ColwiseParallel(output_layouts=out))
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str = "the model") -> int:
-    """Apply the model's plan over ``tp_mesh``; returns how many modules it touched."""
+def _offload_group(world_mesh: DeviceMesh) -> Any:
+    """The process group of the ranks that hold this rank's tensor-parallel block (the same
+    ``tp`` coordinate, ``tp`` the last mesh dimension): an offloaded layer's rows are split
+    over them. Every rank creates every group, as ``new_group`` asks."""
+    import torch.distributed as tdist
+
+    grid = world_mesh.mesh.reshape(-1, world_mesh.mesh.shape[-1])
+    mine = None
+    for j in range(grid.shape[1]):
+        ranks = grid[:, j].tolist()
+        group = tdist.new_group(ranks)
+        if tdist.get_rank() in ranks:
+            mine = group
+    return mine
+
+
+def _split_offloaded(module: nn.Module, style: str, tp_mesh: DeviceMesh, group: Any) -> None:
+    """An offloaded frozen layer (its weight in host memory, not a parameter TP's styles cut)
+    keeps its TP block, as the style cuts a weight (fused rows in TP's order)."""
+    from torch.distributed.tensor import Shard
+
+    placement = Shard(1) if style == "rowwise" else Shard(0)
+    module.offload.split_for_tp(tp_mesh, placement, group, getattr(module, ROWS_ATTR, None))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str = "the model",
+                          world_mesh: DeviceMesh | None = None) -> int:
+    """Apply the model's plan over ``tp_mesh`` (the ``tp`` dimension of ``world_mesh``; None:
+    tp is the whole world); returns how many modules it touched."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
+    offloaded = [m for m in model.modules() if getattr(m, "offload", None) is not None]
+    group = _offload_group(world_mesh or tp_mesh) if offloaded else None
     problems = plan_problems(model, tp, model_name)
     if problems:
         raise ConfigError(problems)
@@ -285,6 +314,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
                     _reorder_rows(module, tp)
                 for s in _styles(style, module):
                     parallelize_module(module, tp_mesh, s)
+            base = getattr(module, "base_layer", module)
+            if getattr(base, "offload", None) is not None:
+                _split_offloaded(base, style, tp_mesh, group)
             for n, p in module.named_parameters():  # TP styles make new nn.Parameters
                 p.requires_grad_(trainable[n])
             touched += 1

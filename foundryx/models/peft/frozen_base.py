@@ -31,10 +31,12 @@ LoRA checkpoint holds only the adapters).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from foundryx.errors import ConfigError
@@ -202,28 +204,42 @@ def _take_rows(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return out
 
 
-def _all_gather(t: torch.Tensor, world: int) -> torch.Tensor:
-    """Every rank's ``t`` (the same shape on all) concatenated along dim 0, in rank order;
-    one-byte float types travel as bytes (gloo has no float8)."""
+def _index_rows(storage: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """A row-scaled weight's rows in ``order``."""
+    return RowScaledTensor(storage.qdata[order], storage.scale[order], dtype=storage.dtype)
+
+
+def _take_columns(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """A copy of columns ``[start, stop)`` of a row-scaled weight (each row's scale whole: a
+    row's scale comes from all of its columns)."""
+    return RowScaledTensor(storage.qdata[:, start:stop].clone(), storage.scale.clone(),
+                           dtype=storage.dtype)
+
+
+def _all_gather(t: torch.Tensor, world: int, group: object = None) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on all) concatenated along dim 0, in rank order of
+    ``group`` (None: every rank); one-byte float types travel as bytes (gloo has no float8)."""
+    if world == 1:
+        return t
     as_bytes = t.dtype.itemsize == 1 and t.dtype != torch.uint8 and t.dtype != torch.int8
     send = (t.view(torch.uint8) if as_bytes else t).contiguous()
     parts = [torch.empty_like(send) for _ in range(world)]
-    torch.distributed.all_gather(parts, send)
+    torch.distributed.all_gather(parts, send, group=group)
     out = torch.cat(parts)
     return out.view(t.dtype) if as_bytes else out
 
 
-def _gather_rows(local: torch.Tensor, rows: int, world: int) -> torch.Tensor:
-    """The whole weight from every rank's row shard (``local``, on the device), all-gathered
-    in its low-precision form."""
+def _gather_rows(local: torch.Tensor, rows: int, world: int, group: object = None) -> torch.Tensor:
+    """The whole weight (under TP: this rank's block of it) from the row shards (``local``, on
+    the device) of the ``world`` ranks of ``group``, all-gathered in its low-precision form."""
     if isinstance(local, RowScaledTensor):
         per, n = -(-rows // world), local.qdata.shape[0]  # the last ranks may hold fewer rows
         q, sc = local.qdata, local.scale
         if n < per:
             q = torch.cat([q, q.new_zeros(per - n, *q.shape[1:])])
             sc = torch.cat([sc, sc.new_zeros(per - n)])
-        return RowScaledTensor(_all_gather(q, world)[:rows], _all_gather(sc, world)[:rows],
-                               dtype=local.dtype)
+        return RowScaledTensor(_all_gather(q, world, group)[:rows],
+                               _all_gather(sc, world, group)[:rows], dtype=local.dtype)
     from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs  # heavy import, only here
 
     whole = torch.Size((rows, *local.shape[1:]))  # NF4: every rank holds equal parts
@@ -237,10 +253,18 @@ def _gather_rows(local: torch.Tensor, rows: int, world: int) -> torch.Tensor:
 class _Offloaded:
     """One layer's frozen weight kept in host memory (with ``rows`` set: this rank's row
     shard of it); :meth:`take` gives the whole weight on the device (from the copy prefetched,
-    else a fresh one, all-gathered when sharded) and starts the copy of the next layer's."""
+    else a fresh one, all-gathered when sharded) and starts the copy of the next layer's.
+
+    Under tensor parallelism (:meth:`split_for_tp`) the weight is this rank's TP block instead
+    (rows of a column-wise layer, columns of a row-wise one), sharded by rows over the
+    data-parallel ranks that share the block, and :meth:`take` gives it as a DTensor."""
 
     def __init__(self, host: torch.Tensor, rows: int | None = None, world: int = 1) -> None:
         self.rows, self.world = rows, world  # rows None: host is the whole weight
+        self.group: object = None  # the process group the rows are split over (None: all ranks)
+        self.row_offset = 0  # under TP, column-wise: the whole weight's row the block starts at
+        self.columns: tuple[int, int] | None = None  # under TP, row-wise: the block's columns
+        self.placed: tuple[DeviceMesh, tuple, torch.Size] | None = None  # under TP: the DTensor
         self.host = host
         self.set_host(host)
         self.next: _Offloaded | None = None
@@ -254,10 +278,40 @@ class _Offloaded:
         self.host = host
 
     def shard_range(self) -> tuple[int, int]:
-        """The rows of the whole weight this rank holds."""
+        """The rows of the whole weight this rank holds (of its columns, under TP row-wise)."""
         if self.rows is None:
             return 0, self.host.shape[0]
-        return offload_rows(self.rows, _rank(), self.world)
+        rank = _rank() if self.group is None else torch.distributed.get_rank(self.group)
+        start, stop = offload_rows(self.rows, rank, self.world)
+        return self.row_offset + start, self.row_offset + stop
+
+    def split_for_tp(self, mesh: DeviceMesh, placement: Any, group: object,
+                     order: torch.Tensor | None = None) -> None:
+        """Keep this rank's tensor-parallel block of the weight (``placement`` over ``mesh``:
+        Shard(0), rows, for a column-wise layer, in ``order`` when TP reorders a fused layer's
+        rows; Shard(1), columns, for a row-wise one, each row's scale whole), its rows split
+        over ``group``, the data-parallel ranks that hold the same block. A weight already in
+        host memory is gathered whole once to be cut again (a meta placeholder: the loader
+        reads the new rows)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape = torch.Size((self.rows or self.host.shape[0], *self.host.shape[1:]))
+        whole = None
+        if not self.host.is_meta:
+            whole = self.host if self.rows is None else _gather_rows(self.host, self.rows, self.world)
+            if order is not None:
+                whole = _index_rows(whole, order)
+        local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
+        self.group, self.world = group, torch.distributed.get_world_size(group)
+        self.placed = (mesh, (placement,), shape)
+        if placement.dim == 0:
+            self.rows, self.row_offset = local[0], offset[0]
+        else:
+            self.rows, self.columns = shape[0], (offset[1], offset[1] + local[1])
+        if whole is not None:
+            start, stop = self.shard_range()
+            part = _take_rows(whole, start, stop)
+            self.set_host(part if self.columns is None else _take_columns(part, *self.columns))
 
     def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
         self.copies += 1
@@ -289,7 +343,11 @@ class _Offloaded:
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
         if self.rows is not None:
-            w = _gather_rows(w, self.rows, self.world)
+            w = _gather_rows(w, self.rows, self.world, self.group)
+        if self.placed is not None:
+            mesh, placements, shape = self.placed
+            w = DTensor.from_local(w, mesh, placements, run_check=False, shape=shape,
+                                   stride=(shape[1], 1))
         neighbour = self.prev if backward else self.next  # backward runs the layers reversed
         if neighbour is not None:
             neighbour.prefetch(device)
