@@ -1,22 +1,23 @@
 """ICL evaluators in a training run on several processes, with and without tensor parallelism:
 the ranks of a tensor-parallel group read the same examples (padded to a multiple of tp for
 sequence parallelism) and only the first counts them, so the results equal FSDP's; generation
-tasks under tp are refused with the way out."""
+tasks under tp generate the texts of FSDP."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 import yaml
+from distributed import run_distributed
 from launcher import launch
 from safetensors.torch import load_file
 
 from foundryx.checkpoint.layout import DCP_DIR
-from foundryx.errors import ConfigError
 from foundryx.eval.data import data_parallel_share, rank_share
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.eval.quickstart_tasks import write_quickstart_tasks
@@ -38,32 +39,91 @@ def test_each_example_is_counted_once_over_data_parallel_ranks_and_tp_groups():
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2]  # tp groups (0,1), (2,3)
 
 
-def test_generation_tasks_under_tp_are_refused_with_the_way_out(tiny_tokenizer, tmp_path):
-    rows = [{"context": f"Question {i}:", "answer": f" {i}"} for i in range(4)]
+MESHES = {"shard4": (4, 1), "shard2xtp2": (2, 2)}
+
+
+def _generations(tokenizer: Any, task_file: str) -> dict[str, dict[int, str]]:
+    """Every example's generated text, by example id, for an MPT and a Llama at each mesh,
+    through the run's own path: the ICL evaluator's batches and Composer's ``eval_forward``
+    (Hugging Face ``generate`` under FSDP; foundryx's padded steps under tp)."""
+    import torch.distributed as tdist
+
+    from foundryx.config.schema import ParallelismConfig
+    from foundryx.models.hf import ComposerHFCausalLM
+    from foundryx.models.mpt.composer import ComposerMPTCausalLM
+    from foundryx.parallel import parallelize
+
+    torch.set_num_threads(1)
+    vocab = len(tokenizer)
+    builders = {
+        "mpt": lambda: ComposerMPTCausalLM(tokenizer, d_model=32, n_heads=4, n_layers=2,
+                                           max_seq_len=128, vocab_size=vocab,
+                                           attn_config={"rope": True}, norm_type="rmsnorm"),
+        "llama": lambda: ComposerHFCausalLM(tokenizer, config=dict(
+            model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+            max_position_embeddings=128, tie_word_embeddings=False), pretrained=False,
+            attn_implementation="sdpa"),
+    }
+    tasks = [{"label": "gen", "dataset_uri": task_file, "icl_task_type": "generation_task_with_answers",
+              "num_fewshot": [1], "stop_sequences": ["."], "batch_size": 3}]
+    out: dict[str, dict[int, str]] = {}
+    for kind, build in builders.items():
+        for name, (shard, tp) in MESHES.items():
+            torch.manual_seed(0)
+            model = build()
+            parallelize(model, ParallelismConfig(data_parallel_shard_degree=shard, tp=tp),
+                        device=torch.device("cpu"))
+            model.eval()
+            cfg = SimpleNamespace(icl_tasks=tasks, eval_gauntlet=None, icl_data_root=None,
+                                  max_seq_len=128, icl_max_examples=None,
+                                  parallelism=SimpleNamespace(tp=tp))
+            (evaluator,), _ = build_icl_evaluators(cfg, tokenizer, model, 3)
+            texts = {}
+            with torch.no_grad():
+                for batch in evaluator.dataloader.dataloader:
+                    ids = batch["example_id"].tolist()
+                    texts.update(zip(ids, model.eval_forward(batch)))
+            every: list[Any] = [None] * tdist.get_world_size()
+            tdist.all_gather_object(every, texts)
+            out[f"{kind} {name}"] = {k: v for t in every for k, v in t.items()}
+    return out
+
+
+def test_generation_tasks_under_tp_give_the_texts_of_fsdp(tiny_tokenizer, tmp_path):
+    """A generation task (1-shot, a stop sequence, batches of 3: the data-parallel groups
+    decode different rows for different numbers of steps) on 4 processes: (shard 2 x tp 2)
+    generates, for every example, the text (shard 4) generates, for an MPT (no KV cache) and a
+    Llama (KV cache, grouped kv heads)."""
+    rows = [{"context": f"Question {i}: what comes after {i}?", "answer": f" {i + 1}."}
+            for i in range(13)]
     (tmp_path / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tasks = [{"label": "gen", "dataset_uri": str(tmp_path / "gen.jsonl"),
-              "icl_task_type": "generation_task_with_answers"}]
-    cfg = SimpleNamespace(icl_tasks=tasks, eval_gauntlet=None, icl_data_root=None, max_seq_len=64,
-                          icl_max_examples=None, parallelism=SimpleNamespace(tp=2))
-    with pytest.raises(ConfigError) as err:
-        build_icl_evaluators(cfg, tiny_tokenizer, SimpleNamespace(), 4)
-    said = str(err.value)
-    assert "icl_tasks: gen: generation tasks do not run under parallelism.tp: 2" in said, said
-    assert "foundryx eval" in said and "tp: 1" in said, said
+    got = run_distributed(_generations, world_size=4, args=(tiny_tokenizer, str(tmp_path / "gen.jsonl")),
+                          timeout=600)[0]
+    for kind in ("mpt", "llama"):
+        ref, tp = got[f"{kind} shard4"], got[f"{kind} shard2xtp2"]
+        assert sorted(ref) == list(range(13)), ref
+        assert tp == ref, (kind, {k: (ref[k], tp.get(k)) for k in ref if tp.get(k) != ref[k]})
+        assert len(set(ref.values())) > 1, ref  # the texts differ: the rows were decoded
 
 
 @pytest.mark.slow
 @pytest.mark.modern_leg
 def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickstart_data, tmp_path):
-    """The quickstart recipe (an MPT) on 2 processes with its ICL tasks, once as FSDP (shard 2)
-    and once as tp 2; the learning rate is 0, so both evaluate the same weights. Both save a
+    """The quickstart recipe (an MPT) on 2 processes with its ICL tasks (a generation task
+    too), once as FSDP (shard 2) and once as tp 2; the learning rate is 0, so both evaluate the same weights. Both save a
     checkpoint and an hf_export: the tp run's hold the same tensors as FSDP's (MPT's fused Wqkv
     in its logical row order, not the TP ranks'), and the same sample and token counts."""
     write_quickstart_tasks(tmp_path / "eval", seed=0)
+    facts = [json.loads(line) for line in (tmp_path / "eval/facts_lm.jsonl").read_text().splitlines()]
+    (tmp_path / "eval/facts_gen.jsonl").write_text("".join(  # the facts as questions to answer
+        json.dumps({"context": f["context"], "answer": f["continuation"]}) + "\n" for f in facts))
     tasks = tmp_path / "tasks.yaml"
     tasks.write_text(yaml.safe_dump({"data_root": str(tmp_path / "eval"), "icl_tasks": [
         {"label": "facts_lm", "dataset_uri": "facts_lm.jsonl", "icl_task_type": "language_modeling"},
         {"label": "facts_mc", "dataset_uri": "facts_mc.jsonl", "icl_task_type": "multiple_choice"},
+        {"label": "facts_gen", "dataset_uri": "facts_gen.jsonl",
+         "icl_task_type": "generation_task_with_answers", "max_new_tokens": 4},
     ]}))
     weights = _weights_file(tmp_path / "start.safetensors")
     results = {}
@@ -81,7 +141,7 @@ def test_icl_in_training_on_two_processes_equals_with_tensor_parallelism(quickst
         assert r.returncode == 0, said[-6000:]
         results[name] = {k: v for row in read_metrics(out / "metrics.jsonl")
                          for k, v in row.items() if "-shot/" in k}
-    assert len(results["fsdp"]) == 2, results
+    assert len(results["fsdp"]) == 3, results
     # 176 questions each; a random model: chance on the 4 choices, ~0 on exact answers
     assert 0.15 < results["fsdp"]["metrics/facts_mc/0-shot/ICLMultipleChoiceAccuracy"] < 0.35
     assert results["tp"] == results["fsdp"]

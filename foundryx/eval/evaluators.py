@@ -16,6 +16,7 @@ from foundryx.config.schema import tp_degree
 from foundryx.errors import ConfigError
 from foundryx.eval.data import build_dataspec, data_parallel_share, prepare_task
 from foundryx.eval.gauntlet import Gauntlet, gauntlet_scores, load_gauntlet
+from foundryx.eval.generate_tp import use_sequence_parallel_generate
 from foundryx.eval.models import model_max_len
 from foundryx.eval.task_config import load_icl_tasks
 
@@ -52,11 +53,8 @@ def build_icl_evaluators(cfg: TrainConfig, tokenizer: Any, model: Any,
         t, tokenizer, cfg.max_seq_len or limit or 2048, cfg.icl_max_examples, limit)]
     tp = tp_degree(cfg.parallelism)
     generating = sorted({p.cfg.label for p in prepared if p.task_type.mode == "generate"})
-    if tp > 1 and generating:
-        raise ConfigError([f"icl_tasks: {', '.join(generating)}: generation tasks do not run "
-                           f"under parallelism.tp: {tp} yet (sequence parallelism splits each "
-                           "step's sequence over the tensor-parallel ranks); evaluate the "
-                           "checkpoint with `foundryx eval`, or use tp: 1"])
+    if tp > 1 and generating:  # each step's input a multiple of tp long
+        use_sequence_parallel_generate(model, tp)
     names = add_icl_metrics(model, {p.metric for p in prepared})
     # under tp the ranks of a group read the same examples, padded to a multiple of tp
     rank, world, counts = data_parallel_share(dist.get_global_rank(), dist.get_world_size(), tp)

@@ -53,7 +53,7 @@ def fast_path_problem(hf: Any) -> str | None:
     return None
 
 
-def _new_cache(hf: Any) -> Any:
+def new_cache(hf: Any) -> Any:
     """The cache ``generate`` would start with: a DynamicCache where the model supports one."""
     supports = getattr(hf, "_supports_default_dynamic_cache", None)
     if callable(supports) and supports():
@@ -102,7 +102,7 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     rows = torch.arange(n)  # batch position -> original row
     ids = input_ids
     kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
-    cache = _new_cache(hf)
+    cache = new_cache(hf)
     if cache is not None:
         kwargs["past_key_values"] = cache
     if "logits_to_keep" in _forward_params(hf):
