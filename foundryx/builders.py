@@ -59,7 +59,8 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
             load_adapter(inner_model(model), adapter)
     frozen = cfg.model.get("frozen_base")
     if frozen is not None:  # after LoRA, before parallelism
-        model = apply_frozen_base(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"))
+        model = apply_frozen_base(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"),
+                                  tp=tp_degree(getattr(cfg, "parallelism", None)))
     return model
 
 
@@ -76,8 +77,7 @@ def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size:
 def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
     batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators
-    read by data-parallel rank: foundryx.eval.data). What else does not run under tp yet: an
-    NF4 frozen base (int8, fp8 and bf16 do, offloaded too)."""
+    read by data-parallel rank: foundryx.eval.data)."""
     tp = tp_degree(data.get("parallelism"))
     if tp == 1:
         return []
@@ -95,13 +95,6 @@ def tp_run_problems(data: dict[str, Any]) -> list[str]:
             if rep not in (None, tp):
                 problems.append(f"{key}.dataset.replication: {rep}, but parallelism.tp is {tp}; "
                                 f"drop it (foundryx sets it to {tp})")
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    frozen = model.get("frozen_base") if isinstance(model.get("frozen_base"), dict) else {}
-    if frozen.get("dtype") == "nf4":
-        problems.append(f"model.frozen_base.dtype: nf4 under parallelism.tp: {tp}: NF4's blocks "
-                        "and double-quantized scales run along each row, which a row-wise "
-                        "tensor-parallel layer splits; use dtype: int8 or fp8 (scales per row, "
-                        "split with the rows), or tp: 1")
     return problems
 
 

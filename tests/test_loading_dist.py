@@ -173,7 +173,7 @@ def test_tied_embeddings_stay_one_parameter_under_meta_init(tmp_path):
     assert results[0]["meta_losses"] == results[1]["meta_losses"]
 
 
-def _tp_build(folder: str, frozen: str | None, init: str) -> dict:
+def _tp_build(folder: str, frozen: str | None, init: str, offload: float = 0.0) -> dict:
     """One build at (shard 2 x tp 2), a fresh launch each (torch 2.7's DTensor caches the
     vocabulary-parallel embedding's mask between models of one process: the second model's
     forward failed); its stored bytes, placements and 2 training steps; for the meta-built
@@ -186,14 +186,17 @@ def _tp_build(folder: str, frozen: str | None, init: str) -> dict:
     torch.set_num_threads(1)  # 4 processes on a 2-core machine
     section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": folder, "init_device": init}
     if frozen:
-        section.update(peft_config=LORA, frozen_base={"dtype": frozen})
-    cfg = SimpleNamespace(model=section, optimizer={"name": "adamw", "lr": 1e-2})
+        section.update(peft_config=LORA, frozen_base={"dtype": frozen, "offload_fraction": offload})
+    parallelism = ParallelismConfig(data_parallel_shard_degree=2, tp=2)
+    cfg = SimpleNamespace(model=section, optimizer={"name": "adamw", "lr": 1e-2},
+                          parallelism=parallelism)
     torch.manual_seed(0)
-    model = builders.parallelize_and_load(
-        builders.build_model(cfg, None), ParallelismConfig(data_parallel_shard_degree=2, tp=2),
-        device=torch.device("cpu"))
+    model = builders.parallelize_and_load(builders.build_model(cfg, None), parallelism,
+                                          device=torch.device("cpu"))
     out = {"placements": sorted({str(p.placements) for p in model.parameters()}),
            "state": {n: _local_bytes(p) for n, p in model.named_parameters()}}
+    out["state"].update({f"{n} (offloaded)": _local_bytes(m.offload.host)
+                         for n, m in model.named_modules() if getattr(m, "offload", None)})
     if frozen is None and init == "meta":  # bit for bit from_pretrained's weights
         ref = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).state_dict()
         mine = {k.removeprefix("model."): p.full_tensor() for k, p in model.state_dict().items()}
@@ -207,12 +210,17 @@ def test_shard_on_read_reads_each_ranks_2d_block_under_tensor_parallelism(tmp_pa
     """Under (shard 2 x tp 2) a meta-built Llama reads its 2-D blocks (column-wise layers: rows
     split by TP, then by FSDP; row-wise ones: columns by TP; the vocabulary-parallel embedding
     and head): bit for bit from_pretrained's weights, each rank the same stored bytes as when
-    every rank loads the whole model (an int8 base quantized from whole rows, then cut), and
-    the same losses (within 1e-6: the first loss differs in its last bits, weights equal)."""
+    every rank loads the whole model (an int8 base quantized from whole rows, then cut; an NF4
+    base, half of it offloaded, its scaler mean over every rank's rows), and the same losses
+    (within 1e-6: the first loss differs in its last bits, weights equal)."""
     folder = save_llama(tmp_path / "bf16", torch.bfloat16)
-    for frozen in (None, "int8"):
-        cpu, meta = (run_distributed(_tp_build, world_size=4, args=(folder, frozen, init),
+    # NF4 needs each rank's columns of a row to be whole groups of 64-weight blocks: wider
+    wide = save_llama(tmp_path / "wide", torch.bfloat16, hidden_size=128, intermediate_size=256)
+    for frozen, src, offload in ((None, folder, 0.0), ("int8", folder, 0.0), ("nf4", wide, 0.5)):
+        cpu, meta = (run_distributed(_tp_build, world_size=4, args=(src, frozen, init, offload),
                                      timeout=600) for init in ("cpu", "meta"))
+        if offload:  # half of the frozen layers in host memory, each rank its part of its block
+            assert sum(n.endswith("(offloaded)") for n in meta[0]["state"]) == 7, meta[0]["state"].keys()
         for c, m in zip(cpu, meta):
             assert m.get("exact", []) == [], m["exact"]
             assert c["placements"] == m["placements"]

@@ -34,10 +34,12 @@ LORA_TARGETS = {"mpt": ["q", "v", "o", "up", "down"], "llama": ["q_proj", "v_pro
 VARIANTS = ("full", "lora", "lora+int8")  # what trains: all weights; LoRA; LoRA on an int8 base
 # with half of its layers offloaded to host memory (and "lora+fp8", "lora+bf16": the other
 # row-scaled storages, in a 2-process test)
-OFFLOAD = {"int8": 0.5}
+OFFLOAD = {"int8": 0.5, "nf4": 0.5}
+# NF4 needs each rank's columns of a row to be whole groups of 64-weight blocks: wider layers
+NF4_DIMS = {"mpt": dict(d_model=256), "llama": dict(hidden_size=256, intermediate_size=512)}
 
 
-def _build(kind: str, variant: str):
+def _build(kind: str, variant: str, dims: dict[str, Any] | None = None, nf4_tp: int = 1):
     from foundryx.models.peft.frozen_base import apply_frozen_base
     from foundryx.models.peft.frozen_options import FrozenBaseOptions
     from foundryx.models.peft.lora import apply_lora
@@ -46,26 +48,27 @@ def _build(kind: str, variant: str):
     if kind == "mpt":
         from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
-        model = ComposerMPTCausalLM(None, **MPT)
+        model = ComposerMPTCausalLM(None, **{**MPT, **(dims or {})})
     else:
         from foundryx.models.hf import ComposerHFCausalLM
 
-        model = ComposerHFCausalLM(None, config=dict(LLAMA), pretrained=False,
+        model = ComposerHFCausalLM(None, config={**LLAMA, **(dims or {})}, pretrained=False,
                                    attn_implementation="sdpa")
     if variant != "full":  # colwise and rowwise bases: both adapter rules
         model = apply_lora(model, LoraOptions(target_modules=LORA_TARGETS[kind], r=4, lora_alpha=8))
     if variant.startswith("lora+"):  # every frozen linear layer (MPT's fused Wqkv too) stored so
         dtype = variant.removeprefix("lora+").removesuffix("-kept")  # -kept: none offloaded
         offload = 0.0 if variant.endswith("-kept") else OFFLOAD.get(dtype, 0.0)
-        model = apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload))
+        model = apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload),
+                                  tp=nf4_tp)
     return model
 
 
-def _setup(kind: str, shard: int, tp: int, variant: str = "full"):
+def _setup(kind: str, shard: int, tp: int, variant: str = "full", **build: Any):
     from foundryx.parallel import parallelize
 
     torch.manual_seed(0)
-    model = _build(kind, variant)
+    model = _build(kind, variant, **build)
     parallelize(model, ParallelismConfig(data_parallel_shard_degree=shard, tp=tp),
                 device=torch.device("cpu"))
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -73,7 +76,7 @@ def _setup(kind: str, shard: int, tp: int, variant: str = "full"):
 
 def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(STEPS),
             model=None, opt=None, save: tuple[int, str] | None = None,
-            first_step: dict[str, float] | None = None) -> list[float]:
+            first_step: dict[str, float] | None = None, **build: Any) -> list[float]:
     """The mean loss of each of ``steps`` (AdamW steps on the same global batches at any mesh);
     ``save=(step, folder)``: a DCP checkpoint (model + AdamW state, as foundryx's checkpoints
     hold them) before that step; ``first_step``: gets the first step's gradient norm
@@ -92,7 +95,7 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
     # entropy, ln 64, so "it trains" is checked as weights that move
     ids = torch.randint(0, 64, (STEPS, 4 * PER_DP, SEQ), generator=torch.Generator().manual_seed(1))
     if model is None:
-        model, opt = _setup(kind, shard, tp, variant)
+        model, opt = _setup(kind, shard, tp, variant, **build)
     mine = rank // tp  # the data-parallel group: TP ranks share a batch
     trained = [p for p in model.parameters() if p.requires_grad]
     before = [getattr(p, "_local_tensor", p).detach().clone() for p in trained]
@@ -260,6 +263,34 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
             assert _close(got, straight), (name, got, straight)
 
 
+def _nf4_meshes(kind: str) -> dict[str, Any]:
+    """LoRA on an NF4 base, half of its layers offloaded, at every mesh. Every mesh quantizes
+    alike (``to_nf4`` aligned for tp 4, the largest), so the losses show what TP's cut of NF4
+    rows and columns changes: nothing."""
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {name: _losses(kind, shard, tp, "lora+nf4", range(STEPS // 2),
+                                         dims=NF4_DIMS[kind], nf4_tp=4)
+                           for name, (shard, tp) in MESHES.items()}
+    model, _ = _setup(kind, 2, 2, "lora+nf4", dims=NF4_DIMS[kind], nf4_tp=4)
+    out["nf4 params"] = sum(hasattr(getattr(p, "_local_tensor", p), "quantized_scalers")
+                            for p in model.parameters())  # NF4 bytes, not dense copies
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mpt", "llama"])
+def test_an_nf4_base_under_tp_gives_the_losses_of_fsdp(kind):
+    """NF4 where its blocks allow: a column-wise layer's rank keeps its rows (MPT's fused Wqkv
+    reordered by rows), a row-wise one its columns, each a whole number of scaler groups;
+    FSDP2 then shards and all-gathers the NF4 parts. (shard 2 x tp 2) and (tp 4) give the
+    losses of (shard 4), with half of the layers offloaded."""
+    results = run_distributed(_nf4_meshes, world_size=4, args=(kind,), timeout=900)
+    for r in results:
+        for name in ("shard2xtp2", "tp4"):
+            assert _close(r[name], r["shard4"]), (name, r[name], r["shard4"])
+        assert r["nf4 params"] == {"mpt": 5, "llama": 7}[kind], r  # half of 2 blocks' layers
+
+
 def _fp8_and_bf16_bases(kind: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {(variant, name): _losses(kind, shard, tp, variant, steps=range(3))
                            for variant in ("lora+fp8", "lora+bf16")
@@ -353,12 +384,9 @@ def test_tp_data_and_checkpoint_problems_are_said_up_front():
     assert any(p.startswith("train_loader.name: 'finetuning' with parallelism.tp: 2") for p in problems)
     # an int8 (fp8, bf16) base, ICL tasks and an MPT's checkpoints run under tp
     assert len(problems) == 1, problems
-    nf4 = {**data["model"], "frozen_base": {"dtype": "nf4", "offload_fraction": 0.5}}
-    problems = tp_run_problems({"parallelism": {"tp": 2}, "model": nf4})
-    assert [p.split(":")[0] for p in problems] == ["model.frozen_base.dtype"], problems
-    assert "use dtype: int8 or fp8" in problems[0]
-    offloaded = {**data["model"], "frozen_base": {"dtype": "fp8", "offload_fraction": 0.5}}
-    assert tp_run_problems({"parallelism": {"tp": 2}, "model": offloaded}) == []
+    for dtype in ("nf4", "fp8"):  # offloaded too (NF4's block sizes: checked as it is built)
+        offloaded = {**data["model"], "frozen_base": {"dtype": dtype, "offload_fraction": 0.5}}
+        assert tp_run_problems({"parallelism": {"tp": 2}, "model": offloaded}) == []
     assert tp_run_problems({**data, "parallelism": {"tp": 1}}) == []
 
 
@@ -386,3 +414,17 @@ def test_an_operator_torch_cannot_split_names_the_torch_versions_tested():
     assert "tested on torch 2.7.0 and 2.14.1" in problem and "or tp: 1" in problem
     assert missing_op_error(err, 1) is None  # not a tensor-parallel run: torch's own error
     assert missing_op_error(NotImplementedError("something else"), 2) is None
+
+
+def test_nf4_layers_tp_cannot_split_by_whole_blocks_are_a_config_error():
+    from foundryx.models.peft.frozen_base import to_nf4
+
+    with pytest.raises(ConfigError) as err:
+        to_nf4(torch.randn(64, 192), "blocks.0.attn.out_proj", tp=2)
+    said = str(err.value)
+    assert "nf4 under parallelism.tp: 2 needs each frozen linear weight's columns to be a " \
+           "multiple of 64 x 2" in said, said
+    assert "'blocks.0.attn.out_proj' is (64, 192)" in said and "use dtype: int8 or fp8" in said
+    # 256 columns split over 2 ranks are whole groups of blocks: the largest scaler group then
+    assert to_nf4(torch.randn(64, 256), "x", tp=2).scaler_block_size == 2
+    assert to_nf4(torch.randn(64, 256), "x").scaler_block_size == 256

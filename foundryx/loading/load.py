@@ -36,6 +36,7 @@ from foundryx.loading.quantize import nf4, nf4_encode, rowwise
 from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, pack_offloaded, stored_bytes
 from foundryx.models.peft.lora import inner_model
+from foundryx.models.peft.nf4_parts import nf4_part
 from foundryx.parallel import dist
 from foundryx.parallel.materialize import LOADED_ATTR
 
@@ -159,7 +160,8 @@ def _rows(p: torch.Tensor) -> tuple[int, int, tuple[int, int] | None, Any]:
     """``(start, stop, columns, group)``: the rows of ``p``'s dim 0 this rank holds, the
     columns ``(start, stop)`` when it holds only some (a tensor-parallel row-wise layer's
     input features; None: all), and the process group the rows are split over (None when it
-    holds them all; on a 2-D mesh, the group of the first mesh dimension that splits rows)."""
+    holds them all; on a 2-D mesh, the group of the mesh dimension that splits rows, or every
+    rank when several do)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -167,11 +169,11 @@ def _rows(p: torch.Tensor) -> tuple[int, int, tuple[int, int] | None, Any]:
     rows = p.shape[0] if p.dim() else 1
     if not isinstance(p, DTensor):
         return 0, rows, None, None
-    group = None
+    group, splits = None, 0
     for i, pl in enumerate(p.placements):  # _StridedShard: FSDP2 over rows TP split already
         split = isinstance(pl, (Shard, _StridedShard))
         if split and pl.dim == 0:
-            group = group or p.device_mesh.get_group(i)
+            group, splits = group or p.device_mesh.get_group(i), splits + 1
         elif not (isinstance(pl, Replicate) or (split and pl.dim == 1)):
             raise PretrainedLoadError(f"cannot load into a parameter placed as {p.placements}: "
                                       "only Shard(0), Shard(1) and Replicate are supported")
@@ -181,6 +183,8 @@ def _rows(p: torch.Tensor) -> tuple[int, int, tuple[int, int] | None, Any]:
     columns = None
     if p.dim() > 1 and shape[1] != p.shape[1]:
         columns = (offset[1], offset[1] + shape[1])
+    if splits > 1:  # rows split over several mesh dimensions (TP, then FSDP): every rank
+        group = torch.distributed.group.WORLD
     return offset[0], offset[0] + shape[0], columns, group
 
 
@@ -191,6 +195,8 @@ def _columns(local: torch.Tensor, columns: tuple[int, int] | None) -> torch.Tens
     if columns is None:
         return local
     start, stop = columns
+    if hasattr(local, "quantized_scalers"):  # NF4: whole groups of blocks of each row
+        return nf4_part(local, columns=columns)
     inner = getattr(local, "__tensor_flatten__", None)
     if inner is None:
         return local[:, start:stop].clone()
@@ -207,6 +213,8 @@ def _offload_rows(t: Target) -> tuple[int, int, tuple[int, int] | None, Any]:
     off = t.holders[0][0].offload
     start, stop = off.shard_range()
     group = None if off.rows is None else (off.group or torch.distributed.group.WORLD)
+    if off.placed is not None and off.columns is None:  # TP's rows, then their part: all ranks
+        group = torch.distributed.group.WORLD
     return start, stop, off.columns, group
 
 
@@ -218,7 +226,7 @@ def _collective(t: Target, module: nn.Module) -> bool:
 
 
 def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tensor, group: Any,
-             device: torch.device) -> torch.Tensor:
+             device: torch.device, start: int = 0) -> torch.Tensor:
     """The checkpoint ``rows`` in the form the model keeps them: its frozen-base storage, or
     its dtype, on ``device`` (offloaded weights stay in host memory). Always a new tensor:
     ``rows`` views the file's mapping, which must not outlive the load."""
@@ -226,7 +234,7 @@ def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tenso
     if t.kind != "buffer" and isinstance(module, LowPrecisionLinear) and t.holders[0][1] == "weight":
         rows = rows if t.kind == "offload" else rows.to(device)
         if module.storage == "nf4":
-            return nf4(rows, local_like, like.dtype, group)
+            return nf4(rows, local_like, like.dtype, group, start)
         return rowwise(rows, module.storage, like.dtype)
     return torch.empty(rows.shape, dtype=like.dtype, device=device).copy_(rows)
 
@@ -307,14 +315,15 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
             block = getattr(like, "_local_tensor", like).block_size
             return False, nf4_encode(rows, block, like.dtype)
         # whole rows converted (a row's scale needs all its columns), then this rank's columns
-        return True, _columns(_convert(t, module, rows, like, group, device), columns)
+        return True, _columns(_convert(t, module, rows, like, group, device, r.start), columns)
 
     def use(r: Read, value: tuple[bool, torch.Tensor]) -> None:
-        t, like, group, _ = jobs[id(r)]
+        t, like, group, columns = jobs[id(r)]
         module = t.holders[0][0]
         done, local = value
-        if not done:
-            local = nf4(local, getattr(like, "_local_tensor", like), like.dtype, group)
+        if not done:  # whole rows, as with every storage, then this rank's columns
+            local = _columns(nf4(local, getattr(like, "_local_tensor", like), like.dtype, group,
+                                 r.start), columns)
         since_trim[0] += r.byte_range[1] - r.byte_range[0]
         if since_trim[0] >= TRIM_EVERY_BYTES:
             since_trim[0] = 0

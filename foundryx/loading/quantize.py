@@ -199,21 +199,27 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
 
 
 def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
-        group: Any = None) -> Any:
-    """This rank's rows (or their :func:`nf4_encode`) as an ``NF4Tensor`` shard with the
-    block sizes of ``like`` (the meta NF4 shard FSDP2 made); the whole weight's scaler mean
-    from the block maxima of every rank of ``group`` (None: this rank holds the whole
-    weight)."""
-    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs
+        group: Any = None, start: int = 0) -> Any:
+    """This rank's rows (``start`` on, or their :func:`nf4_encode`) as an NF4 shard of the
+    type and block sizes of ``like`` (the meta NF4 shard FSDP2 made); the whole weight's scaler
+    mean from the block maxima of every rank of ``group`` (None: this rank holds the whole
+    weight), taken once per row range, in row order (ranks that hold the same rows, replicas
+    or a tensor-parallel group, send them alike)."""
+    from torchao.dtypes.nf4tensor import SubclassTensorArgs
 
     block, scaler_block = like.block_size, like.scaler_block_size
     absmax, data, size = rows if isinstance(rows, Encoded) else nf4_encode(rows, block, dtype)
     blocks = absmax.numel()
     whole = absmax
     if group is not None and torch.distributed.get_world_size(group) > 1:
-        parts = [torch.empty_like(absmax) for _ in range(torch.distributed.get_world_size(group))]
+        n = torch.distributed.get_world_size(group)
+        parts = [torch.empty_like(absmax) for _ in range(n)]
         torch.distributed.all_gather(parts, absmax, group=group)
-        whole = torch.cat(parts)
+        mine = torch.tensor([start], device=absmax.device)
+        starts = [torch.empty_like(mine) for _ in range(n)]
+        torch.distributed.all_gather(starts, mine, group=group)
+        first = {int(s): p for s, p in reversed(list(zip(starts, parts)))}
+        whole = torch.cat([first[s] for s in sorted(first)])
     mean = whole.mean()
     # torchao's double_quantize_scalers, on this rank's scaler blocks, around the whole mean
     centred = absmax - mean
@@ -223,5 +229,5 @@ def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
     lut = _nf4_lut(dtype).to(absmax.device)
     contiguous = torch.empty(size, dtype=dtype, device="meta")
     meta = SubclassTensorArgs(contiguous.size(), contiguous.stride(), 0, dtype, absmax.device, False)
-    return NF4Tensor(meta, block, like.n_blocks, scaler_block, quantized_scalers,
-                     factor.contiguous(), mean, data, lut)
+    return type(like)(meta, block, blocks, scaler_block, quantized_scalers, factor.contiguous(),
+                      mean, data, lut)

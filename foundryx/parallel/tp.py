@@ -114,16 +114,19 @@ def interleaved_rows(sizes: tuple[int, ...], tp: int) -> torch.Tensor:
 def _reorder_rows(module: nn.Module, tp: int) -> None:
     order = interleaved_rows(tuple(module._fused), tp)
     setattr(module, ROWS_ATTR, order)
+    if callable(getattr(module, "reorder_rows", None)):  # a low-precision layer reorders its own
+        module.reorder_rows(order)
+        return
     with torch.no_grad():
         for p in (module.weight, getattr(module, "bias", None)):
             if p is not None and not p.is_meta:
                 p.copy_(p[order])
 
 
-def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any) -> torch.Tensor:
-    """This rank's part of ``p`` as a DTensor, cut with ``narrow`` (the storage's own slicing:
-    a low-precision weight keeps its form; every rank holds the same ``p``, so nothing is
-    sent)."""
+def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any, part: Any = None) -> torch.Tensor:
+    """This rank's part of ``p`` as a DTensor, cut with ``narrow`` or, given, with ``part(dim,
+    start, stop)`` (a low-precision layer's own cut: the weight keeps its storage; every rank
+    holds the same ``p``, so nothing is sent)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -131,16 +134,18 @@ def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any) -> torch.Tensor:
     if isinstance(placement, Shard):
         shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, [placement])
         d = placement.dim
-        local = local.narrow(d, offset[d], shape[d]).clone()
+        local = (part(d, offset[d], offset[d] + shape[d]) if part is not None
+                 else local.narrow(d, offset[d], shape[d]).clone())
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=p.shape,
                               stride=p.stride())
 
 
 def _cut_params(layout: dict[str, Any], name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    part = getattr(module, "tp_part", None)  # a low-precision layer's cut of its weight
     for pname, p in list(module.named_parameters(recurse=False)):
         if p is not None:
-            module.register_parameter(pname, nn.Parameter(_cut(p, mesh, layout[pname]),
-                                                          requires_grad=p.requires_grad))
+            cut = _cut(p, mesh, layout[pname], part if pname == "weight" else None)
+            module.register_parameter(pname, nn.Parameter(cut, requires_grad=p.requires_grad))
 
 
 def _any_linear(style_cls: type, layout: dict[str, Any], input_layouts: tuple[Any, ...] | None):

@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from foundryx.errors import ConfigError
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import inner_model, linear_modules
+from foundryx.models.peft.nf4_parts import nf4_part
 from foundryx.models.peft.rowwise import RowScaledTensor
 
 log = logging.getLogger(__name__)
@@ -109,14 +110,28 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def to_nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
+def to_nf4(weight: torch.Tensor, name: str, tp: int = 1) -> torch.Tensor:
     """torchao's NF4 with 64-weight blocks and the largest scaler block (QLoRA's 256, or
-    smaller for a small layer) that lets FSDP2 split the layer evenly over the ranks."""
+    smaller for a small layer) that lets FSDP2 split the layer evenly over the ranks; under
+    tensor parallelism (``tp`` > 1) also one that makes each rank's columns of a row whole
+    groups of scalers, so that TP's row and column parts are NF4 tensors of their own
+    (:mod:`foundryx.models.peft.nf4_parts`)."""
     from torchao.dtypes.nf4tensor import to_nf4 as torchao_to_nf4  # heavy import, only here
 
     blocks, rem = divmod(weight.numel(), NF4_BLOCK)
     world = _world_size()
-    scaler = next((s for s in NF4_SCALER_BLOCKS if not rem and blocks % (s * world) == 0), None)
+
+    def fits(s: int) -> bool:
+        return (not rem and blocks % (s * world) == 0
+                and (tp == 1 or weight.shape[1] % (NF4_BLOCK * s * tp) == 0))
+
+    scaler = next((s for s in NF4_SCALER_BLOCKS if fits(s)), None)
+    if tp > 1 and (scaler is None or weight.shape[0] % world):
+        raise ConfigError([
+            f"{PATH}.dtype: nf4 under parallelism.tp: {tp} needs each frozen linear weight's "
+            f"columns to be a multiple of {NF4_BLOCK} x {tp} (tp), so that each rank's columns "
+            f"are whole NF4 blocks, and its rows a multiple of {world} (ranks); {name!r} is "
+            f"{tuple(weight.shape)}; use dtype: int8 or fp8 (any shape), or tp: 1"])
     if scaler is None or weight.shape[0] % world:
         raise ConfigError([
             f"{PATH}.dtype: nf4 needs each frozen linear weight's size to be a multiple of "
@@ -126,9 +141,9 @@ def to_nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
     return torchao_to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler)
 
 
-def to_storage(weight: torch.Tensor, dtype: str, name: str) -> torch.Tensor:
+def to_storage(weight: torch.Tensor, dtype: str, name: str, tp: int = 1) -> torch.Tensor:
     if dtype == "nf4":
-        return to_nf4(weight, name)
+        return to_nf4(weight, name, tp)
     return RowScaledTensor.from_weight(weight, dtype)  # fp8, int8 and bf16
 
 
@@ -154,11 +169,11 @@ class LowPrecisionLinear(nn.Module):
     """A frozen linear layer whose weight is stored in ``frozen_base``'s dtype (or, offloaded,
     in host memory) and dequantized when it runs."""
 
-    def __init__(self, linear: nn.Linear, dtype: str, name: str) -> None:
+    def __init__(self, linear: nn.Linear, dtype: str, name: str, tp: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.storage = dtype
-        self.weight = nn.Parameter(to_storage(linear.weight, dtype, name), requires_grad=False)
+        self.storage, self.name = dtype, name
+        self.weight = nn.Parameter(to_storage(linear.weight, dtype, name, tp), requires_grad=False)
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
         self.offload: _Offloaded | None = None
@@ -173,6 +188,24 @@ class LowPrecisionLinear(nn.Module):
         if self.offload is None:
             return dequantize(self.weight, dtype)
         return dequantize(self.offload.take(device, backward), dtype)
+
+    def tp_part(self, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Tensor parallelism's cut of the weight in its storage: rows ``[start, stop)``
+        (``dim`` 0, with their scales) or those columns of every row (``dim`` 1; a row-scaled
+        row keeps its scale, an NF4 row its blocks' scalers)."""
+        w = self.weight.detach()
+        if self.storage == "nf4":
+            return _nf4_part(w, self.name, **({"rows": slice(start, stop)} if dim == 0
+                                               else {"columns": (start, stop)}))
+        return w.narrow(dim, start, stop - start).clone()
+
+    def reorder_rows(self, order: torch.Tensor) -> None:
+        """Put the weight's rows (and the bias's) in ``order`` (TP's order of a fused layer)."""
+        if self.weight is not None and not self.weight.is_meta:
+            self.weight = nn.Parameter(_index_rows(self.weight.detach(), order, self.name),
+                                       requires_grad=False)
+        if self.bias is not None and not self.bias.is_meta:
+            self.bias = nn.Parameter(self.bias.detach()[order], requires_grad=False)
 
     def extra_repr(self) -> str:
         where = ", offloaded" if self.offload is not None else ""
@@ -204,14 +237,28 @@ def _take_rows(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return out
 
 
-def _index_rows(storage: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """A row-scaled weight's rows in ``order``."""
-    return RowScaledTensor(storage.qdata[order], storage.scale[order], dtype=storage.dtype)
+def _nf4_part(storage: torch.Tensor, name: str, **where: Any) -> torch.Tensor:
+    try:
+        return nf4_part(storage, **where)
+    except ValueError as e:  # to_nf4 aligns the blocks for TP; a model built without it
+        raise ConfigError([f"{PATH}.dtype: nf4: tensor parallelism cannot split {name!r}: {e}; "
+                           "use dtype: int8 or fp8, or tp: 1"]) from None
 
 
-def _take_columns(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """A copy of columns ``[start, stop)`` of a row-scaled weight (each row's scale whole: a
-    row's scale comes from all of its columns)."""
+def _index_rows(storage: torch.Tensor, order: torch.Tensor, name: str = "") -> torch.Tensor:
+    """A low-precision weight's rows in ``order``."""
+    if not isinstance(storage, RowScaledTensor):
+        return _nf4_part(storage, name, rows=order)
+    q = storage.qdata  # float8 has no CPU index kernel: its bytes are reordered
+    q = q.view(torch.uint8)[order].view(q.dtype) if q.element_size() == 1 else q[order]
+    return RowScaledTensor(q, storage.scale[order], dtype=storage.dtype)
+
+
+def _take_columns(storage: torch.Tensor, start: int, stop: int, name: str = "") -> torch.Tensor:
+    """A copy of columns ``[start, stop)`` of a low-precision weight (each row's scale whole:
+    a row's scale comes from all of its columns; NF4: whole groups of blocks)."""
+    if not isinstance(storage, RowScaledTensor):
+        return _nf4_part(storage, name, columns=(start, stop))
     return RowScaledTensor(storage.qdata[:, start:stop].clone(), storage.scale.clone(),
                            dtype=storage.dtype)
 
@@ -244,10 +291,10 @@ def _gather_rows(local: torch.Tensor, rows: int, world: int, group: object = Non
 
     whole = torch.Size((rows, *local.shape[1:]))  # NF4: every rank holds equal parts
     meta = SubclassTensorArgs(whole, (whole[1], 1), 0, local.dtype, local.device, False)
-    return NF4Tensor(meta, local.block_size, local.n_blocks, local.scaler_block_size,
-                     _all_gather(local.quantized_scalers, world),
-                     _all_gather(local.quantization_factor, world), local.scaler_mean,
-                     _all_gather(local.quantized_data, world), local.nf4)
+    scalers = _all_gather(local.quantized_scalers, world, group)
+    return NF4Tensor(meta, local.block_size, scalers.numel(), local.scaler_block_size, scalers,
+                     _all_gather(local.quantization_factor, world, group), local.scaler_mean,
+                     _all_gather(local.quantized_data, world, group), local.nf4)
 
 
 class _Offloaded:
@@ -259,8 +306,10 @@ class _Offloaded:
     (rows of a column-wise layer, columns of a row-wise one), sharded by rows over the
     data-parallel ranks that share the block, and :meth:`take` gives it as a DTensor."""
 
-    def __init__(self, host: torch.Tensor, rows: int | None = None, world: int = 1) -> None:
+    def __init__(self, host: torch.Tensor, rows: int | None = None, world: int = 1,
+                 name: str = "") -> None:
         self.rows, self.world = rows, world  # rows None: host is the whole weight
+        self.name = name  # the layer's, for messages
         self.group: object = None  # the process group the rows are split over (None: all ranks)
         self.row_offset = 0  # under TP, column-wise: the whole weight's row the block starts at
         self.columns: tuple[int, int] | None = None  # under TP, row-wise: the block's columns
@@ -300,7 +349,7 @@ class _Offloaded:
         if not self.host.is_meta:
             whole = self.host if self.rows is None else _gather_rows(self.host, self.rows, self.world)
             if order is not None:
-                whole = _index_rows(whole, order)
+                whole = _index_rows(whole, order, self.name)
         local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
         self.group, self.world = group, torch.distributed.get_world_size(group)
         self.placed = (mesh, (placement,), shape)
@@ -311,7 +360,8 @@ class _Offloaded:
         if whole is not None:
             start, stop = self.shard_range()
             part = _take_rows(whole, start, stop)
-            self.set_host(part if self.columns is None else _take_columns(part, *self.columns))
+            self.set_host(part if self.columns is None
+                          else _take_columns(part, *self.columns, self.name))
 
     def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
         self.copies += 1
@@ -376,7 +426,7 @@ def offload_layers(layers: list[LowPrecisionLinear], fraction: float) -> list[Lo
         del layer._parameters["weight"]
         layer.weight = None  # a plain attribute now: not a parameter, not in the state dict
         rows = whole.shape[0] if world > 1 else None
-        layer.offload = _Offloaded(whole, rows, world)
+        layer.offload = _Offloaded(whole, rows, world, layer.name)
         if rows is not None and not whole.is_meta:
             layer.offload.set_host(_take_rows(whole, *layer.offload.shard_range()))
         del whole
@@ -422,9 +472,10 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, attr, new)
 
 
-def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions) -> nn.Module:
+def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1) -> nn.Module:
     """Store the frozen linear weights of a LoRA model (``model``, after ``apply_lora``) as
-    ``options.dtype``, offload ``options.offload_fraction`` of them, and log one line.
+    ``options.dtype``, offload ``options.offload_fraction`` of them, and log one line; ``tp``:
+    the run's tensor-parallel degree (NF4's blocks are aligned to its column split).
     Raises ConfigError when the model has no frozen linear layer or a layer NF4 cannot split."""
     inner = inner_model(model)
     frozen = {name: m for name, m in linear_modules(inner).items()
@@ -435,7 +486,7 @@ def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions) -> nn.Module
     before = sum(m.weight.numel() * m.weight.element_size() for m in frozen.values())
     layers = []
     for name, linear in frozen.items():
-        layer = LowPrecisionLinear(linear, options.dtype, name)
+        layer = LowPrecisionLinear(linear, options.dtype, name, tp)
         _replace(inner, name, layer)
         layers.append(layer)
     after = sum(stored_bytes(layer.weight) for layer in layers)

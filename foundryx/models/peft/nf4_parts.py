@@ -1,0 +1,115 @@
+"""Rows and columns of torchao's ``NF4Tensor``, for tensor parallelism.
+
+An NF4 weight is stored along its flattened elements: a 4-bit code per weight (two a byte), an
+absmax scaler per block of ``block_size`` weights, stored as int8 around the whole weight's
+scaler mean, and one float factor per group of ``scaler_block_size`` scalers. When a row's
+columns are a whole number of such groups (``columns % (block_size * scaler_block_size) ==
+0``), each row is its own codes, scalers and factors, and any rows, or any group-aligned
+columns, of the weight are an NF4 tensor of their own holding the same bytes: the values it
+dequantizes to are those of the same positions of the whole weight, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+
+@functools.cache
+def nf4_part_type() -> type:
+    """:class:`NF4Part`'s class, made on first use (torchao is a heavy import)."""
+    from torchao.dtypes.nf4tensor import NF4Tensor, construct_nf4_args
+
+    class NF4Part(NF4Tensor):
+        """torchao's ``NF4Tensor`` as a tensor-parallel part: the same bytes and ops (their
+        results stay parts), with FSDP2's all-gather hooks completed for a DTensor parameter.
+        FSDP2 refills a TP parameter's unsharded tensor in place, giving the hook the DTensor
+        as ``out`` (torchao's expects the NF4 tensor inside it); and torch 2.14's FSDP2, on a
+        one-rank mesh (tp = world size), copies only the first all-gather input, the
+        scalers (the shard is the whole part then: the rest is copied from it)."""
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args, kwargs=None):  # noqa: ANN001, ANN206
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            return tree_map_only(NF4Tensor, _as_part, out)
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            out = super().__torch_function__(func, types, args, kwargs)
+            return tree_map_only(NF4Tensor, _as_part, out)
+
+        @staticmethod
+        def __tensor_unflatten__(inner, metadata, outer_size, outer_stride):  # noqa: ANN001, ANN205
+            return _as_part(NF4Tensor.__tensor_unflatten__(inner, metadata, outer_size, outer_stride))
+
+        def fsdp_post_all_gather(self, outputs: tuple[torch.Tensor, ...], metadata: Any,
+                                 param_dtype: torch.dtype, *, out: Any = None) -> Any:
+            if out is not None:
+                out = getattr(out, "_local_tensor", out)  # a tensor-parallel DTensor's part
+            if len(outputs) == 1:  # the one-rank mesh: only the scalers were copied
+                outputs = (outputs[0], self.quantization_factor.clone(), self.quantized_data.clone())
+                if out is not None:
+                    for name, t in zip(("quantized_scalers", "quantization_factor", "quantized_data"),
+                                       outputs):
+                        getattr(out, name).copy_(t.view_as(getattr(out, name)))
+                    return None
+            if out is not None:  # FSDP2 refilled the storages ``out`` already views
+                return None
+            full, kept = super().fsdp_post_all_gather(outputs, metadata, param_dtype)
+            return _as_part(full), kept
+
+    def _as_part(t: Any) -> Any:
+        return t if isinstance(t, NF4Part) else NF4Part(*construct_nf4_args(t))
+
+    return NF4Part
+
+
+def column_group(t: Any) -> int:
+    """Weights per factor group of an NF4 tensor: its rows and column parts align to this."""
+    return t.block_size * t.scaler_block_size
+
+
+def part_problem(t: Any, columns: tuple[int, int] | None = None) -> str | None:
+    """Why rows / these ``columns`` of ``t`` are not an NF4 tensor of their own (None: they
+    are)."""
+    group = column_group(t)
+    cols = t.shape[1]
+    if cols % group:
+        return (f"its rows of {cols} columns are not whole groups of {group} weights "
+                f"({t.block_size}-weight blocks x {t.scaler_block_size} scalers)")
+    if columns is not None and (columns[0] % group or columns[1] % group):
+        return (f"columns {columns[0]}..{columns[1]} do not start and end on its groups of "
+                f"{group} weights")
+    return None
+
+
+def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
+             columns: tuple[int, int] | None = None) -> Any:
+    """The NF4 tensor of ``t[rows][:, columns[0]:columns[1]]`` (rows: a slice or an index
+    tensor; None: all), its bytes copied from ``t``'s. Raises ValueError where the blocks do
+    not allow it (:func:`part_problem`)."""
+    from torchao.dtypes.nf4tensor import SubclassTensorArgs  # heavy import, only here
+
+    problem = part_problem(t, columns)
+    if problem is not None:
+        raise ValueError(f"NF4 weight of shape {tuple(t.shape)}: {problem}")
+    n_rows, cols = t.shape
+    group = column_group(t)
+    parts = [(t.quantized_data, 2), (t.quantized_scalers, t.block_size), (t.quantization_factor, group)]
+    out = []
+    for inner, per in parts:
+        view = inner.view(n_rows, cols // per)
+        if rows is not None:
+            view = view[rows]
+        if columns is not None:
+            view = view[:, columns[0] // per:columns[1] // per]
+        out.append(view.clone(memory_format=torch.contiguous_format).view(-1))  # its own bytes
+    data, scalers, factors = out
+    width = cols if columns is None else columns[1] - columns[0]
+    shape = torch.Size((data.numel() * 2 // width, width))
+    meta = SubclassTensorArgs(shape, (shape[1], 1), 0, t.dtype, t.device, False)
+    return nf4_part_type()(meta, t.block_size, scalers.numel(), t.scaler_block_size, scalers,
+                           factors, t.scaler_mean, data, t.nf4)
