@@ -16,11 +16,12 @@ reads the batch of data-parallel rank r // T, and every layout takes 8 sequences
 Measured per rank (the largest rank's is reported):
 - ``process peak``: the whole process's VmHWM at the end (imports, build, loading, steps);
 - ``step peak``: the rise of VmHWM over the RSS before the model was built (after a build on
-  the meta device has loaded the code, as plan_accuracy.py does), the peak reset after build,
-  one forward pass and the optimizer (``/proc/self/clear_refs``), glibc serving blocks >= 64
-  KiB with mmap: what the planner's per-device total estimates;
-- ``activations``: the bytes of the tensors autograd saves in one forward pass (each storage
-  once, a DTensor by its local shard, parameters aside), all of them (the loss's included;
+  the meta device has loaded the code, as plan_accuracy.py does), the peak reset after build
+  and the optimizer (``/proc/self/clear_refs``), glibc serving blocks >= 64 KiB with mmap:
+  what the planner's per-device total estimates;
+- ``activations``: the bytes of the tensors autograd saves in one forward pass after the
+  timed steps (each storage once, a DTensor by its local shard, parameters aside), all of
+  them (the loss's included;
   the planner's ``activations`` term has the loss's elsewhere) and the transformer blocks'
   alone (the planner's per-block activations x blocks): the ≥ 40% fall from tp 1 to tp 2 is
   the blocks';
@@ -154,8 +155,6 @@ def worker(config: str, steps: int) -> None:
     ids = torch.randint(0, vocab, (mb, seq), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
     n_layers = cfg.model.get("n_layers") or cfg.model["config"]["num_hidden_layers"]
-    acts, block_acts = saved_bytes(model, batch, n_layers)
-    opt.zero_grad(set_to_none=True)
     libc.malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := the current RSS
     times = []
@@ -167,8 +166,12 @@ def worker(config: str, steps: int) -> None:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     dist.barrier()
-    result = {"step_peak_mb": round(rss_mb("VmHWM") - before, 1),
-              "process_peak_mb": round(rss_mb("VmHWM"), 1),
+    step_peak, process_peak = rss_mb("VmHWM") - before, rss_mb("VmHWM")
+    # after the peak is read: this forward pass with no backward leaves memory resident (57
+    # MiB on MPT shard 4, not traced further), which, measured before the steps (as until
+    # 2026-11-26), sat under every step peak
+    acts, block_acts = saved_bytes(model, batch, n_layers)
+    result = {"step_peak_mb": round(step_peak, 1), "process_peak_mb": round(process_peak, 1),
               "activations_mb": round(acts / MB, 2), "block_activations_mb":
               round(block_acts / MB, 2), "loss": round(loss.item(), 4),
               "step_s": times}
