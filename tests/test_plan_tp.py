@@ -73,7 +73,9 @@ def test_weights_gradients_optimizer_per_rank_are_total_over_tp_times_shard(cens
 def test_activations_with_and_without_sequence_parallel(census):
     """Per token and layer (d 64, kv 32, FFN 128, gated, RoPE), in fp32: the norms' tensors
     6 d (the residual part), q, k, v d + 2 kv, rotated q, k d + kv, attention output d, FFN
-    4 x 128; plus 4 bytes of log-sum-exp per head."""
+    4 x 128; plus 4 bytes of log-sum-exp per head; and on a CPU the attention's probabilities
+    (a Llama with grouped kv heads: Hugging Face's SDPA call takes PyTorch's math path there),
+    heads x s x s, which a GPU's kernels do not keep."""
     def acts(**kw):
         return terms(census, _setup(**kw))["activations"]
 
@@ -85,11 +87,13 @@ def test_activations_with_and_without_sequence_parallel(census):
     outside = 4 * 64 * 4  # embedding output and the final norm's three tensors
 
     def total(per_token, heads, sp):
-        return layers * (b * q * per_token * 4 + b * heads * q * 4) + b * q * outside / sp
+        scores = b * heads * q * q * 4
+        return layers * (b * q * per_token * 4 + b * heads * q * 4 + scores) + b * q * outside / sp
 
     assert acts(tp=1) == total(tp1, 4, 1)
     assert acts(tp=2, shard_degree=2, sequence_parallel=False) == total(no_sp2, 2, 1)
     assert acts(tp=2, shard_degree=2, sequence_parallel=True) == total(sp2, 2, 2)
+    assert acts(tp=1) - acts(tp=1, device_kind="cuda") == layers * b * 4 * q * q * 4
     # the residual part at TP 2 with sequence parallel is half of TP 1's; the inner half either way
     assert (sp2 - 2 * 64 - inner2) * 2 == 384 and inner2 * 2 == tp1 - 384
 

@@ -44,6 +44,11 @@ class Shape:
     vocab_size: int
     fused_loss: bool  # the loss is fused with the output projection (no whole logits)
     rotary: bool = True  # RoPE: the rotated q and k are new tensors, kept for attention
+    # where the attention keeps its probabilities (heads x s x s per sequence) for backward:
+    # "always" (Hugging Face's eager attention), "cpu" (Hugging Face's SDPA with grouped kv
+    # heads calls it with enable_gqa, which PyTorch's CPU kernels serve by the math path;
+    # measured, benchmarks/RESULTS.md) or "" (never: flash / memory-efficient kernels)
+    scores_kept: str = ""
 
 
 @dataclass
@@ -93,8 +98,10 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d_model
     gated = any("gate" in n for n in linear_modules(model))
     rotary = getattr(c, "rope_theta", None) is not None or getattr(c, "rotary_dim", None) is not None
+    impl = opts.attn_implementation or "sdpa"  # transformers' default where a model has it
+    scores = "always" if impl == "eager" else "cpu" if impl == "sdpa" and kv_heads < n_heads else ""
     shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size, fused_loss=False,
-                  rotary=rotary)
+                  rotary=rotary, scores_kept=scores)
     return model, shape
 
 

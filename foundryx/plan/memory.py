@@ -219,7 +219,8 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     is whole on every rank without sequence parallel and 1/tp with it; sequence parallel then
     all-gathers the normed input of the attention and of the MLP, and the column-wise layers
     keep that whole tensor for their weight gradients (2 d per token, as PyTorch's DTensor TP
-    does; Megatron-LM gathers it again in backward instead)."""
+    does; Megatron-LM gathers it again in backward instead). An attention that keeps its
+    probabilities (``Shape.scores_kept``) adds heads / tp x s x s per sequence."""
     b, q, d, ce = s.microbatch, s.seq_len, sh.d_model, s.compute_bytes
     tp = max(s.tp, 1)
     sp = tp if s.sequence_parallel else 1  # the residual stream's divisor
@@ -230,6 +231,8 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     gathered = 2 * d if tp > 1 and s.sequence_parallel else 0
     per_token = 6 * d / sp + gathered + inner + s.lora_dropout_inputs
     block = b * q * per_token * ce + b * sh.n_heads / tp * q * 4
+    if sh.scores_kept == "always" or (sh.scores_kept == "cpu" and s.device_kind == "cpu"):
+        block += b * sh.n_heads / tp * q * q * ce  # the attention's probabilities
     if s.activation_checkpointing:
         kept = sh.n_layers // max(s.ac_every, 1)
         acts = kept * b * q * d / sp * ce + (sh.n_layers - kept) * block + block
