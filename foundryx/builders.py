@@ -25,9 +25,10 @@ from foundryx.loading import keep_stored_dtype, wants_pretrained
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
 from foundryx.models.peft.adapters import load_adapter, section_options
-from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base, pack_offloaded
+from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
+from foundryx.models.peft.offload import pack_offloaded
 from foundryx.parallel import parallelize
 from foundryx.parallel.parallelize import default_device
 

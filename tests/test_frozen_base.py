@@ -97,7 +97,8 @@ def peak_allocated(fn) -> int:
 def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
     """A frozen layer's transient is its dense weight, not several: the out-of-place
     ``qdata.float() * scale`` held two float32 copies, torchao's NF4 decoding about five."""
-    from foundryx.models.peft.frozen_base import dequantize, offload_layers
+    from foundryx.models.peft.frozen_base import dequantize
+    from foundryx.models.peft.offload import offload_layers
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(1024, 4096, bias=False)  # an FFN weight of the benchmark's size

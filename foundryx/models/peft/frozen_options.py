@@ -16,6 +16,7 @@ import torch
 from foundryx.config.types import option
 
 DTYPES = ("nf4", "fp8", "int8", "bf16")
+PATH = "model.frozen_base"  # the section, in messages
 
 
 def has_float8() -> bool:

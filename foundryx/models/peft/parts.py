@@ -1,4 +1,6 @@
-"""Rows and columns of torchao's ``NF4Tensor``, for tensor parallelism.
+"""Rows and columns of the frozen-base storages, for offloading and tensor parallelism:
+:class:`~foundryx.models.peft.rowwise.RowScaledTensor` (int8/FP8/bf16 rows, a scale per row)
+and torchao's ``NF4Tensor``.
 
 An NF4 weight is stored along its flattened elements: a 4-bit code per weight (two a byte), an
 absmax scaler per block of ``block_size`` weights, stored as int8 around the whole weight's
@@ -16,6 +18,10 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
+
+from foundryx.errors import ConfigError
+from foundryx.models.peft.frozen_options import PATH
+from foundryx.models.peft.rowwise import RowScaledTensor
 
 
 @functools.cache
@@ -113,3 +119,43 @@ def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
     meta = SubclassTensorArgs(shape, (shape[1], 1), 0, t.dtype, t.device, False)
     return nf4_part_type()(meta, t.block_size, scalers.numel(), t.scaler_block_size, scalers,
                            factors, t.scaler_mean, data, t.nf4)
+
+
+def take_rows(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """A copy (not a view) of rows ``[start, stop)`` of a frozen-base storage tensor."""
+    if isinstance(storage, RowScaledTensor):
+        return RowScaledTensor(storage.qdata[start:stop].clone(), storage.scale[start:stop].clone(),
+                               dtype=storage.dtype)
+    per = stop - start  # NF4: rows split evenly (to_nf4 checked it)
+    part = storage.split(per)[start // per]
+    out = torch.empty_like(part)
+    out.copy_(part)  # torchao's NF4 copy_ returns None
+    return out
+
+
+def checked_nf4_part(storage: torch.Tensor, name: str, **where: Any) -> torch.Tensor:
+    """:func:`nf4_part` of layer ``name``'s weight; a ConfigError where its blocks do not allow
+    it."""
+    try:
+        return nf4_part(storage, **where)
+    except ValueError as e:  # to_nf4 aligns the blocks for TP; a model built without it
+        raise ConfigError([f"{PATH}.dtype: nf4: tensor parallelism cannot split {name!r}: {e}; "
+                           "use dtype: int8 or fp8, or tp: 1"]) from None
+
+
+def index_rows(storage: torch.Tensor, order: torch.Tensor, name: str = "") -> torch.Tensor:
+    """A low-precision weight's rows in ``order``."""
+    if not isinstance(storage, RowScaledTensor):
+        return checked_nf4_part(storage, name, rows=order)
+    q = storage.qdata  # float8 has no CPU index kernel: its bytes are reordered
+    q = q.view(torch.uint8)[order].view(q.dtype) if q.element_size() == 1 else q[order]
+    return RowScaledTensor(q, storage.scale[order], dtype=storage.dtype)
+
+
+def take_columns(storage: torch.Tensor, start: int, stop: int, name: str = "") -> torch.Tensor:
+    """A copy of columns ``[start, stop)`` of a low-precision weight (each row's scale whole:
+    a row's scale comes from all of its columns; NF4: whole groups of blocks)."""
+    if not isinstance(storage, RowScaledTensor):
+        return checked_nf4_part(storage, name, columns=(start, stop))
+    return RowScaledTensor(storage.qdata[:, start:stop].clone(), storage.scale.clone(),
+                           dtype=storage.dtype)

@@ -1,0 +1,240 @@
+"""Offloaded frozen weights (``frozen_base.offload_fraction``): each layer's weight in host
+memory, row-sharded over the ranks (under tensor parallelism: over the data-parallel ranks
+that hold the same TP block), copied to the device and all-gathered in its low precision when
+the layer runs, the next offloaded layer's copy started meanwhile; all of a rank's shards in
+one exact-size host buffer. See :mod:`foundryx.models.peft.frozen_base`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from foundryx.models.peft.parts import index_rows, take_columns, take_rows
+from foundryx.models.peft.rowwise import RowScaledTensor
+
+
+def process_world_size() -> int:
+    """The number of processes (1 without a process group)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def offload_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a ``rows``-row offloaded weight that ``rank`` of ``world``
+    holds (torch.chunk's split, as FSDP2's)."""
+    per = -(-rows // world)
+    return min(rank * per, rows), min((rank + 1) * per, rows)
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _all_gather(t: torch.Tensor, world: int, group: object = None) -> torch.Tensor:
+    """Every rank's ``t`` (the same shape on all) concatenated along dim 0, in rank order of
+    ``group`` (None: every rank); one-byte float types travel as bytes (gloo has no float8)."""
+    if world == 1:
+        return t
+    as_bytes = t.dtype.itemsize == 1 and t.dtype != torch.uint8 and t.dtype != torch.int8
+    send = (t.view(torch.uint8) if as_bytes else t).contiguous()
+    parts = [torch.empty_like(send) for _ in range(world)]
+    torch.distributed.all_gather(parts, send, group=group)
+    out = torch.cat(parts)
+    return out.view(t.dtype) if as_bytes else out
+
+
+def _gather_rows(local: torch.Tensor, rows: int, world: int, group: object = None) -> torch.Tensor:
+    """The whole weight (under TP: this rank's block of it) from the row shards (``local``, on
+    the device) of the ``world`` ranks of ``group``, all-gathered in its low-precision form."""
+    if isinstance(local, RowScaledTensor):
+        per, n = -(-rows // world), local.qdata.shape[0]  # the last ranks may hold fewer rows
+        q, sc = local.qdata, local.scale
+        if n < per:
+            q = torch.cat([q, q.new_zeros(per - n, *q.shape[1:])])
+            sc = torch.cat([sc, sc.new_zeros(per - n)])
+        return RowScaledTensor(_all_gather(q, world, group)[:rows],
+                               _all_gather(sc, world, group)[:rows], dtype=local.dtype)
+    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs  # heavy import, only here
+
+    whole = torch.Size((rows, *local.shape[1:]))  # NF4: every rank holds equal parts
+    meta = SubclassTensorArgs(whole, (whole[1], 1), 0, local.dtype, local.device, False)
+    scalers = _all_gather(local.quantized_scalers, world, group)
+    return NF4Tensor(meta, local.block_size, scalers.numel(), local.scaler_block_size, scalers,
+                     _all_gather(local.quantization_factor, world, group), local.scaler_mean,
+                     _all_gather(local.quantized_data, world, group), local.nf4)
+
+
+class Offloaded:
+    """One layer's frozen weight kept in host memory (with ``rows`` set: this rank's row
+    shard of it); :meth:`take` gives the whole weight on the device (from the copy prefetched,
+    else a fresh one, all-gathered when sharded) and starts the copy of the next layer's.
+
+    Under tensor parallelism (:meth:`split_for_tp`) the weight is this rank's TP block instead
+    (rows of a column-wise layer, columns of a row-wise one), sharded by rows over the
+    data-parallel ranks that share the block, and :meth:`take` gives it as a DTensor."""
+
+    def __init__(self, host: torch.Tensor, rows: int | None = None, world: int = 1,
+                 name: str = "") -> None:
+        self.rows, self.world = rows, world  # rows None: host is the whole weight
+        self.name = name  # the layer's, for messages
+        self.group: object = None  # the process group the rows are split over (None: all ranks)
+        self.row_offset = 0  # under TP, column-wise: the whole weight's row the block starts at
+        self.columns: tuple[int, int] | None = None  # under TP, row-wise: the block's columns
+        self.placed: tuple[DeviceMesh, tuple, torch.Size] | None = None  # under TP: the DTensor
+        self.host = host
+        self.set_host(host)
+        self.next: Offloaded | None = None
+        self.prev: Offloaded | None = None
+        self.pending: tuple[torch.device, torch.Tensor, object] | None = None
+        self.copies = 0  # host -> device copies made (tests count them)
+
+    def set_host(self, host: torch.Tensor) -> None:
+        """Hold ``host`` (this rank's rows when sharded; a meta placeholder until a loader
+        fills it; :func:`pack_offloaded` moves it into the shared host buffer)."""
+        self.host = host
+
+    def shard_range(self) -> tuple[int, int]:
+        """The rows of the whole weight this rank holds (of its columns, under TP row-wise)."""
+        if self.rows is None:
+            return 0, self.host.shape[0]
+        rank = _rank() if self.group is None else torch.distributed.get_rank(self.group)
+        start, stop = offload_rows(self.rows, rank, self.world)
+        return self.row_offset + start, self.row_offset + stop
+
+    def split_for_tp(self, mesh: DeviceMesh, placement: Any, group: object,
+                     order: torch.Tensor | None = None) -> None:
+        """Keep this rank's tensor-parallel block of the weight (``placement`` over ``mesh``:
+        Shard(0), rows, for a column-wise layer, in ``order`` when TP reorders a fused layer's
+        rows; Shard(1), columns, for a row-wise one, each row's scale whole), its rows split
+        over ``group``, the data-parallel ranks that hold the same block. A weight already in
+        host memory is gathered whole once to be cut again (a meta placeholder: the loader
+        reads the new rows)."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape = torch.Size((self.rows or self.host.shape[0], *self.host.shape[1:]))
+        whole = None
+        if not self.host.is_meta:
+            whole = self.host if self.rows is None else _gather_rows(self.host, self.rows, self.world)
+            if order is not None:
+                whole = index_rows(whole, order, self.name)
+        local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
+        self.group, self.world = group, torch.distributed.get_world_size(group)
+        self.placed = (mesh, (placement,), shape)
+        if placement.dim == 0:
+            self.rows, self.row_offset = local[0], offset[0]
+        else:
+            self.rows, self.columns = shape[0], (offset[1], offset[1] + local[1])
+        if whole is not None:
+            start, stop = self.shard_range()
+            part = take_rows(whole, start, stop)
+            self.set_host(part if self.columns is None
+                          else take_columns(part, *self.columns, self.name))
+
+    def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
+        self.copies += 1
+        if device.type == "cuda":
+            stream = _copy_stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                w = self.host.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+            return w, event
+        # On CPU "the device" is host memory too: still a real copy, dropped after use. Copied
+        # into an empty tensor of the same layout, not clone()d: torchao's NF4Tensor.clone()
+        # dequantizes the whole weight and quantizes it again (~10x its fp32 size, and slow).
+        if device == self.host.device:
+            return torch.empty_like(self.host).copy_(self.host), None
+        return self.host.to(device), None
+
+    def prefetch(self, device: torch.device) -> None:
+        if self.pending is None:
+            self.pending = (device, *self._copy(device))
+
+    def take(self, device: torch.device, backward: bool = False) -> torch.Tensor:
+        if self.pending is not None and self.pending[0] == device:
+            _, w, event = self.pending
+        else:
+            w, event = self._copy(device)
+        self.pending = None
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+        if self.rows is not None:
+            w = _gather_rows(w, self.rows, self.world, self.group)
+        if self.placed is not None:
+            mesh, placements, shape = self.placed
+            w = DTensor.from_local(w, mesh, placements, run_check=False, shape=shape,
+                                   stride=(shape[1], 1))
+        neighbour = self.prev if backward else self.next  # backward runs the layers reversed
+        if neighbour is not None:
+            neighbour.prefetch(device)
+        return w
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def offload_layers(layers: list[nn.Module], fraction: float) -> list[nn.Module]:
+    """Move ``fraction`` of ``layers`` (spread evenly over the model, in forward order) to host
+    memory, each rank keeping its row shard of each (a meta weight stays a placeholder for a
+    loader to fill), and chain them for prefetching; the offloaded layers."""
+    count = round(fraction * len(layers))
+    chosen = [layers[(i * len(layers)) // count] for i in range(count)] if count else []
+    world = process_world_size()
+    chain: list[Offloaded] = []
+    for layer in chosen:
+        whole = layer.weight.detach()
+        del layer._parameters["weight"]
+        layer.weight = None  # a plain attribute now: not a parameter, not in the state dict
+        rows = whole.shape[0] if world > 1 else None
+        layer.offload = Offloaded(whole, rows, world, layer.name)
+        if rows is not None and not whole.is_meta:
+            layer.offload.set_host(take_rows(whole, *layer.offload.shard_range()))
+        del whole
+        chain.append(layer.offload)
+    for a, b in zip(chain, chain[1:]):
+        a.next, b.prev = b, a
+    if not any(layer.offload.host.is_meta for layer in chosen):
+        pack_offloaded(chosen)
+    return chosen
+
+
+def _inner(t: torch.Tensor) -> tuple[list[str], object]:
+    return t.__tensor_flatten__() if hasattr(t, "__tensor_flatten__") else ([], None)
+
+
+def pack_offloaded(layers: list[nn.Module]) -> int:
+    """Move every offloaded shard's bytes into one exact-size host buffer (pinned in place
+    with ``cudaHostRegister`` when there is a GPU); its size in bytes."""
+    hosts = [layer.offload for layer in layers if layer.offload is not None]
+    parts = [(o, n, getattr(o.host, n)) for o in hosts for n in _inner(o.host)[0]]
+    align = 64
+    total = sum(-(-t.nbytes // align) * align for _, _, t in parts)
+    buffer = torch.empty(total, dtype=torch.uint8)
+    if torch.cuda.is_available() and total:
+        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
+    at, inner = 0, {}
+    for o, n, t in parts:
+        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        inner.setdefault(id(o), {})[n] = view
+        at += -(-t.nbytes // align) * align
+    for o in hosts:
+        names, meta = _inner(o.host)
+        if names:
+            o.host = type(o.host).__tensor_unflatten__(inner[id(o)], meta, o.host.shape,
+                                                       o.host.stride())
+        o.buffer = buffer  # keeps it alive
+    return total
