@@ -14,7 +14,7 @@ import pytest
 
 from foundryx.cli import main
 from foundryx.plan.census import NotPlannable, build_meta, take_census
-from foundryx.plan.memory import Setup, kv_divisor, terms, tp_params
+from foundryx.plan.memory import Setup, kv_divisor, kv_weight_divisor, terms, tp_params
 from foundryx.plan.planner import make_plan, render
 from foundryx.plan.settings import tp_settings
 from foundryx.plan.tp import at_tp, communication, tp_collectives, tp_degrees
@@ -51,9 +51,11 @@ def test_census_splits_what_tp_splits(census):
     assert tp_params(census, 1) == census.total
     # q, o, gate, up, down and k, v (2 kv heads over 2) by 2; the vocabulary by 2; norms whole
     assert tp_params(census, 2) == LINEAR / 2 + VOCAB / 2 + NORMS
-    # at TP 4 the 2 kv heads cannot split 4 ways: each rank holds one whole kv head (1/2)
+    # at TP 4 the 2 kv heads cannot split 4 ways: k and v are replicated (each rank holds
+    # their whole weights and uses one kv head: 1/2 of their activations)
     assert kv_divisor(census.shape, 4) == 2 and kv_divisor(census.shape, 3) == 1
-    assert tp_params(census, 4) == (LINEAR - KV) / 4 + KV / 2 + VOCAB / 4 + NORMS
+    assert kv_weight_divisor(census.shape, 4) == 1 and kv_weight_divisor(census.shape, 2) == 2
+    assert tp_params(census, 4) == (LINEAR - KV) / 4 + KV + VOCAB / 4 + NORMS
     # as foundryx's plans split the vocabulary today: Llama's lm_head column-wise (the
     # embedding whole), MPT's tied pair whole
     assert tp_params(census, 2, "head") == LINEAR / 2 + VOCAB / 2 + VOCAB / 4 + NORMS
@@ -63,7 +65,7 @@ def test_census_splits_what_tp_splits(census):
 @pytest.mark.parametrize("tp,shard", [(1, 4), (2, 2), (4, 1), (2, 1)])
 def test_weights_gradients_optimizer_per_rank_are_total_over_tp_times_shard(census, tp, shard):
     t = terms(census, _setup(tp=tp, shard_degree=shard, world_size=tp * shard))
-    split = (LINEAR - KV + VOCAB) / (tp * shard) + KV / (kv_divisor(census.shape, tp) * shard)
+    split = (LINEAR - KV + VOCAB) / (tp * shard) + KV / (kv_weight_divisor(census.shape, tp) * shard)
     expected = (split + NORMS / shard) * 4  # fp32 master weights
     assert t["trainable_weights"] == pytest.approx(expected, abs=1)
     assert t["gradients"] == pytest.approx(expected, abs=1)
@@ -130,8 +132,8 @@ def test_tp_and_fsdp_communication_by_hand(census):
 
 
 def test_tp_degrees_divide_the_node_and_the_heads(census):
-    assert tp_degrees(census, 4) == [1, 2]  # 4 heads, 2 kv heads
-    assert tp_degrees(census, 8) == [1, 2]
+    assert tp_degrees(census, 4) == [1, 2, 4]  # 4 heads, 2 kv heads (at 4: replicated)
+    assert tp_degrees(census, 8) == [1, 2, 4]
     model, shape, _ = build_meta({**LLAMA, "config": {**LLAMA["config"],
                                                      "num_key_value_heads": 4}})
     assert tp_degrees(take_census(model, shape), 8) == [1, 2, 4]
@@ -183,7 +185,8 @@ def test_a_run_that_does_not_fit_gets_a_tp_degree_with_its_numbers(tmp_path, cap
     assert main(["plan", str(cfg), "--gpus", "4", "--gpu", "h100", "--gpu-memory",
                  f"{memory}B", "--search", "tp"]) == 0
     out = capsys.readouterr().out
-    assert {int(r.split()[0]) for r in out.splitlines() if re.match(r"\s+\d ", r)} == {1, 2}
+    # every degree of the node (at 4 the 2 kv heads are replicated)
+    assert {int(r.split()[0]) for r in out.splitlines() if re.match(r"\s+\d ", r)} == {1, 2, 4}
     assert "verdict: TP 2" in out
     assert main(["plan", str(cfg), "--gpus", "4", "--tp", "0"]) == 2
 

@@ -24,7 +24,7 @@ LR = 5e-3  # AdamW; at 1e-2 the meshes' fp32 rounding grew past 1e-5 by step 20 
 MPT = dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=SEQ, vocab_size=64,
            attn_config={"rope": True}, ffn_config={"ffn_type": "swiglu"}, norm_type="rmsnorm")
 LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, vocab_size=64,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
              max_position_embeddings=SEQ, tie_word_embeddings=False)
 
 
@@ -160,9 +160,9 @@ def _all_meshes(kind: str, folder: str | None = None) -> dict[Any, Any]:
 
 def _int8_weights(kind: str, shard: int, tp: int) -> dict[str, Any]:
     """How many parameters of the sharded int8-base model hold int8 rows (not dense copies),
-    how many layers are offloaded, the int8 bytes this rank holds of them, and whether each
-    one's weight as the layer runs (its TP block, all-gathered from host memory) equals the
-    same weight cut as TP cuts one that is not offloaded."""
+    how many layers are offloaded, the int8 bytes this rank holds of each and the whole
+    weight's, and whether each one's weight as the layer runs (its TP block, all-gathered from
+    host memory) equals the same weight cut as TP cuts one that is not offloaded."""
     from torch.distributed.tensor import DTensor
 
     from foundryx.models.peft.frozen_base import LowPrecisionLinear
@@ -191,8 +191,8 @@ def _int8_weights(kind: str, shard: int, tp: int) -> dict[str, Any]:
     return {"int8 params": sum(isinstance(t, RowScaledTensor) and t.qdata.dtype == torch.int8
                                for t in local),
             "offloaded": len(whole), "equal": all(same),
-            "host bytes": sum(o.host.qdata.numel() for o in whole.values()),
-            "offloaded bytes": sum(dict(ref.named_modules())[n].weight.qdata.numel() for n in whole)}
+            "host bytes": {n: (o.host.qdata.numel(), dict(ref.named_modules())[n].weight.qdata.numel())
+                           for n, o in whole.items()}}
 
 
 def _resume_at_other_degrees(kind: str, folder: str) -> dict[str, list[float]]:
@@ -255,8 +255,12 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
         for name, got in r["int8 weights"].items():
             assert got["int8 params"] == frozen_linear - offloaded and got["offloaded"] == offloaded, (name, got)
             assert got["equal"], (name, got)  # the block a layer runs = TP's cut of the weight
-            # each rank holds a quarter of the offloaded bytes at any mesh (1/N, not 1/dp)
-            assert 4 * got["host bytes"] == got["offloaded bytes"], (name, got)
+            # each rank holds a quarter of an offloaded weight's bytes at any mesh (1/N, not
+            # 1/dp); Llama's k and v at tp 4 (2 kv heads: replicated over TP) 1/dp of them
+            shard, tp = MESHES[name]
+            for layer, (host, whole) in got["host bytes"].items():
+                kv = kind == "llama" and tp > 2 and any(f".{x}" in layer for x in ("k_proj", "v_proj"))
+                assert host * (shard if kv else 4) == whole, (name, layer, host, whole)
     for r in results:
         straight = r[("shard2xtp2", "full")][RESUME_AT:]
         for name, got in r["resumed"].items():
@@ -365,6 +369,19 @@ def test_heads_not_divisible_name_the_nearest_degrees():
     assert "parallelism.tp: 4 does not divide n_heads" in problem
     assert "valid degrees: 1, 2 (nearest: 2)" in problem
     assert plan_problems(model, 2) == []
+
+
+def test_kv_heads_tp_can_neither_split_nor_replicate_name_the_valid_degrees():
+    from foundryx.models.hf import ComposerHFCausalLM
+
+    config = {**LLAMA, "hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 6,
+              "num_key_value_heads": 3}
+    model = ComposerHFCausalLM(None, config=config, pretrained=False, attn_implementation="sdpa")
+    (problem,) = plan_problems(model, 2)
+    assert "parallelism.tp: 2: the model's 3 kv heads (num_key_value_heads) can be split over " \
+           "tp ranks only when tp divides 3, or replicated when tp is a multiple of it" in problem
+    assert "valid degrees: 1, 3, 6 (nearest: 3)" in problem
+    assert plan_problems(model, 6) == [] and plan_problems(model, 3) == []  # replicated; split
 
 
 def test_a_model_without_a_plan_lists_those_with_one():

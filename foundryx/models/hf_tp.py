@@ -42,11 +42,14 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any] | None:
         plan["model.embed_tokens"] = "vocab_parallel_embedding"
         plan["lm_head"] = "colwise_loss_parallel"
         out["loss_parallel"] = "loss_function"
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
     return {
         **out,
         "layers": plan,
-        "divisible": {"num_attention_heads": config.num_attention_heads,
-                      "num_key_value_heads": getattr(config, "num_key_value_heads", None)
-                      or config.num_attention_heads,
-                      "intermediate_size": config.intermediate_size},
+        "divisible": {"num_attention_heads": heads, "intermediate_size": config.intermediate_size},
+        # fewer kv heads than TP ranks: k and v replicated, each rank its q heads' kv head
+        "kv_heads": {"count": kv, "name": "num_key_value_heads",
+                     "layers": [f"{layers}.self_attn.k_proj", f"{layers}.self_attn.v_proj"],
+                     "groups": {f"{layers}.self_attn": "num_key_value_groups"}, "heads": heads},
     }

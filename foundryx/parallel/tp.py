@@ -7,6 +7,8 @@ A model (the ComposerModel or one of its direct children, as for the FSDP hooks 
      "local": {"<pattern>": ["n_heads", ...]},              # int (or tuple) attributes that
                                                             # become per-rank: divided by tp
      "divisible": {"n_heads": 8, "kv_n_heads": 2, ...},     # numbers tp must divide
+     "kv_heads": {...},                                     # optional: kv heads replicated
+                                                            # when fewer than tp (tp_kv.py)
      "loss_parallel": "loss_function"}                      # optional: the owner's attribute
                                                             # holding its loss callable, called
                                                             # as fn(logits=, labels=, ...), run
@@ -48,10 +50,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from foundryx.errors import ConfigError
 from foundryx.parallel.loss_parallel import SplitLogits, loss_parallel, whole_logits
 from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
+from foundryx.parallel.tp_kv import kv_problem, replicate_kv_projection, replicates_kv
 
 log = logging.getLogger(__name__)
 
 LINEAR_STYLES = ("colwise", "colwise_fused", "colwise_gather", "colwise_loss_parallel", "rowwise")
+KV_REPLICATED = "kv_replicated"  # a k or v projection replicated over the TP ranks (tp_kv.py)
 PLAN_HOOK = "foundryx_tp_plan"  # HF models have a tp_plan of their own
 # The models that declare a plan (said when a model without one asks for tp).
 MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
@@ -88,15 +92,18 @@ def plan_problems(model: nn.Module, tp: int, model_name: str = "the model") -> l
     plan = found[2]
     if plan.get("unsupported"):
         return [f"parallelism.tp: {tp}: {plan['unsupported']} (or set tp: 1)"]
-    divisible = plan.get("divisible", {})
+    divisible, kv = plan.get("divisible", {}), plan.get("kv_heads")
     bad = {k: v for k, v in divisible.items() if int(v) % tp}
-    if not bad:
+    if not bad and kv_problem(kv, tp) is None:
         return []
-    degrees = valid_degrees(divisible)
+    degrees = [d for d in valid_degrees(divisible) if kv_problem(kv, d) is None]
     nearest = min(degrees, key=lambda d: (abs(d - tp), -d))
+    valid = f"valid degrees: {', '.join(map(str, degrees))} (nearest: {nearest})"
+    if not bad:
+        return [f"{kv_problem(kv, tp)}; {valid}"]
     numbers = ", ".join(f"{k}={v}" for k, v in divisible.items())
     return [f"parallelism.tp: {tp} does not divide {', '.join(bad)} of the model ({numbers}); "
-            f"valid degrees: {', '.join(map(str, degrees))} (nearest: {nearest})"]
+            f"{valid}"]
 
 
 def interleaved_rows(sizes: tuple[int, ...], tp: int) -> torch.Tensor:
@@ -277,10 +284,12 @@ def _offload_group(world_mesh: DeviceMesh) -> Any:
 
 def _split_offloaded(module: nn.Module, style: str, tp_mesh: DeviceMesh, group: Any) -> None:
     """An offloaded frozen layer (its weight in host memory, not a parameter TP's styles cut)
-    keeps its TP block, as the style cuts a weight (fused rows in TP's order)."""
-    from torch.distributed.tensor import Shard
+    keeps its TP block, as the style cuts a weight (fused rows in TP's order; a replicated
+    kv projection all of it)."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    placement = Shard(1) if style == "rowwise" else Shard(0)
+    placement = (Shard(1) if style == "rowwise" else Replicate() if style == KV_REPLICATED
+                 else Shard(0))
     module.offload.split_for_tp(tp_mesh, placement, group, getattr(module, ROWS_ATTR, None))
 
 
@@ -297,8 +306,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
     if problems:
         raise ConfigError(problems)
     prefix, owner, plan = find_plan(model)
-    layers: dict[str, str] = plan["layers"]
+    layers: dict[str, str] = dict(plan["layers"])
     local: dict[str, list[str]] = plan.get("local", {})
+    kv = plan.get("kv_heads")
+    groups: dict[str, str] = {}
+    if replicates_kv(kv, tp):  # fewer kv heads than ranks: k and v replicated (tp_kv.py)
+        layers.update(dict.fromkeys(kv["layers"], KV_REPLICATED))
+        groups = kv["groups"]
+        log.info("parallelism.tp: %d: %s has %d kv heads, fewer than the TP ranks: k and v are "
+                 "replicated over them, each rank using its q heads' kv head", tp, model_name,
+                 kv["count"])
     touched, split_logits = 0, False
     for name, module in list(model.named_modules()):
         if not name.startswith(prefix):
@@ -307,11 +324,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
         for pattern, attrs in local.items():
             if fnmatch.fnmatchcase(rel, pattern):
                 _localise(module, attrs, tp)
+        for pattern, attr in groups.items():  # the rank's q heads share its one kv head
+            if fnmatch.fnmatchcase(rel, pattern):
+                setattr(module, attr, kv["heads"] // tp)
         for pattern, style in layers.items():
             if not fnmatch.fnmatchcase(rel, pattern):
                 continue
             trainable = {n: p.requires_grad for n, p in module.named_parameters()}
-            if hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
+            if style == KV_REPLICATED:  # the LoRA layer as a whole, when there is one
+                replicate_kv_projection(module, tp_mesh, kv["count"])
+            elif hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
                 _apply_lora(module, style, tp_mesh, model_name)
             else:
                 split_logits |= style == "colwise_loss_parallel"

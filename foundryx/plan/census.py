@@ -49,6 +49,7 @@ class Shape:
     # heads calls it with enable_gqa, which PyTorch's CPU kernels serve by the math path;
     # measured, benchmarks/RESULTS.md) or "" (never: flash / memory-efficient kernels)
     scores_kept: str = ""
+    kv_replicable: bool = False  # under TP, kv heads fewer than the ranks are replicated (HF)
 
 
 @dataclass
@@ -101,7 +102,7 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     impl = opts.attn_implementation or "sdpa"  # transformers' default where a model has it
     scores = "always" if impl == "eager" else "cpu" if impl == "sdpa" and kv_heads < n_heads else ""
     shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size, fused_loss=False,
-                  rotary=rotary, scores_kept=scores)
+                  rotary=rotary, scores_kept=scores, kv_replicable=True)
     return model, shape
 
 

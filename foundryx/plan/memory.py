@@ -247,23 +247,29 @@ def block_activations(sh, s: Setup) -> float:
 
 
 def kv_divisor(sh, tp: int) -> int:
-    """The share of k and v a rank holds under TP: the kv heads split over ``tp`` when they
-    divide, else each rank holds whole kv heads (replicated: kv_heads, when tp is a multiple
-    of them), else nothing is split."""
+    """The share of k and v a rank uses under TP (their activations): the kv heads split over
+    ``tp`` when they divide, else one whole kv head per rank (kv_heads, when tp is a multiple
+    of them: its q heads' head), else nothing is split."""
     if sh.kv_heads % tp == 0:
         return tp
     return sh.kv_heads if tp % sh.kv_heads == 0 else 1
 
 
+def kv_weight_divisor(sh, tp: int) -> int:
+    """The share of the k and v weights a rank holds under TP: split with the kv heads when
+    tp divides them, else whole (replicated over the TP ranks; foundryx.parallel.tp_kv)."""
+    return tp if sh.kv_heads % tp == 0 else 1
+
+
 def tp_linear_fraction(c: Census, tp: int) -> float:
     """The share of the blocks' linear weights one rank holds under TP (column-wise q, k, v,
-    gate, up and row-wise o, down: 1/tp each, k and v by :func:`kv_divisor`)."""
+    gate, up and row-wise o, down: 1/tp each, k and v by :func:`kv_weight_divisor`)."""
     if tp <= 1 or not c.block_linear:
         return 1.0
     sh = c.shape
     kv = min(sh.n_layers * 2 * sh.kv_heads * (sh.d_model // sh.n_heads) * sh.d_model,
              c.block_linear)
-    return ((c.block_linear - kv) / tp + kv / kv_divisor(sh, tp)) / c.block_linear
+    return ((c.block_linear - kv) / tp + kv / kv_weight_divisor(sh, tp)) / c.block_linear
 
 
 def tp_other(c: Census, tp: int, vocab: str = "parallel") -> float:

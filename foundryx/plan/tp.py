@@ -114,10 +114,15 @@ def communication(c: Census, s: Setup, flops_per_token: float, peak: float | Non
 
 def tp_degrees(c: Census, node_size: int) -> list[int]:
     """The TP degrees worth trying: divisors of the devices per node (TP stays within a node)
-    that divide the attention heads and the kv heads."""
+    that divide the attention heads and the kv heads, or, for a model whose plan replicates kv
+    heads (Hugging Face's), are a multiple of the kv heads."""
     sh = c.shape
+
+    def kv_ok(t: int) -> bool:
+        return sh.kv_heads % t == 0 or (sh.kv_replicable and t % sh.kv_heads == 0)
+
     return [t for t in range(1, node_size + 1)
-            if node_size % t == 0 and sh.n_heads % t == 0 and sh.kv_heads % t == 0]
+            if node_size % t == 0 and sh.n_heads % t == 0 and kv_ok(t)]
 
 
 def at_tp(s: Setup, tp: int) -> Setup | None:

@@ -111,7 +111,8 @@ class Offloaded:
                      order: torch.Tensor | None = None) -> None:
         """Keep this rank's tensor-parallel block of the weight (``placement`` over ``mesh``:
         Shard(0), rows, for a column-wise layer, in ``order`` when TP reorders a fused layer's
-        rows; Shard(1), columns, for a row-wise one, each row's scale whole), its rows split
+        rows; Shard(1), columns, for a row-wise one, each row's scale whole; Replicate: all of
+        it), its rows split
         over ``group``, the data-parallel ranks that hold the same block. A weight already in
         host memory is gathered whole once to be cut again (a meta placeholder: the loader
         reads the new rows)."""
@@ -126,7 +127,9 @@ class Offloaded:
         local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
         self.group, self.world = group, torch.distributed.get_world_size(group)
         self.placed = (mesh, (placement,), shape)
-        if placement.dim == 0:
+        if not placement.is_shard():  # replicated over the TP ranks: the whole weight
+            self.rows = shape[0]
+        elif placement.dim == 0:
             self.rows, self.row_offset = local[0], offset[0]
         else:
             self.rows, self.columns = shape[0], (offset[1], offset[1] + local[1])

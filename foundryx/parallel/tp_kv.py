@@ -1,0 +1,73 @@
+"""Grouped-query attention with fewer kv heads than tensor-parallel ranks.
+
+With ``tp`` a multiple of the kv heads, k and v cannot be split by heads. Every rank's q heads
+share one kv head, ``rank // (tp / kv_heads)``, so the k and v projections are replicated over
+the TP ranks (FSDP2 still shards them over the data-parallel ones) and each rank keeps its kv
+head's columns of their output. The gradient of that output is this rank's part of the whole
+one (its q heads' use of the head), so it leaves as ``Partial``: DTensor sums the input's
+gradient over the TP ranks, and FSDP2 reduces a TP parameter's gradient to its placement
+(``Replicate``) before it reduce-scatters. The attention's own kv-group count becomes the
+rank's (its q heads per its one kv head).
+
+A model declares this in its plan as data::
+
+    "kv_heads": {"count": 2, "name": "num_key_value_heads", "heads": 8,
+                 "layers": ["<k_proj pattern>", "<v_proj pattern>"],
+                 "groups": {"<attention pattern>": "num_key_value_groups"}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def kv_problem(kv: dict[str, Any] | None, tp: int) -> str | None:
+    """Why ``tp`` ranks can neither split nor replicate the declared kv heads (None: they can)."""
+    if kv is None or kv["count"] % tp == 0 or tp % kv["count"] == 0:
+        return None
+    return (f"parallelism.tp: {tp}: the model's {kv['count']} kv heads ({kv['name']}) can be "
+            f"split over tp ranks only when tp divides {kv['count']}, or replicated when tp is a "
+            f"multiple of it")
+
+
+def replicates_kv(kv: dict[str, Any] | None, tp: int) -> bool:
+    """Whether ``tp`` ranks replicate the declared kv heads (more ranks than kv heads)."""
+    return kv is not None and tp > kv["count"] and tp % kv["count"] == 0
+
+
+def replicate_kv_projection(module: nn.Module, tp_mesh: DeviceMesh, kv_heads: int) -> None:
+    """Make ``module`` (k_proj or v_proj: a linear layer, a frozen low-precision one, or a
+    LoRA layer around one) a replicated projection whose output is this rank's kv head."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    from torch.distributed.tensor.parallel.style import distribute_module
+
+    tp = tp_mesh.size()
+    head = tp_mesh.get_local_rank() // (tp // kv_heads)
+    base = getattr(module, "base_layer", module)
+    width = base.out_features // kv_heads
+
+    def replicate(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, p in list(sub.named_parameters(recurse=False)):
+            if p is None or isinstance(p, DTensor):
+                continue
+            part = getattr(sub, "tp_part", None)  # a low-precision layer: its own (whole) copy
+            local = part(0, 0, p.shape[0]) if pname == "weight" and part else p.detach()
+            dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=p.shape,
+                                    stride=p.stride())
+            sub.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
+
+    def whole_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return (x, *inputs[1:])
+
+    def own_head(mod: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        local = out.to_local(grad_placements=[Partial()]) if isinstance(out, DTensor) else out
+        return local[..., head * width:(head + 1) * width]
+
+    distribute_module(module, tp_mesh, replicate, whole_input, own_head)
