@@ -49,7 +49,7 @@ def _step_inputs(hf: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, sta
 @torch.no_grad()
 def sequence_parallel_generate(hf: Any, input_ids: torch.Tensor, *, multiple: int,
                                attention_mask: torch.Tensor | None = None,
-                               max_new_tokens: int = 20, eos_token_id: int | None = None,
+                               max_new_tokens: int = 20, eos_token_id: int | list[int] | None = None,
                                pad_token_id: int | None = None, stopping_criteria: Any = None,
                                synced_gpus: bool = False, do_sample: bool = False,
                                **unsupported: Any) -> torch.Tensor:
@@ -61,7 +61,9 @@ def sequence_parallel_generate(hf: Any, input_ids: torch.Tensor, *, multiple: in
                          f"stopping_criteria and synced_gpus; got do_sample={do_sample}"
                          f"{', ' + ', '.join(sorted(unsupported)) if unsupported else ''}")
     n, prompt = input_ids.shape
-    pad = pad_token_id if pad_token_id is not None else (eos_token_id or 0)
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) \
+        else list(eos_token_id)  # a generation config may name several
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
     lead = (-prompt) % multiple  # the prompt left-padded to a multiple (masked)
     ids = torch.cat([input_ids.new_full((n, lead), pad), input_ids], dim=1)
@@ -81,11 +83,11 @@ def sequence_parallel_generate(hf: Any, input_ids: torch.Tensor, *, multiple: in
             cache.crop(start)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
+        if eos:
+            done |= torch.isin(nxt, torch.tensor(eos, device=nxt.device))
         if stopping_criteria:
             done |= torch.as_tensor(stopping_criteria(ids[:, lead:], None), device=ids.device)
-        running = torch.tensor([0.0 if bool(done.all()) else 1.0])
+        running = torch.tensor([0.0 if bool(done.all()) else 1.0], device=ids.device)
         if synced_gpus:
             torch.distributed.all_reduce(running)
         if running.item() == 0:
