@@ -112,10 +112,9 @@ class Offloaded:
         """Keep this rank's tensor-parallel block of the weight (``placement`` over ``mesh``:
         Shard(0), rows, for a column-wise layer, in ``order`` when TP reorders a fused layer's
         rows; Shard(1), columns, for a row-wise one, each row's scale whole; Replicate: all of
-        it), its rows split
-        over ``group``, the data-parallel ranks that hold the same block. A weight already in
-        host memory is gathered whole once to be cut again (a meta placeholder: the loader
-        reads the new rows)."""
+        it), its rows split over ``group``, the data-parallel ranks that hold the same block.
+        A weight already in host memory is gathered whole once to be cut again (a meta
+        placeholder: the loader reads the new rows)."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape = torch.Size((self.rows or self.host.shape[0], *self.host.shape[1:]))
