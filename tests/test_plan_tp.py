@@ -246,3 +246,15 @@ def test_the_planner_splits_the_vocabulary_as_the_models_plan_does(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     tied = make_plan(tmp_path / "run.yaml", gpus=4, gpu="h100", tp=2)
     assert (untied.setup.tp_vocab, tied.setup.tp_vocab) == ("parallel", "replicated")
+
+
+def test_loss_parallel_counts_its_logits_split_and_its_own_graph(census):
+    """The loss's buffers per rank, by hand (fp32, 1 x 64 tokens, vocabulary 256): plain, the
+    logits, log-probabilities and gradient (4 + 4 + 4 bytes a logit); vocabulary-parallel at
+    TP 2, the same on half of the vocabulary plus two copies for the loss's own graph."""
+    def loss(**kw):
+        return terms(census, _setup(**kw))["logits_and_loss"]
+
+    assert loss(tp=1) == 64 * 256 * 12
+    assert loss(tp=2, shard_degree=2, tp_vocab="parallel") == 64 * 128 * (12 + 8)
+    assert loss(tp=2, shard_degree=2, tp_vocab="replicated") == 64 * 256 * 12

@@ -171,6 +171,12 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         t["logits_and_loss"] = b * q * vocab * (ce + 4 + 4)
         if s.tp > 1 and s.tp_vocab == "head":  # the rank's own slice before the gather
             t["logits_and_loss"] += b * q * head * ce
+        elif s.tp > 1 and s.tp_vocab == "parallel":
+            # loss parallel runs the loss as a graph of its own (foundryx.parallel.
+            # loss_parallel): in backward its detached logits and their gradient beside the
+            # log-softmax's, two fp32 copies more than the plain loss (measured:
+            # benchmarks/RESULTS.md, the tp section)
+            t["logits_and_loss"] += b * q * vocab * 8
     # Gradients and activations are not all held at once: the activations are freed block by
     # block in backward as the gradients are made. The peak is the larger of the end of the
     # forward pass (every activation and the loss's buffers, no gradient yet), the start of
