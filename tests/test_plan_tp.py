@@ -119,16 +119,19 @@ def test_tp_and_fsdp_communication_by_hand(census):
     c1 = communication(census, s1, 1.0, None, 0.4, None)
     c2 = communication(census, s2, 1.0, None, 0.4, None)
     assert c1.tp_payload == 0
-    # 2 collectives forward and 2 backward per layer, 2 layers, 64 tokens x 64 x 2 bytes, twice
-    # (two microbatches: a TP group takes the batch of 2 data-parallel ranks)
-    assert tp_collectives(s2, 2) == 8
-    assert c2.tp_payload == 8 * 64 * 64 * 2 * 2
+    # 2 collectives forward and 2 backward per layer, 2 layers; outside them the first block's
+    # sequence split (backward), the final norm's gather and scatter and the vocabulary-parallel
+    # embedding's all-reduce; 64 tokens x 64 x 2 bytes each, twice (two microbatches: a TP
+    # group takes the batch of 2 data-parallel ranks)
+    assert tp_collectives(s2, 2) == 8 + 4
+    assert tp_collectives(replace(s2, tp_vocab="replicated"), 2) == 8 + 3  # MPT's embedding
+    assert c2.tp_payload == 12 * 64 * 64 * 2 * 2
     assert c2.tp_sent == c2.tp_payload  # ring all-reduce over 2: 2 (n-1)/n = 1
     # FSDP: forward and backward all-gather of the rank's weights (bf16), receiving (s-1)/s
     assert c1.fsdp_gather == pytest.approx(2 * census.total * 2 * 3 / 4)
     assert c2.fsdp_gather == pytest.approx(2 * tp_params(census, 2) * 2 * 1 / 2 * 2)
     ac = replace(s2, activation_checkpointing=True)
-    assert tp_collectives(ac, 2) == 12  # the recomputed forward's 2 per layer
+    assert tp_collectives(ac, 2) == 12 + 4  # the recomputed forward's 2 per layer
 
 
 def test_tp_degrees_divide_the_node_and_the_heads(census):

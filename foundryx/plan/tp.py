@@ -10,8 +10,11 @@ and timed as a ring collective does (a rank sends 2 (n-1)/n of an all-reduce's p
   and 2 in backward (the gradients of their column-wise inputs), each of tokens x d_model in
   the compute dtype: all-reduces, or with sequence parallel an all-gather before and a
   reduce-scatter after (the same bytes). Activation checkpointing recomputes the forward's
-  (4 + 2 per checkpointed layer). The embedding's and the vocabulary-parallel loss's few
-  collectives are left out.
+  (4 + 2 per checkpointed layer). Outside the layers, 3 more of the same size: the first
+  block's sequence split (its gradient all-gathered in backward) and the final norm's output
+  all-gathered (reduce-scattered in backward); and a vocabulary-parallel embedding's output
+  all-reduced. The vocabulary-parallel loss's collectives (a few numbers per token) are left
+  out.
 - FSDP2 over the shard degree s: each microbatch all-gathers every rank's weights (its 1/tp
   of them under TP) in forward and again in backward (reshard_after_forward), the rank
   receiving (s-1)/s of them, and reduce-scatters the gradients (fp32 under DEFAULT mixed
@@ -77,7 +80,8 @@ def tp_collectives(s: Setup, n_layers: int) -> int:
     if s.tp <= 1:
         return 0
     recomputed = n_layers // max(s.ac_every, 1) if s.activation_checkpointing else 0
-    return 4 * n_layers + 2 * recomputed
+    embedding = 1 if s.tp_vocab == "parallel" else 0  # its output summed over the TP ranks
+    return 4 * n_layers + 2 * recomputed + 3 + embedding
 
 
 def communication(c: Census, s: Setup, flops_per_token: float, peak: float | None, mfu: float,
