@@ -261,3 +261,18 @@ def test_loss_parallel_counts_its_logits_split_and_its_own_graph(census):
     assert loss(tp=1) == 64 * 256 * 12
     assert loss(tp=2, shard_degree=2, tp_vocab="parallel") == 64 * 128 * (12 + 8)
     assert loss(tp=2, shard_degree=2, tp_vocab="replicated") == 64 * 256 * 12
+
+
+def test_mpt_with_fewer_kv_heads_than_tp_holds_its_fused_qkv_whole():
+    """MPT's fused Wqkv (d 64: q 64 rows, k and v 32 each at 2 kv heads) is replicated over
+    TP 4 (q with k and v); out_proj and the MLP are split as ever."""
+    from foundryx.plan.memory import tp_linear_fraction
+
+    model, shape, _ = build_meta({"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4,
+                                  "n_layers": 2, "max_seq_len": 64, "vocab_size": 256,
+                                  "attn_config": {"kv_n_heads": 2}})
+    c = take_census(model, shape)
+    qkv = 2 * (64 + 2 * 32) * 64  # both layers' Wqkv
+    assert tp_linear_fraction(c, 2) == pytest.approx(1 / 2)  # 2 kv heads split over 2
+    assert tp_linear_fraction(c, 4) * c.block_linear == pytest.approx((c.block_linear - qkv) / 4 + qkv)
+    assert tp_degrees(c, 4) == [1, 2, 4]

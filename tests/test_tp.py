@@ -22,7 +22,7 @@ PER_DP = 2  # sequences per data-parallel group
 SEQ = 16
 LR = 5e-3  # AdamW; at 1e-2 the meshes' fp32 rounding grew past 1e-5 by step 20 on one CPU (Llama)
 MPT = dict(d_model=32, n_heads=4, n_layers=2, max_seq_len=SEQ, vocab_size=64,
-           attn_config={"rope": True}, ffn_config={"ffn_type": "swiglu"}, norm_type="rmsnorm")
+           attn_config={"rope": True, "kv_n_heads": 2}, ffn_config={"ffn_type": "swiglu"}, norm_type="rmsnorm")
 LLAMA = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
              max_position_embeddings=SEQ, tie_word_embeddings=False)
@@ -180,7 +180,8 @@ def _int8_weights(kind: str, shard: int, tp: int) -> dict[str, Any]:
         got = off.take(torch.device("cpu"))
         want = dict(ref.named_modules())[name].weight.detach()
         fused = getattr(dict(ref.named_modules())[name], "_fused", None)
-        if isinstance(got, DTensor) and fused:  # TP's row order: each rank's q, k, v heads
+        if isinstance(got, DTensor) and fused and got.placements[0].is_shard():  # TP's row
+            # order: each rank's q, k, v heads (replicated at tp 4: 2 kv heads, in its own)
             order = interleaved_rows(tuple(fused), tp)
             want = RowScaledTensor(want.qdata[order], want.scale[order], dtype=want.dtype)
         if isinstance(got, DTensor):
@@ -256,10 +257,11 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
             assert got["int8 params"] == frozen_linear - offloaded and got["offloaded"] == offloaded, (name, got)
             assert got["equal"], (name, got)  # the block a layer runs = TP's cut of the weight
             # each rank holds a quarter of an offloaded weight's bytes at any mesh (1/N, not
-            # 1/dp); Llama's k and v at tp 4 (2 kv heads: replicated over TP) 1/dp of them
+            # 1/dp); at tp 4 the 2 kv heads are replicated over TP: Llama's k and v, MPT's
+            # whole Wqkv, 1/dp of them
             shard, tp = MESHES[name]
             for layer, (host, whole) in got["host bytes"].items():
-                kv = kind == "llama" and tp > 2 and any(f".{x}" in layer for x in ("k_proj", "v_proj"))
+                kv = tp > 2 and any(f".{x}" in layer for x in ("k_proj", "v_proj", "Wqkv"))
                 assert host * (shard if kv else 4) == whole, (name, layer, host, whole)
     for r in results:
         straight = r[("shard2xtp2", "full")][RESUME_AT:]
@@ -367,8 +369,9 @@ def test_heads_not_divisible_name_the_nearest_degrees():
     model = ComposerMPTCausalLM(None, **{**MPT, "d_model": 48, "n_heads": 6, "attn_config": {"rope": True, "kv_n_heads": 2}})
     (problem,) = plan_problems(model, 4)
     assert "parallelism.tp: 4 does not divide n_heads" in problem
-    assert "valid degrees: 1, 2 (nearest: 2)" in problem
-    assert plan_problems(model, 2) == []
+    # 6 replicates the 2 kv heads (a tie with 2: the larger degree is named)
+    assert "valid degrees: 1, 2, 6 (nearest: 6)" in problem
+    assert plan_problems(model, 2) == [] and plan_problems(model, 6) == []
 
 
 def test_kv_heads_tp_can_neither_split_nor_replicate_name_the_valid_degrees():

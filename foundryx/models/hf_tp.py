@@ -51,5 +51,6 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any] | None:
         # fewer kv heads than TP ranks: k and v replicated, each rank its q heads' kv head
         "kv_heads": {"count": kv, "name": "num_key_value_heads",
                      "layers": [f"{layers}.self_attn.k_proj", f"{layers}.self_attn.v_proj"],
-                     "groups": {f"{layers}.self_attn": "num_key_value_groups"}, "heads": heads},
+                     "rank_attrs": {f"{layers}.self_attn": {"num_key_value_groups": "heads_per_rank"}},
+                     "heads": heads},
     }

@@ -50,7 +50,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from foundryx.errors import ConfigError
 from foundryx.parallel.loss_parallel import SplitLogits, loss_parallel, whole_logits
 from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
-from foundryx.parallel.tp_kv import kv_problem, replicate_kv_projection, replicates_kv
+from foundryx.parallel.tp_kv import (
+    kv_problem,
+    kv_rank_attrs,
+    replicate_kv_projection,
+    replicates_kv,
+)
 
 log = logging.getLogger(__name__)
 
@@ -309,10 +314,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
     layers: dict[str, str] = dict(plan["layers"])
     local: dict[str, list[str]] = plan.get("local", {})
     kv = plan.get("kv_heads")
-    groups: dict[str, str] = {}
+    rank_attrs: dict[str, dict[str, int]] = {}
     if replicates_kv(kv, tp):  # fewer kv heads than ranks: k and v replicated (tp_kv.py)
         layers.update(dict.fromkeys(kv["layers"], KV_REPLICATED))
-        groups = kv["groups"]
+        rank_attrs = kv_rank_attrs(kv, tp)
         log.info("parallelism.tp: %d: %s has %d kv heads, fewer than the TP ranks: k and v are "
                  "replicated over them, each rank using its q heads' kv head", tp, model_name,
                  kv["count"])
@@ -324,9 +329,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
         for pattern, attrs in local.items():
             if fnmatch.fnmatchcase(rel, pattern):
                 _localise(module, attrs, tp)
-        for pattern, attr in groups.items():  # the rank's q heads share its one kv head
+        for pattern, attrs in rank_attrs.items():  # the rank's q heads share its one kv head
             if fnmatch.fnmatchcase(rel, pattern):
-                setattr(module, attr, kv["heads"] // tp)
+                for attr, value in attrs.items():
+                    setattr(module, attr, value)
         for pattern, style in layers.items():
             if not fnmatch.fnmatchcase(rel, pattern):
                 continue

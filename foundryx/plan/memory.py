@@ -267,6 +267,11 @@ def kv_weight_divisor(sh, tp: int) -> int:
     return tp if sh.kv_heads % tp == 0 else 1
 
 
+def _replicated_q(sh, tp: int) -> bool:
+    """Whether q is replicated with k and v (a fused projection whose kv heads are)."""
+    return sh.qkv_fused and sh.kv_heads % tp != 0
+
+
 def tp_linear_fraction(c: Census, tp: int) -> float:
     """The share of the blocks' linear weights one rank holds under TP (column-wise q, k, v,
     gate, up and row-wise o, down: 1/tp each, k and v by :func:`kv_weight_divisor`)."""
@@ -275,6 +280,8 @@ def tp_linear_fraction(c: Census, tp: int) -> float:
     sh = c.shape
     kv = min(sh.n_layers * 2 * sh.kv_heads * (sh.d_model // sh.n_heads) * sh.d_model,
              c.block_linear)
+    if _replicated_q(sh, tp):  # MPT's Wqkv replicated whole: q with k and v
+        kv = min(kv + sh.n_layers * sh.d_model * sh.d_model, c.block_linear)
     return ((c.block_linear - kv) / tp + kv / kv_weight_divisor(sh, tp)) / c.block_linear
 
 

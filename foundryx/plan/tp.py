@@ -118,8 +118,8 @@ def communication(c: Census, s: Setup, flops_per_token: float, peak: float | Non
 
 def tp_degrees(c: Census, node_size: int) -> list[int]:
     """The TP degrees worth trying: divisors of the devices per node (TP stays within a node)
-    that divide the attention heads and the kv heads, or, for a model whose plan replicates kv
-    heads (Hugging Face's), are a multiple of the kv heads."""
+    that divide the attention heads and the kv heads, or are a multiple of the kv heads (the
+    plans replicate them)."""
     sh = c.shape
 
     def kv_ok(t: int) -> bool:

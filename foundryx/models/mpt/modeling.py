@@ -64,7 +64,8 @@ class MPTAttention(nn.Module):
         """``rope`` is (cos, sin) from ``rope_cos_sin``; ``attn_kwargs`` go to the attention
         implementation (sequence_id, alibi_slopes, key_padding_mask)."""
         batch, seq, d = x.shape
-        q, k, v = self.Wqkv(x).split(self.qkv_sizes, dim=-1)
+        q_rows, kv_rows = self.n_heads * self.head_dim, self.kv_n_heads * self.head_dim
+        q, k, v = self.Wqkv(x).split((q_rows, kv_rows, kv_rows), dim=-1)  # this rank's, under TP
         if self.q_ln is not None:
             q, k = self.q_ln(q), self.k_ln(k)
         q = q.view(batch, seq, self.n_heads, self.head_dim)
@@ -149,9 +150,12 @@ class MPTPreTrainedModel(PreTrainedModel):
                 f"{blocks}.ffn.down_proj": "rowwise",
                 f"{prefix}norm_f": "sequence_parallel_end",
             },
-            "local": {f"{blocks}.attn": ["n_heads", "kv_n_heads", "qkv_sizes"]},
-            "divisible": {"n_heads": cfg.n_heads, "kv_n_heads": cfg.kv_n_heads,
-                          "ffn_hidden_size": cfg.ffn_hidden_size},
+            "local": {f"{blocks}.attn": ["n_heads", "kv_n_heads"]},
+            "divisible": {"n_heads": cfg.n_heads, "ffn_hidden_size": cfg.ffn_hidden_size},
+            # fewer kv heads than TP ranks: Wqkv replicated, each rank its q heads and kv head
+            "kv_heads": {"count": cfg.kv_n_heads, "name": "kv_n_heads", "heads": cfg.n_heads,
+                         "layers": [f"{blocks}.attn.Wqkv"],
+                         "rank_attrs": {f"{blocks}.attn": {"kv_n_heads": "one"}}},
         }
 
     def param_init_fn(self, module: nn.Module) -> None:
