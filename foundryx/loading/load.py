@@ -226,16 +226,14 @@ def _collective(t: Target, module: nn.Module) -> bool:
             and t.holders[0][1] == "weight" and module.storage == "nf4")
 
 
-def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tensor, group: Any,
-             device: torch.device, start: int = 0) -> torch.Tensor:
-    """The checkpoint ``rows`` in the form the model keeps them: its frozen-base storage, or
-    its dtype, on ``device`` (offloaded weights stay in host memory). Always a new tensor:
-    ``rows`` views the file's mapping, which must not outlive the load."""
-    local_like = getattr(like, "_local_tensor", like)
+def _convert(t: Target, module: nn.Module, rows: torch.Tensor, like: torch.Tensor,
+             device: torch.device) -> torch.Tensor:
+    """The checkpoint ``rows`` in the form the model keeps them: its int8/FP8/bf16 frozen-base
+    storage (NF4 is finished in ``load``'s ``use``: :func:`_collective`), or its dtype, on
+    ``device`` (offloaded weights stay in host memory). Always a new tensor: ``rows`` views
+    the file's mapping, which must not outlive the load."""
     if t.kind != "buffer" and isinstance(module, LowPrecisionLinear) and t.holders[0][1] == "weight":
         rows = rows if t.kind == "offload" else rows.to(device)
-        if module.storage == "nf4":
-            return nf4(rows, local_like, like.dtype, group, start)
         return rowwise(rows, module.storage, like.dtype)
     return torch.empty(rows.shape, dtype=like.dtype, device=device).copy_(rows)
 
@@ -309,14 +307,14 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     def early(r: Read, rows: torch.Tensor) -> tuple[bool, torch.Tensor]:
         """In a reader thread: (done, the rows converted), or (False, the rows encoded as
         NF4) when finishing them takes a collective, left to ``use``."""
-        t, like, group, columns = jobs[id(r)]
+        t, like, _, columns = jobs[id(r)]
         module = t.holders[0][0]
         if _collective(t, module):  # all but the whole weight's scaler mean, here
             rows = rows if t.kind == "offload" else rows.to(device)
             block = getattr(like, "_local_tensor", like).block_size
             return False, nf4_encode(rows, block, like.dtype)
         # whole rows converted (a row's scale needs all its columns), then this rank's columns
-        return True, _columns(_convert(t, module, rows, like, group, device, r.start), columns)
+        return True, _columns(_convert(t, module, rows, like, device), columns)
 
     def use(r: Read, value: tuple[bool, torch.Tensor]) -> None:
         t, like, group, columns = jobs[id(r)]
