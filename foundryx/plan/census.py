@@ -49,7 +49,6 @@ class Shape:
     # heads calls it with enable_gqa, which PyTorch's CPU kernels serve by the math path;
     # measured, benchmarks/RESULTS.md) or "" (never: flash / memory-efficient kernels)
     scores_kept: str = ""
-    kv_replicable: bool = False  # under TP, kv heads fewer than the ranks are replicated
     qkv_fused: bool = False  # q, k, v one projection (MPT's Wqkv): replicated whole then
 
 
@@ -84,7 +83,7 @@ def _mpt_model(opts: MPTOptions) -> tuple[nn.Module, Shape]:
         model = MPTForCausalLM(cfg)
     shape = Shape(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.kv_n_heads, cfg.ffn_hidden_size,
                   cfg.ffn.ffn_type == "swiglu", cfg.vocab_size, fused_loss=True,
-                  rotary=bool(cfg.attn.rope), kv_replicable=True, qkv_fused=True)
+                  rotary=bool(cfg.attn.rope), qkv_fused=True)
     return model, shape
 
 
@@ -103,7 +102,7 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     impl = opts.attn_implementation or "sdpa"  # transformers' default where a model has it
     scores = "always" if impl == "eager" else "cpu" if impl == "sdpa" and kv_heads < n_heads else ""
     shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size, fused_loss=False,
-                  rotary=rotary, scores_kept=scores, kv_replicable=True)
+                  rotary=rotary, scores_kept=scores)
     return model, shape
 
 

@@ -121,12 +121,8 @@ def tp_degrees(c: Census, node_size: int) -> list[int]:
     that divide the attention heads and the kv heads, or are a multiple of the kv heads (the
     plans replicate them)."""
     sh = c.shape
-
-    def kv_ok(t: int) -> bool:
-        return sh.kv_heads % t == 0 or (sh.kv_replicable and t % sh.kv_heads == 0)
-
-    return [t for t in range(1, node_size + 1)
-            if node_size % t == 0 and sh.n_heads % t == 0 and kv_ok(t)]
+    return [t for t in range(1, node_size + 1) if node_size % t == 0 and sh.n_heads % t == 0
+            and (sh.kv_heads % t == 0 or t % sh.kv_heads == 0)]
 
 
 def at_tp(s: Setup, tp: int) -> Setup | None:
