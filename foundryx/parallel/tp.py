@@ -41,6 +41,8 @@ import fnmatch
 import logging
 import math
 import re
+from collections import defaultdict
+from functools import partial
 from typing import Any
 
 import torch
@@ -137,8 +139,8 @@ def _reorder_rows(module: nn.Module, tp: int) -> None:
 
 def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any, part: Any = None) -> torch.Tensor:
     """This rank's part of ``p`` as a DTensor, cut with ``narrow`` or, given, with ``part(dim,
-    start, stop)`` (a low-precision layer's own cut: the weight keeps its storage; every rank
-    holds the same ``p``, so nothing is sent)."""
+    start, stop)`` (a low-precision layer's own cut: the weight keeps its storage, as a TP part
+    when replicated too; every rank holds the same ``p``, so nothing is sent)."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -148,6 +150,8 @@ def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any, part: Any = None) ->
         d = placement.dim
         local = (part(d, offset[d], offset[d] + shape[d]) if part is not None
                  else local.narrow(d, offset[d], shape[d]).clone())
+    elif part is not None:
+        local = part(0, 0, p.shape[0])
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=p.shape,
                               stride=p.stride())
 
@@ -302,10 +306,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
                           world_mesh: DeviceMesh | None = None) -> int:
     """Apply the model's plan over ``tp_mesh`` (the ``tp`` dimension of ``world_mesh``; None:
     tp is the whole world); returns how many modules it touched."""
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
-    offloaded = [m for m in model.modules() if getattr(m, "offload", None) is not None]
+    offloaded = any(getattr(m, "offload", None) is not None for m in model.modules())
     group = _offload_group(world_mesh or tp_mesh) if offloaded else None
     problems = plan_problems(model, tp, model_name)
     if problems:
@@ -338,7 +343,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
                 continue
             trainable = {n: p.requires_grad for n, p in module.named_parameters()}
             if style == KV_REPLICATED:  # the LoRA layer as a whole, when there is one
-                replicate_kv_projection(module, tp_mesh, kv["count"])
+                replicate_kv_projection(module, tp_mesh, kv["count"],
+                                        partial(_cut_params, defaultdict(Replicate)))
             elif hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
                 _apply_lora(module, style, tp_mesh, model_name)
             else:

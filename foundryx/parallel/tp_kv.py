@@ -25,6 +25,7 @@ head) or ``one``; set after the plan's ``local`` division.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,25 +69,17 @@ def _own_columns(base: nn.Module, tp: int, rank: int, kv_heads: int) -> torch.Te
                       q_rows + k_rows + torch.arange(head * width, (head + 1) * width)])
 
 
-def replicate_kv_projection(module: nn.Module, tp_mesh: DeviceMesh, kv_heads: int) -> None:
+def replicate_kv_projection(module: nn.Module, tp_mesh: DeviceMesh, kv_heads: int,
+                            replicate: Callable[[str, nn.Module, DeviceMesh], None]) -> None:
     """Make ``module`` (k_proj or v_proj, or a fused q, k, v projection: a linear layer, a
     frozen low-precision one, or a LoRA layer around one) a replicated projection whose
-    output is this rank's columns (:func:`_own_columns`)."""
+    output is this rank's columns (:func:`_own_columns`); ``replicate(name, submodule, mesh)``
+    makes a submodule's parameters Replicate DTensors (foundryx.parallel.tp's cut)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate
     from torch.distributed.tensor.parallel.style import distribute_module
 
     base = getattr(module, "base_layer", module)
     columns = _own_columns(base, tp_mesh.size(), tp_mesh.get_local_rank(), kv_heads)
-
-    def replicate(name: str, sub: nn.Module, mesh: DeviceMesh) -> None:
-        for pname, p in list(sub.named_parameters(recurse=False)):
-            if p is None or isinstance(p, DTensor):
-                continue
-            part = getattr(sub, "tp_part", None)  # a low-precision layer: its own (whole) copy
-            local = part(0, 0, p.shape[0]) if pname == "weight" and part else p.detach()
-            dt = DTensor.from_local(local, mesh, [Replicate()], run_check=False, shape=p.shape,
-                                    stride=p.stride())
-            sub.register_parameter(pname, nn.Parameter(dt, requires_grad=p.requires_grad))
 
     def whole_input(mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
         x = inputs[0]
