@@ -20,12 +20,12 @@ LoRA trains in the precision of the run (fp32, or bf16 under autocast).
 ``offload_fraction`` keeps that share of the layers' weights out of the model's parameters
 in host memory (:mod:`foundryx.models.peft.offload`), sharded: each of N ranks holds its 1/N
 of the rows (``offload_rows``), in the low-precision storage, and all of a rank's offloaded
-shards live in one exact-size host buffer (pinned with ``cudaHostRegister`` when there is a GPU: per-tensor ``pin_memory()``
-rounds every allocation up to a power of two, pytorch#150517). When a layer runs, forward
-and backward, its shard is copied to the device and all-gathered there in its low
-precision, and the whole weight is dropped after use; while one runs, the copy of the next
-offloaded layer's shard is started. Offloaded weights are not in the model's state dict (a
-LoRA checkpoint holds only the adapters).
+shards live in one exact-size host buffer (pinned with ``cudaHostRegister`` when there is a
+GPU: per-tensor ``pin_memory()`` rounds every allocation up to a power of two,
+pytorch#150517). When a layer runs, forward and backward, its shard is copied to the device
+and all-gathered there in its low precision, and the whole weight is dropped after use; while
+one runs, the copy of the next offloaded layer's shard is started. Offloaded weights are not
+in the model's state dict (a LoRA checkpoint holds only the adapters).
 """
 
 from __future__ import annotations
