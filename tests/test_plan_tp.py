@@ -124,7 +124,8 @@ def test_tp_and_fsdp_communication_by_hand(census):
     # embedding's all-reduce; 64 tokens x 64 x 2 bytes each, twice (two microbatches: a TP
     # group takes the batch of 2 data-parallel ranks)
     assert tp_collectives(s2, 2) == 8 + 4
-    assert tp_collectives(replace(s2, tp_vocab="replicated"), 2) == 8 + 3  # MPT's embedding
+    assert tp_collectives(replace(s2, tp_vocab="replicated"), 2) == 8 + 3  # a tied HF head
+    assert tp_collectives(s2, 2, vocab_size=255) == 8 + 3  # a vocabulary tp does not divide
     assert c2.tp_payload == 12 * 64 * 64 * 2 * 2
     assert c2.tp_sent == c2.tp_payload  # ring all-reduce over 2: 2 (n-1)/n = 1
     # FSDP: forward and backward all-gather of the rank's weights (bf16), receiving (s-1)/s
@@ -239,8 +240,8 @@ def test_an_all_gather_bound_run_gets_the_tp_degree_that_ends_it(census):
 
 
 def test_the_planner_splits_the_vocabulary_as_the_models_plan_does(tmp_path):
-    """An untied Hugging Face head: embedding, head and loss vocabulary-parallel; a tied one (and
-    MPT's) whole on every TP rank."""
+    """An untied Hugging Face head: embedding, head and loss vocabulary-parallel; a tied one
+    whole on every TP rank (MPT's, tied or not, vocabulary-parallel)."""
     import yaml
 
     untied = make_plan(_write(tmp_path, 256), gpus=4, gpu="h100", tp=2)
@@ -261,6 +262,9 @@ def test_loss_parallel_counts_its_logits_split_and_its_own_graph(census):
     assert loss(tp=1) == 64 * 256 * 12
     assert loss(tp=2, shard_degree=2, tp_vocab="parallel") == 64 * 128 * (12 + 8)
     assert loss(tp=2, shard_degree=2, tp_vocab="replicated") == 64 * 256 * 12
+    # a vocabulary TP does not divide stays whole (the plans keep it so)
+    odd = replace(census, shape=replace(census.shape, vocab_size=255))
+    assert terms(odd, _setup(tp=2, shard_degree=2))["logits_and_loss"] == 64 * 255 * 12
 
 
 def test_mpt_with_fewer_kv_heads_than_tp_holds_its_fused_qkv_whole():

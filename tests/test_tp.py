@@ -119,6 +119,7 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
             first_step["grad_norm"] = torch.cat([g.flatten() for g in full]).norm().item()
             # gradient clipping's norm over the gradients' mixed meshes ((shard, tp) and shard)
             first_step["clip_norm"] = total_norm(grads, 2.0).item()
+            first_step["vocab_split"] = _vocab_split(model)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -137,6 +138,20 @@ def _losses(kind: str, shard: int, tp: int, variant: str, steps: range = range(S
 
 
 MESHES = {"shard4": (4, 1), "shard2xtp2": (2, 2), "tp4": (1, 4)}
+VOCAB_WEIGHTS = ("wte.weight", "embed_tokens.weight", "lm_head.weight")
+
+
+def _vocab_split(model: Any) -> tuple[str, ...]:
+    """The embedding and output-projection weights split by vocabulary rows over the TP ranks
+    (``Shard(0)`` on the mesh's ``tp`` dimension), by name ending."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = []
+    for name, p in model.named_parameters():
+        names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+        if name.endswith(VOCAB_WEIGHTS) and "tp" in names and p.placements[names.index("tp")] == Shard(0):
+            out.append(next(e for e in VOCAB_WEIGHTS if name.endswith(e)))
+    return tuple(sorted(out))
 
 
 def _all_meshes(kind: str, folder: str | None = None) -> dict[Any, Any]:
@@ -249,6 +264,10 @@ def test_tp_losses_equal_fsdp_losses_with_and_without_lora_and_int8_base(kind, t
                 # fused loss makes no logits in training)
                 want = 64 // tp if kind == "llama" else None
                 assert r[("logit_cols", name, variant)] == want, (name, variant)
+                # the embedding and the head split by vocabulary (MPT's head is the tied
+                # embedding: its fused loss is vocabulary-parallel)
+                split = {"mpt": ("wte.weight",), "llama": ("embed_tokens.weight", "lm_head.weight")}
+                assert r[("vocab_split", name, variant)] == (split[kind] if tp > 1 else ()), (name, variant)
                 assert r[("eval_cols", name, variant)] == 64, (name, variant)
     frozen_linear = {"mpt": 2 * 5, "llama": 2 * 7}[kind]  # per block: Wqkv o gate up down; q k v o gate up down
     offloaded = frozen_linear // 2
@@ -302,6 +321,14 @@ def _fp8_and_bf16_bases(kind: str) -> dict[Any, Any]:
                            for variant in ("lora+fp8", "lora+bf16")
                            for name, (shard, tp) in {"shard2": (2, 1), "tp2": (1, 2)}.items()}
     out["checkpoint rows"] = {variant: _checkpoint_rows(kind, variant) for variant in ("full", "lora+fp8")}
+    # an untied head with a logit scale: the embedding and lm_head split by vocabulary, the
+    # fused loss vocabulary-parallel; and a vocabulary tp does not divide: kept whole
+    for variant, dims in {"untied": UNTIED, "odd vocabulary": {"vocab_size": 65}}.items():
+        for name, (shard, tp) in {"shard2": (2, 1), "tp2": (1, 2)}.items():
+            stats: dict[str, Any] = {}
+            out[(variant, name)] = _losses(kind, shard, tp, "full", range(5), first_step=stats, dims=dims)
+            out[(variant, "split", name)] = stats["vocab_split"]
+            out[(variant, "eval cols", name)] = stats["eval_cols"]
     return out
 
 
@@ -341,13 +368,22 @@ def _parts(t: Any) -> list[bytes]:
     return out
 
 
-def test_fp8_and_bf16_bases_under_tp_give_the_losses_of_fsdp():
+UNTIED = dict(tie_word_embeddings=False, logit_scale="inv_sqrt_d_model", vocab_size=66)
+
+
+def test_fp8_and_bf16_bases_and_an_untied_head_under_tp_give_the_losses_of_fsdp():
     """The other row-scaled storages on 2 processes (MPT: its fused Wqkv reordered with its
     FP8 rows and scales): tp 2 gives the losses of shard 2. And what a checkpoint holds at tp
-    2 equals the live state at tp 1, FP8 base and all (its fused rows back in logical order)."""
+    2 equals the live state at tp 1, FP8 base and all (its fused rows back in logical order).
+    And MPT with an untied lm_head: its weight split by vocabulary rows too; with a vocabulary
+    tp does not divide, the embedding and head are kept whole (FSDP2 refuses an uneven TP
+    split) and the losses are the same."""
     got = run_distributed(_fp8_and_bf16_bases, world_size=2, args=("mpt",), timeout=300)[0]
-    for variant in ("lora+fp8", "lora+bf16"):
+    for variant in ("lora+fp8", "lora+bf16", "untied", "odd vocabulary"):
         assert _close(got[(variant, "tp2")], got[(variant, "shard2")]), (variant, got)
+    assert got[("untied", "split", "tp2")] == ("lm_head.weight", "wte.weight"), got
+    assert got[("odd vocabulary", "split", "tp2")] == got[("untied", "split", "shard2")] == (), got
+    assert got[("untied", "eval cols", "tp2")] == 66 and got[("odd vocabulary", "eval cols", "tp2")] == 65
     assert got["checkpoint rows"] == {"full": [], "lora+fp8": []}, got["checkpoint rows"]
 
 

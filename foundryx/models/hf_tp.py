@@ -39,9 +39,9 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any] | None:
     if not config.tie_word_embeddings:  # a tied head shares the (replicated) embedding
         # vocabulary-parallel, as torchtitan: the embedding split by rows, the head by rows
         # too, its logits left split for the loss (the model's loss_function), whole in eval
-        plan["model.embed_tokens"] = "vocab_parallel_embedding"
-        plan["lm_head"] = "colwise_loss_parallel"
-        out["loss_parallel"] = "loss_function"
+        out["vocab"] = {"size": config.vocab_size, "loss_parallel": "loss_function",
+                        "layers": {"model.embed_tokens": "vocab_parallel_embedding",
+                                   "lm_head": "colwise_loss_parallel"}}
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     return {

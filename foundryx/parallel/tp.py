@@ -9,7 +9,11 @@ A model (the ComposerModel or one of its direct children, as for the FSDP hooks 
      "divisible": {"n_heads": 8, "kv_n_heads": 2, ...},     # numbers tp must divide
      "kv_heads": {...},                                     # optional: kv heads replicated
                                                             # when fewer than tp (tp_kv.py)
-     "loss_parallel": "loss_function"}                      # optional: the owner's attribute
+     "vocab": {"size": 50368,                               # optional: the embedding and head
+               "layers": {"<pattern>": "<style>", ...},     # split by vocabulary, when tp
+               "loss_parallel": "loss_function"}}           # divides its size (FSDP2 refuses an
+                                                            # uneven TP split); loss_parallel
+                                                            # (optional): the owner's attribute
                                                             # holding its loss callable, called
                                                             # as fn(logits=, labels=, ...), run
                                                             # vocabulary-parallel on split logits
@@ -23,9 +27,12 @@ The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner
   is its q, k and v heads (a plain column split of the raw rows would be wrong).
 - ``colwise_gather``: column-wise with the output gathered (the LM head: full logits).
 - ``colwise_loss_parallel``: the LM head column-wise with its logits left split by vocabulary
-  in training (a DTensor, for the loss named by the plan's ``loss_parallel``), gathered whole in
+  in training (a DTensor, for the loss named by the vocab's ``loss_parallel``), gathered whole in
   eval (metrics, ICL).
 - ``vocab_parallel_embedding``: an embedding split by vocabulary rows, its output summed whole.
+- ``vocab_rows``: a head whose weight the model reads (never calling the module) split by
+  vocabulary rows: the model's loss and logits take such a weight (MPT's fused loss runs
+  vocabulary-parallel on it); calling the module would fail loudly (a DTensor weight).
 - ``sequence_parallel``: a norm run on the rank's sequence shard (weights replicated).
 - ``sequence_parallel_start``: a block whose full-sequence input becomes the rank's shard.
 - ``sequence_parallel_end``: a final norm on the shard, its output gathered back whole.
@@ -48,6 +55,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from foundryx.errors import ConfigError
 from foundryx.parallel.loss_parallel import SplitLogits, loss_parallel, whole_logits
@@ -206,6 +214,8 @@ def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
         return [colwise(output_layouts=Shard(-1), use_local_output=False), SplitLogits()]
     if style == "vocab_parallel_embedding":
         return [rowwise(input_layouts=Replicate(), output_layouts=Replicate())]
+    if style == "vocab_rows":
+        return [_VocabRows()]
     if style == "colwise_gather":
         return [colwise(output_layouts=Replicate())]
     if style == "rowwise":
@@ -229,6 +239,17 @@ def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
                                    desired_input_kwarg_layouts={kw: Replicate()},
                                    use_local_output=True)]
     raise ValueError(f"tensor-parallel plan: unknown style {style!r}")
+
+
+class _VocabRows(ParallelStyle):
+    """A parallel style that only cuts a weight by rows (``Shard(0)``) and adds no hooks."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel.style import distribute_module
+
+        return distribute_module(module, device_mesh,
+                                 partial(_cut_params, {"weight": Shard(0), "bias": Shard(0)}))
 
 
 def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
@@ -273,6 +294,23 @@ def _apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: 
         else:
             out = Replicate() if style == "colwise_gather" else Shard(-1)
             parallelize_module(b, tp_mesh, ColwiseParallel(output_layouts=out))
+
+
+def _split_vocabulary(vocab: dict[str, Any] | None, layers: dict[str, str], tp: int,
+                      model_name: str) -> str | None:
+    """Add the plan's vocabulary-parallel styles to ``layers`` when ``tp`` divides the
+    vocabulary (FSDP2 cannot shard an uneven TP split), saying so when it does not; returns
+    the attribute of the loss to run vocabulary-parallel (None: none)."""
+    if not vocab:
+        return None
+    if vocab["size"] % tp:
+        log.info("parallelism.tp: %d does not divide the vocabulary of %s (%d): its embedding "
+                 "and output projection stay whole on every TP rank (FSDP2 still shards them); a "
+                 "vocabulary padded to a multiple of %d would split them", tp, model_name,
+                 vocab["size"], tp)
+        return None
+    layers.update(vocab["layers"])
+    return vocab.get("loss_parallel")
 
 
 def _offload_group(world_mesh: DeviceMesh) -> Any:
@@ -326,6 +364,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
         log.info("parallelism.tp: %d: %s has %d kv heads, fewer than the TP ranks: k and v are "
                  "replicated over them, each rank using its q heads' kv head", tp, model_name,
                  kv["count"])
+    loss_attr = _split_vocabulary(plan.get("vocab"), layers, tp, model_name)
     touched, split_logits = 0, False
     for name, module in list(model.named_modules()):
         if not name.startswith(prefix):
@@ -359,9 +398,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
             for n, p in module.named_parameters():  # TP styles make new nn.Parameters
                 p.requires_grad_(trainable[n])
             touched += 1
-    if split_logits and plan.get("loss_parallel"):
-        attr = plan["loss_parallel"]
-        setattr(owner, attr, loss_parallel(getattr(owner, attr)))
+    if split_logits and loss_attr:
+        setattr(owner, loss_attr, loss_parallel(getattr(owner, loss_attr)))
         if callable(getattr(model, "eval_forward", None)):  # Composer's train metrics reuse
             model.eval_forward = whole_logits(model.eval_forward)  # the training outputs
     if not touched:

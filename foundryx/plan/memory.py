@@ -120,11 +120,12 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     on_device = 0.0 if s.fsdp_cpu_offload else 1.0
 
     lf = tp_linear_fraction(c, s.tp)
-    trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, s.tp_vocab)
+    mode = vocab_mode(s, c.shape.vocab_size)
+    trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, mode)
     t: dict[str, float] = dict.fromkeys(TERM_DOCS, 0.0)
     if s.lora:
         lin = frozen_linear_bytes(c, s) * lf
-        other = tp_other(c, s.tp, s.tp_vocab) * (s.frozen_other_bytes or pb)
+        other = tp_other(c, s.tp, mode) * (s.frozen_other_bytes or pb)
         t["frozen_weights"] = (lin * (1 - s.offload_fraction) + other) / w_div * on_device
     if s.zero_stage in (1, 2):
         # ZeRO-1/2 (DeepSpeed's layout): a replicated working copy in the compute dtype; the
@@ -154,8 +155,8 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     # the output projection's weight gradient, when it trains (full fine-tuning): the fused
     # loss accumulates it in fp32 during the forward pass and saves it for backward; under
     # TP the projection and the loss are vocabulary-parallel (each rank its 1/tp of the rows)
-    vocab = sh.vocab_size / (s.tp if s.tp_vocab == "parallel" else 1)  # loss parallel
-    head = sh.vocab_size / (s.tp if s.tp_vocab != "replicated" else 1)
+    vocab = sh.vocab_size / (s.tp if mode == "parallel" else 1)  # loss parallel
+    head = sh.vocab_size / (s.tp if mode != "replicated" else 1)
     out_grad = 0.0 if s.lora else head * d * 4
     if sh.fused_loss:
         # one chunk's fp32 logits, reused by every chunk and turned into their gradient in
@@ -163,15 +164,15 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
         # dtype), then the saved weight gradient beside its accumulator; plus the input
         # gradient and its saved copy; on a CPU with oneDNN's products (cpu_matmul), each chunk's
         # weight gradient is a product of its own before it is added
-        chunk = min(b * q, chunk_tokens(sh.vocab_size, s.device_kind)) * vocab * 4
+        chunk = min(b * q, chunk_tokens(math.ceil(vocab), s.device_kind)) * vocab * 4
         mixed = chunk * ce / 4 if ce < 4 else 0.0
         weight_grads = 3 if s.cpu_onednn else 2
         t["logits_and_loss"] = chunk + mixed + weight_grads * out_grad + 2 * b * q * d * ce
     else:
         t["logits_and_loss"] = b * q * vocab * (ce + 4 + 4)
-        if s.tp > 1 and s.tp_vocab == "head":  # the rank's own slice before the gather
+        if s.tp > 1 and mode == "head":  # the rank's own slice before the gather
             t["logits_and_loss"] += b * q * head * ce
-        elif s.tp > 1 and s.tp_vocab == "parallel":
+        elif s.tp > 1 and mode == "parallel":
             # loss parallel runs the loss as a graph of its own (foundryx.parallel.
             # loss_parallel): in backward its detached logits and their gradient beside the
             # log-softmax's, two fp32 copies more than the plain loss (measured:
@@ -283,6 +284,13 @@ def tp_linear_fraction(c: Census, tp: int) -> float:
     if _replicated_q(sh, tp):  # MPT's Wqkv replicated whole: q with k and v
         kv = min(kv + sh.n_layers * sh.d_model * sh.d_model, c.block_linear)
     return ((c.block_linear - kv) / tp + kv / kv_weight_divisor(sh, tp)) / c.block_linear
+
+
+def vocab_mode(s: Setup, vocab_size: int) -> str:
+    """How ``s``'s TP splits the vocabulary (TP_VOCAB_MODES): its ``tp_vocab``, or whole
+    ("replicated") when ``tp`` does not divide the vocabulary (the plans keep it whole then:
+    FSDP2 refuses an uneven TP split)."""
+    return "replicated" if s.tp > 1 and vocab_size % s.tp else s.tp_vocab
 
 
 def tp_other(c: Census, tp: int, vocab: str = "parallel") -> float:

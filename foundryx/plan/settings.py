@@ -34,17 +34,16 @@ class Planned:
 
 
 # How foundryx's TP plans (the ones the models declare, applied by foundryx/parallel) treat
-# the vocabulary: MPT keeps its tied embedding and head whole on every TP rank (FSDP shards
-# them); Hugging Face Llama / Mistral / Qwen2 with an untied lm_head split the embedding, the
-# head and the loss by vocabulary ("parallel", as torchtitan does, also the planner's default
-# for a Setup built by hand), with a tied one keep both whole ("replicated").
-TP_VOCAB = {"mpt_causal_lm": "replicated"}
+# the vocabulary: MPT, and Hugging Face Llama / Mistral / Qwen2 with an untied lm_head, split
+# the embedding, the head and the loss by vocabulary ("parallel", as torchtitan does, also the
+# planner's default for a Setup built by hand; MPT's fused loss is vocabulary-parallel, tied
+# head or not); a Hugging Face model with a tied head keeps both whole ("replicated").
 
 
 def tp_vocab(model_name: str, census: Census) -> str:
     if model_name == "hf_causal_lm" and not census.head_params:
         return "replicated"
-    return TP_VOCAB.get(model_name, "parallel")
+    return "parallel"
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

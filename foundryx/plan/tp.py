@@ -36,6 +36,7 @@ from foundryx.plan.memory import (
     terms,
     tp_lora_params,
     tp_params,
+    vocab_mode,
 )
 
 
@@ -75,12 +76,13 @@ class Comm:
         return {**vars(self), "all_gather_bound": self.all_gather_bound, "step_s": self.step_s}
 
 
-def tp_collectives(s: Setup, n_layers: int) -> int:
+def tp_collectives(s: Setup, n_layers: int, vocab_size: int = 0) -> int:
     """TP collectives per microbatch (see the module's docstring)."""
     if s.tp <= 1:
         return 0
     recomputed = n_layers // max(s.ac_every, 1) if s.activation_checkpointing else 0
-    embedding = 1 if s.tp_vocab == "parallel" else 0  # its output summed over the TP ranks
+    # a vocabulary-parallel embedding's output summed over the TP ranks
+    embedding = 1 if vocab_mode(s, vocab_size) == "parallel" else 0
     return 4 * n_layers + 2 * recomputed + 3 + embedding
 
 
@@ -90,17 +92,18 @@ def communication(c: Census, s: Setup, flops_per_token: float, peak: float | Non
     sh = c.shape
     ce, tp, deg = s.compute_bytes, max(s.tp, 1), max(s.shard_degree, 1)
     micro = s.microbatch * s.seq_len * sh.d_model * ce
-    payload = tp_collectives(s, sh.n_layers) * micro * s.grad_accum
+    payload = tp_collectives(s, sh.n_layers, sh.vocab_size) * micro * s.grad_accum
     sent = payload * 2 * (tp - 1) / tp
     gather = reduce = 0.0
     if s.zero_stage >= 3 and deg > 1:
         outside = c.total - sh.n_layers * c.per_block  # embedding, head, final norm
-        split = {"parallel": c.vocab_params, "head": c.head_params}.get(s.tp_vocab, 0)
+        mode = vocab_mode(s, sh.vocab_size)
+        split = {"parallel": c.vocab_params, "head": c.head_params}.get(mode, 0)
         outside -= split - split / tp  # as the model's TP plan splits them
         weights = sh.n_layers * block_gather_bytes(c, s) + outside * ce
         gathers = 2 if s.reshard_after_forward else 1
         gather = gathers * weights * (deg - 1) / deg * s.grad_accum
-        trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, s.tp_vocab)
+        trainable = tp_lora_params(s) if s.lora else tp_params(c, s.tp, mode)
         grad_bytes = 4 if s.mixed_precision == "DEFAULT" or s.precision == "fp32" else ce
         reduce = trainable * grad_bytes * (deg - 1) / deg * s.grad_accum
     node = s.node_size or s.world_size

@@ -10,13 +10,21 @@ logits, their log-softmax and their gradient (three ``tokens x vocab`` fp32 tens
 4 x 2048 tokens of a 50k vocabulary), and no matmul is repeated: backward only scales the saved
 gradients by the incoming one. The same idea as Liger-Kernel's fused linear cross entropy,
 written in plain PyTorch so it runs on every device.
+
+With ``weight`` split by vocabulary rows over ranks (tensor parallelism's vocabulary-parallel
+head, see :mod:`foundryx.models.layers.head`) the loss is vocabulary-parallel too: each rank
+projects onto its rows only, and per chunk the ranks all-reduce the rows' maxima, then their sums
+of exponentials with the target's logit (from the rank that holds it); the input's gradient is
+summed over the ranks once at the end. Each rank holds one chunk of its 1/N of the logits.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as tdist
 
 from foundryx.kernels import cpu_matmul
+from foundryx.models.layers.head import vocab_split
 
 IGNORE_INDEX = -100
 # One chunk's fp32 logits: on a GPU large enough for full-speed matmuls; on a CPU small enough
@@ -43,14 +51,19 @@ def linear_cross_entropy(
     """Token-mean cross entropy of ``(h @ weight.T) * scale`` against ``labels`` (-100:
     ignored), ``h`` (..., d) and ``labels`` (...) already aligned (shift before calling).
     Under autocast the projection runs in the autocast dtype and the softmax in fp32, as the
-    unfused ``F.linear`` + ``F.cross_entropy`` would."""
+    unfused ``F.linear`` + ``F.cross_entropy`` would. ``weight`` may be split by vocabulary
+    rows (a DTensor, see the module's docstring); ``h`` and ``labels`` are then whole on
+    every rank, and so is the loss."""
+    split = vocab_split(weight)
+    if hasattr(weight, "to_local"):  # a DTensor: the rank's rows (their gradient one again)
+        weight = weight.to_local()
     chunk = chunk or chunk_tokens(weight.shape[0], h.device.type)
-    return _LinearCrossEntropy.apply(h, weight, labels, scale, chunk)
+    return _LinearCrossEntropy.apply(h, weight, labels, scale, chunk, split)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, scale, chunk):  # noqa: D102
+    def forward(ctx, h, weight, labels, scale, chunk, split):  # noqa: D102
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         # the gradient of each input only if it needs one: under LoRA the (tied) output
@@ -71,6 +84,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # faults of each new allocation), and exp is taken once, for the loss and softmax
             buf = torch.empty((min(chunk, x_all.shape[0]), w.shape[0]), dtype=acc, device=h.device)
             mult = 1.0 if scale is None else scale
+            group, first = split if split is not None else (None, 0)
+            rows = w.shape[0]
             for start in range(0, x_all.shape[0], chunk):
                 x, y = x_all[start:start + chunk], y_all[start:start + chunk]
                 logits = buf[:x.shape[0]]
@@ -83,17 +98,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if scale is not None:
                     logits.mul_(scale)
                 valid = y != IGNORE_INDEX
-                target = y.clamp(min=0).unsqueeze(1)
-                target_logit = logits.gather(1, target).squeeze(1)
+                local = y.clamp(min=0) - first  # the target's row among this rank's
+                here = valid & (local >= 0) & (local < rows)
+                target = local.clamp(0, rows - 1).unsqueeze(1)
+                target_logit = logits.gather(1, target).squeeze(1) * here
                 row_max = logits.amax(dim=1, keepdim=True)
+                if group is not None:
+                    tdist.all_reduce(row_max, tdist.ReduceOp.MAX, group=group)
                 exp = logits.sub_(row_max).exp_()
                 norm = exp.sum(dim=1, keepdim=True)
+                if group is not None:  # every rank's sum of exponentials, and the target's logit
+                    both = torch.cat([norm, target_logit.unsqueeze(1)], dim=1)
+                    tdist.all_reduce(both, group=group)
+                    norm, target_logit = both[:, :1], both[:, 1]
                 lse = (row_max + norm.log()).squeeze(1)
                 total += ((lse - target_logit) * valid).sum()
                 if want_grad:  # d(sum of losses)/d(logits) = softmax - one_hot, on valid rows
                     # softmax times the scale's chain factor, zero on ignored rows: one pass
                     g = exp.mul_(torch.where(valid.unsqueeze(1), mult / norm, 0.0))
-                    g.scatter_add_(1, target, (-mult * valid.to(acc)).unsqueeze(1))
+                    g.scatter_add_(1, target, (-mult * here.to(acc)).unsqueeze(1))
                     g = g.to(dtype)
                     if want_grad_h and dtype == acc:
                         cpu_matmul.mm(g, w, out=grad_x[start:start + chunk])
@@ -105,6 +128,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_w.addmm_(g.T, x)
                     elif want_grad_w:
                         grad_w += (g.T @ x).to(acc)
+            if group is not None and want_grad_h:  # each rank's rows' share of it, summed
+                summed = grad_x.to(acc)
+                tdist.all_reduce(summed, group=group)
+                grad_x.copy_(summed)
         loss = total / n_valid  # nan when every label is ignored, as F.cross_entropy gives
         if want_grad:
             denom = n_valid.clamp(min=1).to(acc)
@@ -118,4 +145,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         return (None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype),
                 None if grad_w is None else grad_w * grad_loss.to(grad_w.dtype),
-                None, None, None)
+                None, None, None, None)

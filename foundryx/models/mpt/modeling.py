@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreT
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from foundryx import registry
+from foundryx.models.layers.head import output_logits
 from foundryx.models.layers.loss import linear_cross_entropy
 from foundryx.models.layers.positions import alibi_slopes, apply_rope, rope_cos_sin, token_positions
 from foundryx.models.mpt.configuration import MPTConfig
@@ -128,13 +129,19 @@ class MPTPreTrainedModel(PreTrainedModel):
 
     def foundryx_tp_plan(self) -> dict[str, Any]:
         """Tensor + sequence parallelism as data (applied by foundryx.parallel.tp): heads and
-        MLP columns split, norms on sequence shards, the embedding and the (tied) output
-        projection replicated over the TP ranks (FSDP still shards them)."""
+        MLP columns split, norms on sequence shards, the embedding and the output projection
+        (tied to it or not) split by vocabulary rows, and with them the fused loss (see
+        foundryx.models.layers.head)."""
         cfg, a = self.config, self.config.attn
         unsupported = [what for what, on in (("ALiBi", a.alibi), ("qk_ln", a.qk_ln)) if on]
         prefix = "transformer." if self.base_model_prefix in dict(self.named_children()) else ""
         blocks = f"{prefix}blocks.*"
+        # the head is never called as a module: forward reads its weight (linear_cross_entropy,
+        # output_logits), so the plan only splits that weight's rows
+        head = {"lm_head": "vocab_rows"} if getattr(self, "lm_head", None) is not None else {}
         return {
+            "vocab": {"size": cfg.vocab_size,
+                      "layers": {f"{prefix}wte": "vocab_parallel_embedding", **head}},
             "unsupported": (f"MPT with {' and '.join(unsupported)} has no tensor-parallel plan "
                             "yet" if unsupported else None),
             "layers": {
@@ -338,9 +345,7 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
         if labels is not None and not return_logits:
             loss = linear_cross_entropy(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
             return CausalLMOutputWithPast(loss=loss, logits=None)
-        logits = F.linear(h, weight)
-        if self.logit_scale is not None:
-            logits = logits * self.logit_scale
+        logits = output_logits(h, weight, self.logit_scale)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 
