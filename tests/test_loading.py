@@ -222,13 +222,15 @@ def test_nf4_on_load_equals_torchao_bit_for_bit():
         if dtype != torch.float32:  # every value of the dtype in [-1, 1]
             every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
             v = torch.cat([v, every[every.float().abs() <= 1]])
-        if dtype == torch.float32:  # float32 values a rounding either side of each boundary
-            edges = (quantize._code_table(dtype) == quantize.AMBIGUOUS).nonzero().squeeze(1)
-            top = ((edges - 32768).to(torch.int32) << 16)
-            top = top[top.view(torch.float32).abs() < 1]  # the boundaries' buckets
-            v = torch.cat([v, *(((top | low).view(torch.float32)) for low in range(0, 1 << 16, 97))])
+        if dtype == torch.float32:  # every float32 value of each bucket a boundary falls in
+            edges = quantize._code_tables(dtype)[1].isfinite().nonzero().squeeze(1)
+            assert len(edges) == 15, edges  # one bucket for each of the 15 boundaries
+            top = (edges << 16).to(torch.int32)  # the bucket's top 16 bits, unsigned
+            v = torch.cat([v, *(((top | low).view(torch.float32)) for low in range(1 << 16))])
         want = NF4Tensor.quantize_tensor_nearest(v, lut).to(torch.uint8)
         assert torch.equal(quantize._codes(v, lut), want), dtype
+        inside = v[v.abs() <= 1]  # as nf4_encode calls it on a block scaled by its absmax
+        assert torch.equal(quantize._codes(inside, lut, within=True), want[v.abs() <= 1]), dtype
         w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(torch.bfloat16)
         w[3], w[5, :64] = 0, 0
         ref, mine = to_nf4(w.to(dtype), 64, 256), quantize.nf4(w, to_nf4(w.to(dtype), 64, 256), dtype)

@@ -21,10 +21,13 @@ Two steps around :func:`foundryx.parallel.parallelize`:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,6 +285,20 @@ def _malloc_trim() -> Any:
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while the readers run: the load makes no cycles,
+    and the collections its many small tensor objects set off took about 9% of an NF4 load's
+    CPU time (perf, benchmarks/RESULTS.md)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, Any]:
     """Fill the tensors :func:`prepare` marked, each rank its own rows (see the module doc);
     logs progress on rank 0 and a summary (load time, peak host memory per rank). Returns
@@ -334,7 +351,7 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
                                  set()).add(t.key)
         _place(t, like, local)
 
-    with torch.no_grad():
+    with torch.no_grad(), _gc_paused():
         read_all(reads, use, progress, prepare=early)
     release_freed_memory()
     offloaded = [t.holders[0][0] for t in plan.targets if t.kind == "offload"]

@@ -21,6 +21,7 @@ changes nothing, see :func:`rowwise`), one pass per chunk while it is in cache.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any, NamedTuple
 
@@ -139,42 +140,65 @@ def _nearest(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     return codes
 
 
-AMBIGUOUS = 255  # in a code table: the bucket holds values of two codes (see _codes)
+# the top 16 bits of a float32 on this machine: the second half-word on a little-endian one
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0
 
 
 @functools.cache
-def _code_table(dtype: torch.dtype) -> torch.Tensor:
-    """Per bucket of values (the value's top 16 bits: one value of a 16-bit dtype, an
-    interval of float32), its NF4 code by :func:`_nearest`, or AMBIGUOUS for the few float32
-    buckets whose ends get different codes (within [-1, 1] the code only grows with the
-    value, so a bucket whose two ends agree holds one code) and those beyond [-1, 1]."""
+def _code_tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per bucket of values (the value's top 16 bits, read as an unsigned index: one value of a
+    16-bit dtype, an interval of float32), its NF4 code by :func:`_nearest`; for float32 also
+    a threshold per bucket: within [-1, 1] the code only grows with the value and the levels
+    are further apart than a bucket is wide, so a bucket holds one code or two, the higher one
+    from the threshold on (the bucket's smallest value that :func:`_nearest` gives it; +inf
+    for a bucket of one code). Buckets beyond [-1, 1] get their low end's code (see
+    :func:`_codes` for the values there)."""
     lut = _nf4_lut(dtype)
-    patterns = torch.arange(-32768, 32768, dtype=torch.int32)
+    top = torch.arange(1 << 16, dtype=torch.int64)
     if dtype.itemsize == 2:
-        return _nearest(patterns.to(torch.int16).view(dtype), lut)
-    low = (patterns << 16).view(torch.float32)
-    high = ((patterns << 16) | 0xFFFF).view(torch.float32)
+        return _nearest(top.to(torch.int16).view(dtype), lut), None
+    low = (top << 16).to(torch.int32).view(torch.float32)
+    high = ((top << 16) | 0xFFFF).to(torch.int32).view(torch.float32)
     a, b = _nearest(low, lut), _nearest(high, lut)
-    inside = (low.abs() <= 1) & (high.abs() <= 1)  # beyond: no monotone code to rely on
-    return torch.where((a == b) & inside, a, AMBIGUOUS)
+    code = torch.minimum(a, b)
+    threshold = torch.full((1 << 16,), float("inf"))
+    inside = (low.abs() <= 1) & (high.abs() <= 1)
+    for t in ((a != b) & inside).nonzero().squeeze(1).tolist():  # at most one per boundary
+        values = ((t << 16) | torch.arange(1 << 16, dtype=torch.int64)).to(torch.int32).view(torch.float32)
+        threshold[t] = values[_nearest(values, lut) > code[t]].min()
+    return code, threshold
 
 
-def _codes(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
-    """:func:`_nearest` of ``scaled`` by one table look-up per element (its top 16 bits), the
-    exact search only for float32 values in a bucket that holds a decision boundary."""
+def _codes(scaled: torch.Tensor, lut: torch.Tensor, within: bool = False) -> torch.Tensor:
+    """:func:`_nearest` of ``scaled`` (1-D, contiguous) by table look-ups per element (its top
+    16 bits as the index; for float32 also the bucket's threshold). ``within``: the caller
+    knows every value is in [-1, 1] (a block scaled by its finite, nonzero absmax); otherwise
+    NaN and values beyond go through the exact search."""
     if scaled.dtype not in (torch.float32, torch.bfloat16, torch.float16) or scaled.device.type != "cpu":
         return _nearest(scaled, lut)
-    table = _code_table(scaled.dtype)
-    if scaled.dtype == torch.float32:
-        index = (scaled.view(torch.int32) >> 16).to(torch.int64).add_(32768)
-    else:
-        index = scaled.view(torch.int16).to(torch.int64).add_(32768)
-    codes = torch.take(table, index)
-    if scaled.dtype == torch.float32:
-        near = (codes == AMBIGUOUS).nonzero().squeeze(1)
-        if near.numel():
-            codes[near] = _nearest(scaled[near], lut)
+    table, threshold = _code_tables(scaled.dtype)
+    halves = scaled.view(torch.uint16)
+    if threshold is None:  # a 16-bit dtype: the table holds every value's code
+        return table.index_select(0, halves.to(torch.int32))
+    index = halves[_HIGH_HALF::2].to(torch.int32)
+    codes = table.index_select(0, index)
+    codes.add_(scaled >= threshold.index_select(0, index))
+    if not within:
+        odd = (~(scaled.abs() <= 1)).nonzero().squeeze(1)  # NaN, or beyond the levels
+        if odd.numel():
+            codes[odd] = _nearest(scaled[odd], lut)
     return codes
+
+
+def _pack(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """Two 4-bit codes a byte, the first in the high half (torchao's order), into ``out``:
+    read as 16-bit words (little-endian: the first code in the low byte), ``(w << 4) | (w >>
+    8)`` holds the byte in its low 8 bits, which the copy into ``out`` keeps."""
+    if sys.byteorder != "little":
+        torch.bitwise_or(codes[::2] << 4, codes[1::2], out=out)
+        return
+    words = codes.view(torch.int16)
+    out.copy_(torch.bitwise_or(words << 4, words >> 8))
 
 
 def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
@@ -193,8 +217,8 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
         e = min(s + step, n)
         blocks = flat[s:e].to(dtype).view(-1, block)
         am = torch.amax(blocks.abs(), dim=1, out=absmax[s // block:e // block])
-        codes = _codes((blocks / am[:, None]).flatten(), lut)
-        torch.bitwise_or(codes[::2] << 4, codes[1::2], out=packed[s // 2:e // 2])
+        within = bool(((am > 0) & (am < float("inf"))).all())  # no 0/0, inf/inf: no NaN
+        _pack(_codes((blocks / am[:, None]).flatten(), lut, within), packed[s // 2:e // 2])
     return Encoded(absmax, packed, rows.shape)
 
 
