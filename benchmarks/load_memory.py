@@ -17,8 +17,9 @@ shards (``foundryx.loading``). Each rank reports its resident memory just before
 the whole process, loading included) after the load, the load's time and the CPU seconds
 its threads spent loading.
 
-``cat`` of the same files runs just before each case (alternating with the loads, in this
-invocation). With ``--cache cold`` (the default when /proc/sys/vm/drop_caches is writable,
+``cat`` of the same files runs just before and just after each case (alternating with the
+loads, in this invocation; the row's ``cat`` is their mean: a virtual disk's speed drifts).
+With ``--cache cold`` (the default when /proc/sys/vm/drop_caches is writable,
 i.e. as root) the page cache is dropped before every ``cat`` and every load, so both read
 from the disk; ``--cache warm`` reads the files once first and never drops. Throughput is
 stored bytes / seconds (the slowest rank's load; all ranks together read the files once).
@@ -212,10 +213,16 @@ def planned_gib(folder: Path, world: int, dtype: str, offload: float) -> dict | 
             "terms": {k: v / GiB for k, v in p.host.terms.items() if v}}
 
 
+def _cat_s(row: dict) -> float:
+    """``cat``'s time for a row: the mean of its runs just before and just after the load
+    (rows measured before the second run was added have only the first)."""
+    return (row["cat_s"] + row.get("cat_after_s", row["cat_s"])) / 2
+
+
 def render(meta: dict, rows: list[dict], folder: Path) -> str:
     stored, files, params = meta["stored"], meta["files"], meta["params"]
     sizes = meta["sizes"]
-    cats = [r["cat_s"] for r in rows]
+    cats = [_cat_s(r) for r in rows]
     cat_rates = [stored / GiB / c for c in cats] or [float("nan")]
     lines = []
     for r in rows:
@@ -225,7 +232,7 @@ def render(meta: dict, rows: list[dict], folder: Path) -> str:
         load_s = max(x["seconds"] for x in ranks)
         cpu = sum(x["cpu_s"] for x in ranks)
         rate = stored / GiB / load_s
-        cat_rate = stored / GiB / r["cat_s"]
+        cat_rate = stored / GiB / _cat_s(r)
         offloaded = " / ".join(f"{x['offloaded'] / GiB:.2f}" for x in ranks)
         plan = planned_gib(folder, world, r["dtype"], r["offload"])
         pred = f"{plan['load_per_rank']:.2f} | {(plan['load_per_rank'] - peak) / peak * 100:+.0f}%" \
@@ -256,7 +263,8 @@ def render(meta: dict, rows: list[dict], folder: Path) -> str:
         + ("**dropped** (`echo 3 > /proc/sys/vm/drop_caches`) before every `cat` and every "
            "load: both read from the disk." if cold else
            "**warm** for both (the files read once before; nothing dropped).")
-        + f" `cat` of all files just before each row: {min(cat_rates):.2f}-{max(cat_rates):.2f}"
+        + " `cat` of all files just before and just after each row (their mean): "
+        f"{min(cat_rates):.2f}-{max(cat_rates):.2f}"
         f" GiB/s (median {statistics.median(cat_rates):.2f}). CPU s/GiB: user + system "
         f"seconds of all ranks' loads (or of `cat`) per GiB stored.\n\n"
         "| ranks | frozen base | offload | above base per rank (GiB) | stored / N (GiB) | "
@@ -327,15 +335,16 @@ def main() -> None:
         if cache == "cold":
             drop_caches()
         ranks = run_case(folder, world, dtype, offload)
+        after_s, after_cpu = cat_run(folder, cache == "cold")  # the disk's speed may drift
         rows.append({"world": world, "dtype": dtype, "offload": offload, "cat_s": cat_s,
-                     "cat_cpu_s": cat_cpu, "ranks": ranks,
+                     "cat_after_s": after_s, "cat_cpu_s": (cat_cpu + after_cpu) / 2, "ranks": ranks,
                      "loadavg": os.getloadavg()[0]})
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         r = rows[-1]
         above = " / ".join(f"{x['peak_gb'] - x['base_gb']:.2f}" for x in ranks)
         print(f"{world} ranks {dtype} offload {offload:g}: load "
-              f"{max(x['seconds'] for x in ranks):.1f} s, cat {cat_s:.1f} s, above base "
+              f"{max(x['seconds'] for x in ranks):.1f} s, cat {cat_s:.1f} s before, {after_s:.1f} s after, above base "
               f"{above} GiB, load "
               f"average {r['loadavg']:.1f} ({out_json})", flush=True)
     meta["loadavg_end"] = os.getloadavg()[0]
