@@ -358,3 +358,30 @@ def test_a_checkpoint_holding_a_quantized_base_is_refused_up_front(quickstart_da
     assert frozen_base_checkpoint_problems({"model": hf, "save_folder": "s"}) == []
     assert len(frozen_base_checkpoint_problems({"model": {**hf, "pretrained": False},
                                                 "save_folder": "s"})) == 1
+
+
+def test_offloaded_weights_move_into_one_buffer_a_layer_at_a_time():
+    """Packing the offloaded shards into the host buffer drops each layer's first copy before
+    the next layer is copied (so the offloaded bytes are never held twice), and the weights the
+    layers then read from the buffer are the ones they had."""
+    import weakref
+
+    from foundryx.models.peft.offload import _inner, pack_offloaded
+
+    model = lora_model("int8", offload=1.0)
+    layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]
+    want = [m.offload.host.dequantize(torch.float32).clone() for m in layers]
+    for m in layers:  # separate tensors again, as the shard-on-read loader leaves them
+        names, meta = _inner(m.offload.host)
+        m.offload.host = type(m.offload.host).__tensor_unflatten__(
+            {n: getattr(m.offload.host, n).clone() for n in names}, meta, m.offload.host.shape,
+            m.offload.host.stride())
+    old = [weakref.ref(m.offload.host.qdata) for m in layers]
+    alive = []
+    pack_offloaded(layers, release=lambda: alive.append(sum(r() is not None for r in old)))
+    assert alive == list(range(len(layers) - 1, -1, -1)), alive  # one fewer after each layer
+    buffer = layers[0].offload.buffer
+    assert all(m.offload.buffer is buffer for m in layers)
+    for m, w in zip(layers, want):
+        assert m.offload.host.qdata.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert torch.equal(m.offload.host.dequantize(torch.float32), w)

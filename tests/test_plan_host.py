@@ -63,7 +63,7 @@ def test_host_terms_by_hand():
     h = HostSetup(ranks_per_node=2, load="shard", stored_bytes=stored, workers=3, batch_bytes=1024)
     t, others = host_terms(c, s, h)
     offloaded = (BLOCK_LINEAR * 1 + ROWS * 4) * 0.5 / 2  # fp8 bytes + fp32 row scales, half, / N
-    # on a GPU a rank keeps only its offloaded shards in host memory (packed once more at the
+    # on a GPU a rank keeps only its offloaded shards in host memory (moved into one buffer at the
     # end), plus the ranges read ahead and the largest tensor's slice (bf16, / N)
     loader = OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + LARGEST * 2 / 2
     assert t == {"process_baseline": PROCESS_BASELINE, "gpu_runtime": GPU_RUNTIME_HOST,

@@ -356,7 +356,7 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     release_freed_memory()
     offloaded = [t.holders[0][0] for t in plan.targets if t.kind == "offload"]
     if offloaded:
-        pack_offloaded(offloaded)
+        pack_offloaded(offloaded, release=release_freed_memory)
     if converted and dist.rank() == 0:
         log.info("loading: converted shard by shard: %s", "; ".join(
             f"{k} ({len(v)} tensors)" for k, v in sorted(converted.items())))

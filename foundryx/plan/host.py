@@ -40,11 +40,12 @@ READER_BUFFER = 64 * MiB
 # slice; an NF4 frozen base is encoded a chunk at a time in each reader thread (2^18
 # elements: the float32 copy, its scaled values, the int64 table index and the codes, ~32
 # bytes each, x 8 threads: NF4_CHUNK; foundryx.loading.quantize.nf4_encode); offloaded
-# shards are packed into one host buffer at the end of the load, so they are held
-# OFFLOAD_PACK_COPIES times for a moment.
+# shards are moved into one host buffer at the end of the load a layer at a time, each
+# layer's old copy dropped as it goes (foundryx.models.peft.offload.pack_offloaded), so they
+# are held OFFLOAD_PACK_COPIES times, plus one layer's (within the largest slice's term).
 READ_AHEAD = 64 * MiB
 NF4_CHUNK = 64 * MiB
-OFFLOAD_PACK_COPIES = 2
+OFFLOAD_PACK_COPIES = 1
 
 # Measured by benchmarks/plan_host.py (benchmarks/RESULTS.md, "Host memory"): the resident
 # memory of a process that has imported what train.py imports (torch, Composer, transformers,
@@ -73,7 +74,7 @@ HOST_DOCS = {
     "cpu_offload_state": "FSDP2 cpu_offload: the sharded weights, gradients and optimizer state",
     "dataloader_workers": "dataloader worker processes (train + eval), private memory each",
     "loader_transient": "loading: the shards a rank keeps in host memory (a CPU device: all; "
-                        "offloaded: packed once more), file ranges read ahead, the largest "
+                        "offloaded: moved into one buffer), file ranges read ahead, the largest "
                         "slice and its conversion",
 }
 TRAIN_TERMS = ("device_memory", "offloaded_shards", "cpu_offload_state", "dataloader_workers")

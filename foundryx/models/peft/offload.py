@@ -7,6 +7,7 @@ one exact-size host buffer. See :mod:`foundryx.models.peft.frozen_base`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -217,26 +218,37 @@ def _inner(t: torch.Tensor) -> tuple[list[str], object]:
     return t.__tensor_flatten__() if hasattr(t, "__tensor_flatten__") else ([], None)
 
 
-def pack_offloaded(layers: list[nn.Module]) -> int:
+def pack_offloaded(layers: list[nn.Module], release: Callable[[], None] | None = None) -> int:
     """Move every offloaded shard's bytes into one exact-size host buffer (pinned in place
-    with ``cudaHostRegister`` when there is a GPU); its size in bytes."""
+    with ``cudaHostRegister`` when there is a GPU, once filled); its size in bytes. A layer's
+    old tensors are dropped as soon as its bytes are in the buffer, whose pages become resident
+    only as they are filled, so the move holds the buffer plus one layer, not two copies of
+    every offloaded weight (``release``, when given, runs after each layer: the loader hands
+    freed memory back to the OS with it)."""
     hosts = [layer.offload for layer in layers if layer.offload is not None]
-    parts = [(o, n, getattr(o.host, n)) for o in hosts for n in _inner(o.host)[0]]
     align = 64
-    total = sum(-(-t.nbytes // align) * align for _, _, t in parts)
+
+    def padded(t: torch.Tensor) -> int:
+        return -(-t.nbytes // align) * align
+
+    total = sum(padded(getattr(o.host, n)) for o in hosts for n in _inner(o.host)[0])
     buffer = torch.empty(total, dtype=torch.uint8)
-    if torch.cuda.is_available() and total:
-        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
-    at, inner = 0, {}
-    for o, n, t in parts:
-        view = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        inner.setdefault(id(o), {})[n] = view
-        at += -(-t.nbytes // align) * align
+    at = 0
     for o in hosts:
         names, meta = _inner(o.host)
-        if names:
-            o.host = type(o.host).__tensor_unflatten__(inner[id(o)], meta, o.host.shape,
-                                                       o.host.stride())
         o.buffer = buffer  # keeps it alive
+        if not names:
+            continue
+        views = {}
+        for n in names:
+            t = getattr(o.host, n)
+            views[n] = buffer[at:at + t.nbytes].view(t.dtype).view(t.shape)
+            views[n].copy_(t)
+            at += padded(t)
+        del t
+        o.host = type(o.host).__tensor_unflatten__(views, meta, o.host.shape, o.host.stride())
+        if release is not None:
+            release()
+    if torch.cuda.is_available() and total:
+        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
     return total
