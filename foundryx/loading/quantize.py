@@ -169,20 +169,38 @@ def _code_tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]
     return code, threshold
 
 
+def _scratch_tensor(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch tensor ``name``: ``n`` elements of ``dtype``, reused chunk after
+    chunk (fresh chunk-sized temporaries are fresh pages to fault in: most of the kernel time
+    of an NF4 load, since the loader hands freed memory back to the OS as it goes)."""
+    bufs = getattr(_scratch, "named", None)
+    if bufs is None:
+        bufs = _scratch.named = {}
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = bufs[name] = torch.empty(max(n, CHUNK), dtype=dtype)
+    return buf[:n]
+
+
 def _codes(scaled: torch.Tensor, lut: torch.Tensor, within: bool = False) -> torch.Tensor:
     """:func:`_nearest` of ``scaled`` (1-D, contiguous) by table look-ups per element (its top
     16 bits as the index; for float32 also the bucket's threshold). ``within``: the caller
     knows every value is in [-1, 1] (a block scaled by its finite, nonzero absmax); otherwise
-    NaN and values beyond go through the exact search."""
+    NaN and values beyond go through the exact search. On the CPU the result is this thread's
+    scratch tensor ``codes``, valid until its next call."""
     if scaled.dtype not in (torch.float32, torch.bfloat16, torch.float16) or scaled.device.type != "cpu":
         return _nearest(scaled, lut)
     table, threshold = _code_tables(scaled.dtype)
+    n = scaled.numel()
     halves = scaled.view(torch.uint16)
+    if threshold is not None:
+        halves = halves[_HIGH_HALF::2]
+    index = _scratch_tensor("index", n, torch.int32).copy_(halves)
+    codes = torch.index_select(table, 0, index, out=_scratch_tensor("codes", n, torch.uint8))
     if threshold is None:  # a 16-bit dtype: the table holds every value's code
-        return table.index_select(0, halves.to(torch.int32))
-    index = halves[_HIGH_HALF::2].to(torch.int32)
-    codes = table.index_select(0, index)
-    codes.add_(scaled >= threshold.index_select(0, index))
+        return codes
+    bound = torch.index_select(threshold, 0, index, out=_scratch_tensor("bound", n, torch.float32))
+    codes.add_(torch.ge(scaled, bound, out=_scratch_tensor("above", n, torch.bool)))
     if not within:
         odd = (~(scaled.abs() <= 1)).nonzero().squeeze(1)  # NaN, or beyond the levels
         if odd.numel():
@@ -198,27 +216,43 @@ def _pack(codes: torch.Tensor, out: torch.Tensor) -> None:
         torch.bitwise_or(codes[::2] << 4, codes[1::2], out=out)
         return
     words = codes.view(torch.int16)
-    out.copy_(torch.bitwise_or(words << 4, words >> 8))
+    high = torch.bitwise_left_shift(words, 4, out=_scratch_tensor("high", words.numel(), torch.int16))
+    low = torch.bitwise_right_shift(words, 8, out=_scratch_tensor("low", words.numel(), torch.int16))
+    out.copy_(high.bitwise_or_(low))
 
 
 def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     """``(absmax per block, packed 4-bit codes, shape)`` of ``rows`` as ``dtype``: what torchao's
     ``get_block_absmax`` and ``convert_to_norm_float_weight`` give for ``rows.to(dtype)``,
     bit for bit, computed a chunk of blocks at a time (no whole-weight copy, no 16-level
-    comparison tensor; see :func:`_nearest`). Needs nothing from other ranks: it runs in a
-    reader thread; :func:`nf4` finishes with the one collective."""
+    comparison tensor; see :func:`_nearest`) through this thread's scratch tensors. Needs
+    nothing from other ranks: it runs in a reader thread; :func:`nf4` finishes with the one
+    collective."""
     flat = rows.reshape(-1)
     n = flat.numel()
     lut = _nf4_lut(dtype).to(rows.device)
     absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
     packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
     step = max(1, CHUNK // block) * block
+    # rows whose every value is one of ``dtype`` (bfloat16 for a float32 NF4): their block
+    # maxima found on the rows as they are (max never rounds), before any copy
+    as_is = exact(flat.dtype, dtype) and flat.dtype in _SIGN
+    cpu = rows.device.type == "cpu"
     for s in range(0, n, step):
         e = min(s + step, n)
-        blocks = flat[s:e].to(dtype).view(-1, block)
-        am = torch.amax(blocks.abs(), dim=1, out=absmax[s // block:e // block])
+        blocks = (flat[s:e] if as_is else flat[s:e].to(dtype)).view(-1, block)
+        am = absmax[s // block:e // block]
+        if as_is:
+            am.copy_(_absmax(blocks))
+        else:
+            torch.amax(blocks.abs(), dim=1, out=am)
         within = bool(((am > 0) & (am < float("inf"))).all())  # no 0/0, inf/inf: no NaN
-        _pack(_codes((blocks / am[:, None]).flatten(), lut, within), packed[s // 2:e // 2])
+        if cpu:  # in a scratch copy of ``dtype`` (a promoting division runs far slower)
+            scaled = _scratch_tensor("scaled", e - s, dtype).view(-1, block)
+            scaled = torch.div(scaled.copy_(blocks), am[:, None], out=scaled)
+        else:
+            scaled = blocks / am[:, None]
+        _pack(_codes(scaled.view(-1), lut, within), packed[s // 2:e // 2])
     return Encoded(absmax, packed, rows.shape)
 
 
