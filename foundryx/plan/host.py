@@ -37,14 +37,15 @@ READER_THREADS = 4
 READER_BUFFER = 64 * MiB
 # Shard-on-read (foundryx/loading): what a rank keeps, plus in flight READ_AHEAD bytes of file
 # ranges mapped ahead of use (foundryx.loading.reader.AHEAD_BYTES) and the largest tensor's
-# slice; an NF4 frozen base is encoded a chunk at a time in each reader thread (2^18
-# elements: the float32 copy, its scaled values, the int64 table index and the codes, ~32
-# bytes each, x 8 threads: NF4_CHUNK; foundryx.loading.quantize.nf4_encode); offloaded
+# slice; an NF4 frozen base is encoded a chunk at a time in each reader thread, through
+# scratch tensors it reuses (2^18 elements: the scaled float32 values, the table index, the
+# threshold, the codes and their packing, about 20 bytes each, x 8 threads: NF4_CHUNK;
+# foundryx.loading.quantize.nf4_encode); offloaded
 # shards are moved into one host buffer at the end of the load a layer at a time, each
 # layer's old copy dropped as it goes (foundryx.models.peft.offload.pack_offloaded), so they
 # are held OFFLOAD_PACK_COPIES times, plus one layer's (within the largest slice's term).
 READ_AHEAD = 64 * MiB
-NF4_CHUNK = 64 * MiB
+NF4_CHUNK = 40 * MiB
 OFFLOAD_PACK_COPIES = 1
 
 # Measured by benchmarks/plan_host.py (benchmarks/RESULTS.md, "Host memory"): the resident
