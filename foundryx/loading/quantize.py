@@ -151,8 +151,8 @@ def _code_tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]
     a threshold per bucket: within [-1, 1] the code only grows with the value and the levels
     are further apart than a bucket is wide, so a bucket holds one code or two, the higher one
     from the threshold on (the bucket's smallest value that :func:`_nearest` gives it; +inf
-    for a bucket of one code). Buckets beyond [-1, 1] get their low end's code (see
-    :func:`_codes` for the values there)."""
+    for a bucket of one code). Buckets beyond [-1, 1] get the smaller of their two ends' codes
+    and no threshold (:func:`_codes` searches exactly for the values there)."""
     lut = _nf4_lut(dtype)
     top = torch.arange(1 << 16, dtype=torch.int64)
     if dtype.itemsize == 2:

@@ -55,7 +55,7 @@ def linear_cross_entropy(
     rows (a DTensor, see the module's docstring); ``h`` and ``labels`` are then whole on
     every rank, and so is the loss."""
     split = vocab_split(weight)
-    if hasattr(weight, "to_local"):  # a DTensor: the rank's rows (their gradient one again)
+    if hasattr(weight, "to_local"):  # a DTensor: its local rows (autograd makes their gradient a DTensor again)
         weight = weight.to_local()
     chunk = chunk or chunk_tokens(weight.shape[0], h.device.type)
     return _LinearCrossEntropy.apply(h, weight, labels, scale, chunk, split)
