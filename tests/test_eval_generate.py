@@ -109,3 +109,52 @@ def test_generation_batch_size_sizes_generation_batches_only(tmp_path, monkeypat
     assert sizes == {"g/0-shot": 16, "l/0-shot": 2}
     with pytest.raises(ConfigError, match="generation_batch_size: must be positive"):
         load_eval_config(str(path), ["generation_batch_size=0"])
+
+
+def test_auto_generation_batches_fit_in_a_scoring_batchs_logits(tiny_tokenizer, tmp_path, monkeypatch,
+                                                                caplog):
+    """generation_batch_size: auto (the default) sizes a generation batch by its KV caches
+    against the logits of a scoring batch, by hand for a tiny Llama; a model without a KV
+    cache (foundryx's MPT) keeps device_eval_batch_size; a number or null is taken as given;
+    each says why in one line; anything else is a config error."""
+    import logging
+
+    import yaml
+
+    from foundryx.errors import ConfigError
+    from foundryx.eval.batching import AUTO_CAP, generation_rows, kv_row_bytes
+    from foundryx.eval.config import load_eval_config
+
+    vocab = len(tiny_tokenizer)
+    llama = wrap_hf_model(tiny_llama(vocab), tiny_tokenizer)
+    # 2 layers x (k, v) x 2 kv heads x head dim 8 x 128 tokens x 4 bytes
+    assert kv_row_bytes(llama, 128) == 2 * 2 * 2 * 8 * 128 * 4 == 32768
+    # a scoring batch of 4 rows of 128 tokens, vocabulary 256: 4 x 128 x 256 fp32 logits =
+    # 524288 bytes; a generation row 32768 + one row of logits (256 x 4)
+    assert generation_rows("auto", 4, llama, 128, 256)[0] == 524288 // (32768 + 1024) == 15
+    assert generation_rows("auto", 4, llama, 128, 50000)[0] == AUTO_CAP  # big logits: capped
+    assert generation_rows("auto", 4, llama, 2048, 8)[0] == 4  # at least device_eval_batch_size
+    mpt = tiny_mpt(None)
+    rows, why = generation_rows("auto", 4, mpt, 128, 448)
+    assert kv_row_bytes(mpt, 128) is None and rows == 4 and "no KV cache" in why
+    assert generation_rows(3, 4, llama, 128, 64)[0] == 3
+    assert generation_rows(None, 4, llama, 128, 64)[0] == 4
+
+    gen = write_jsonl(tmp_path / "gen.jsonl", [{"context": "q", "answer": "a"}] * 3)
+    cfg = {"models": [{"label": "m", "hf": str(tmp_path)}], "device_eval_batch_size": 4,
+           "max_seq_len": 128, "icl_tasks": [
+               {"label": "g", "dataset_uri": str(gen), "icl_task_type": "generation_task_with_answers",
+                "num_fewshot": 0, "max_new_tokens": 1}]}
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    sizes = {}
+    monkeypatch.setattr(runner, "evaluate_task", lambda model, t, tok, batch_size, **kw:
+                        sizes.setdefault(t.key, batch_size))
+    with caplog.at_level(logging.INFO, logger="foundryx.eval.runner"):
+        runner.evaluate_model(llama, tiny_tokenizer, load_eval_config(str(path)), None)
+    want = min(AUTO_CAP, max(4, 4 * 128 * vocab * 4 // (32768 + vocab * 4)))
+    assert sizes == {"g/0-shot": want}, (sizes, want)
+    said = [r.getMessage() for r in caplog.records if "rows a batch" in r.getMessage()]
+    assert len(said) == 1 and "generation_batch_size: auto" in said[0] and "0.0 MiB" not in said[0]
+    with pytest.raises(ConfigError, match="generation_batch_size"):
+        load_eval_config(str(path), ["generation_batch_size=big"])

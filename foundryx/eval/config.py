@@ -50,10 +50,11 @@ class EvalConfig:
         "a gauntlet file (eval/yamls/gauntlet.yaml) or mapping", default=None)
     max_seq_len: int = doc("token budget of a row, capped by the model's", default=2048)
     device_eval_batch_size: int = doc("examples per batch per device", default=4)
-    generation_batch_size: int | None = doc(
-        "rows per batch of generation tasks (default: device_eval_batch_size); a generation row "
-        "holds a KV cache, not a scored row's logits, so more fit in the same memory and each "
-        "decoding step serves more rows", default=None)
+    generation_batch_size: int | Literal["auto"] | None = doc(
+        "rows per batch of generation tasks; auto: as many as fit in the memory of a scoring "
+        "batch's logits (a generation row holds a KV cache, not max_seq_len x vocabulary "
+        "logits), at least device_eval_batch_size and at most 32, said in one line; None: "
+        "device_eval_batch_size", default="auto")
     icl_max_examples: int | None = doc("evaluate the first N examples of each task", default=None)
     precision: Precision = doc("fp32, amp_bf16, ...", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("default: gpu when available", default=None)
@@ -173,8 +174,9 @@ def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEva
         if name not in SETUP_STEPS:
             problems.append(f"setup.{name}: unknown step{did_you_mean(name, SETUP_STEPS) or ''}; "
                             f"steps: {', '.join(SETUP_STEPS)}")
+    generation = cfg.generation_batch_size if isinstance(cfg.generation_batch_size, int) else None
     for key, value in (("device_eval_batch_size", cfg.device_eval_batch_size),
-                       ("generation_batch_size", cfg.generation_batch_size),
+                       ("generation_batch_size", generation),
                        ("max_seq_len", cfg.max_seq_len), ("icl_max_examples", cfg.icl_max_examples)):
         if value is not None and value <= 0:
             problems.append(f"{key}: must be positive, got {value}")

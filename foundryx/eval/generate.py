@@ -105,7 +105,7 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     cache = new_cache(hf)
     if cache is not None:
         kwargs["past_key_values"] = cache
-    if "logits_to_keep" in _forward_params(hf):
+    if "logits_to_keep" in forward_params(hf):
         kwargs["logits_to_keep"] = 1
     kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
     for step in range(max_new_tokens):
@@ -138,7 +138,8 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     return out
 
 
-def _forward_params(hf: Any) -> set[str]:
+def forward_params(hf: Any) -> set[str]:
+    """The names ``hf.forward`` takes."""
     import inspect
 
     return set(inspect.signature(hf.forward).parameters)

@@ -17,6 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from foundryx import registry
+from foundryx.eval.batching import generation_rows
 from foundryx.eval.config import LoadedEvalConfig
 from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task, read_task
 from foundryx.eval.examples import Example
@@ -203,7 +204,8 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:
         log.info("rows are cut to the model's %d tokens (max_seq_len is %d)", limit, cfg.max_seq_len)
-    results = []
+    results: list[TaskResult] = []
+    generation_size: int | None = None  # picked at the first generation task, said once
     for task_cfg in loaded.tasks:
         if cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
             log.info("skipping task %s: %s is absent (skip_missing_data)", task_cfg.label,
@@ -212,8 +214,15 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
         for task in prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit,
                                  (examples or {}).get(task_cfg.label)):
             size = cfg.device_eval_batch_size
-            if task.task_type.mode == "generate" and cfg.generation_batch_size:
-                size = cfg.generation_batch_size
+            if task.task_type.mode == "generate":
+                if generation_size is None:
+                    hf_cfg = getattr(generation_model(model), "config", None)
+                    vocab = getattr(hf_cfg, "vocab_size", None) or len(tokenizer)
+                    tokens = min(cfg.max_seq_len, limit or cfg.max_seq_len)
+                    generation_size, why = generation_rows(cfg.generation_batch_size, size, model,
+                                                           tokens, vocab)
+                    log.info("%s", why)
+                size = generation_size
             results.append(evaluate_task(model, task, tokenizer, batch_size=size,
                                          device=device, precision=cfg.precision, dump=dump,
                                          progress=cfg.progress_bar))
