@@ -40,11 +40,22 @@ def exact(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or dst in wider.get(src, ())
 
 
+def _scratch_tensor(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's scratch tensor ``name``: ``n`` elements of ``dtype``, reused chunk after
+    chunk (fresh chunk-sized temporaries are fresh pages to fault in: most of the kernel time
+    of an NF4 load, since the loader hands freed memory back to the OS as it goes)."""
+    bufs = getattr(_scratch, "named", None)
+    if bufs is None:
+        bufs = _scratch.named = {}
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = bufs[name] = torch.empty(max(n, CHUNK), dtype=dtype)
+    return buf[:n]
+
+
 def _buffer(rows: int, cols: int) -> torch.Tensor:
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < rows * cols:
-        buf = _scratch.buf = torch.empty(max(rows * cols, CHUNK), dtype=torch.float32)
-    return buf[:rows * cols].view(rows, cols)
+    """This thread's float32 scratch rows of the row-scaled formats."""
+    return _scratch_tensor("rows", rows * cols, torch.float32).view(rows, cols)
 
 
 _SIGN = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
@@ -169,19 +180,6 @@ def _code_tables(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]
     return code, threshold
 
 
-def _scratch_tensor(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """This thread's scratch tensor ``name``: ``n`` elements of ``dtype``, reused chunk after
-    chunk (fresh chunk-sized temporaries are fresh pages to fault in: most of the kernel time
-    of an NF4 load, since the loader hands freed memory back to the OS as it goes)."""
-    bufs = getattr(_scratch, "named", None)
-    if bufs is None:
-        bufs = _scratch.named = {}
-    buf = bufs.get(name)
-    if buf is None or buf.numel() < n or buf.dtype != dtype:
-        buf = bufs[name] = torch.empty(max(n, CHUNK), dtype=dtype)
-    return buf[:n]
-
-
 def _codes(scaled: torch.Tensor, lut: torch.Tensor, within: bool = False) -> torch.Tensor:
     """:func:`_nearest` of ``scaled`` (1-D, contiguous) by table look-ups per element (its top
     16 bits as the index; for float32 also the bucket's threshold). ``within``: the caller
@@ -235,23 +233,23 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
     step = max(1, CHUNK // block) * block
     # rows whose every value is one of ``dtype`` (bfloat16 for a float32 NF4): their block
-    # maxima found on the rows as they are (max never rounds), before any copy
+    # maxima found on the rows as they are (max never rounds), before the copy
     as_is = exact(flat.dtype, dtype) and flat.dtype in _SIGN
     cpu = rows.device.type == "cpu"
     for s in range(0, n, step):
         e = min(s + step, n)
-        blocks = (flat[s:e] if as_is else flat[s:e].to(dtype)).view(-1, block)
+        src = flat[s:e].view(-1, block)
+        # the chunk as ``dtype`` (the cast ``to`` makes), divided in place below: on the CPU
+        # in a scratch copy (a promoting division would run far slower)
+        scaled = (_scratch_tensor("scaled", e - s, dtype).view(-1, block).copy_(src) if cpu
+                  else src.to(dtype, copy=True))
         am = absmax[s // block:e // block]
         if as_is:
-            am.copy_(_absmax(blocks))
+            am.copy_(_absmax(src))
         else:
-            torch.amax(blocks.abs(), dim=1, out=am)
+            torch.amax(scaled.abs(), dim=1, out=am)
         within = bool(((am > 0) & (am < float("inf"))).all())  # no 0/0, inf/inf: no NaN
-        if cpu:  # in a scratch copy of ``dtype`` (a promoting division runs far slower)
-            scaled = _scratch_tensor("scaled", e - s, dtype).view(-1, block)
-            scaled = torch.div(scaled.copy_(blocks), am[:, None], out=scaled)
-        else:
-            scaled = blocks / am[:, None]
+        torch.div(scaled, am[:, None], out=scaled)
         _pack(_codes(scaled.view(-1), lut, within), packed[s // 2:e // 2])
     return Encoded(absmax, packed, rows.shape)
 
