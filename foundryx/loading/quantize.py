@@ -21,16 +21,19 @@ changes nothing, see :func:`rowwise`), one pass per chunk while it is in cache.
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 from typing import Any, NamedTuple
 
 import torch
 
+from foundryx.kernels import nf4_cpu
 from foundryx.models.peft.rowwise import MIN_SCALE, QDTYPES, QMAX, RowScaledTensor
 
 CHUNK = 1 << 18  # float32 elements of scratch per reader thread (1 MiB: stays in cache)
 _scratch = threading.local()
+log = logging.getLogger(__name__)
 
 
 def exact(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -219,18 +222,67 @@ def _pack(codes: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(high.bitwise_or_(low))
 
 
+@functools.cache
+def thresholds(dtype: torch.dtype) -> torch.Tensor:
+    """NF4's 15 decision thresholds for values of ``dtype`` in [-1, 1], ascending, as float32:
+    the smallest value of ``dtype`` that :func:`_nearest` puts above each level, so that a
+    value's code is the number of thresholds at or below it (the code only grows with the
+    value there, which this checks)."""
+    table, threshold = _code_tables(dtype)
+    if threshold is not None:  # float32: one bucket holds each boundary, its threshold exact
+        return threshold[threshold.isfinite()].sort().values
+    values = torch.arange(1 << 16, dtype=torch.int64).to(torch.int16).view(dtype).float()
+    inside = values.abs() <= 1
+    values, order = values[inside].sort(stable=True)
+    codes = table[inside][order]
+    assert bool((codes[1:] >= codes[:-1]).all()), dtype
+    return torch.stack([values[codes > k].min() for k in range(15)])
+
+
+_native_checked: dict[str, bool] = {}
+_native_lock = threading.Lock()
+
+
+def _native() -> bool:
+    """Whether the one-pass C encoder (:mod:`foundryx.kernels.nf4_cpu`) is there; if not, the
+    load says once why and encodes with torch ops."""
+    with _native_lock:
+        if "ok" not in _native_checked:
+            _native_checked["ok"] = _check_native()
+        return _native_checked["ok"]
+
+
+def _check_native() -> bool:
+    lib = nf4_cpu.library()
+    if isinstance(lib, str):
+        log.info("NF4 on load: encoding with torch ops (about 5x the CPU time of foundryx's C "
+                 "encoder, which is not available: %s)", lib)
+        return False
+    return True
+
+
 def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     """``(absmax per block, packed 4-bit codes, shape)`` of ``rows`` as ``dtype``: what torchao's
     ``get_block_absmax`` and ``convert_to_norm_float_weight`` give for ``rows.to(dtype)``,
-    bit for bit, computed a chunk of blocks at a time (no whole-weight copy, no 16-level
-    comparison tensor; see :func:`_nearest`) through this thread's scratch tensors. Needs
+    bit for bit. On the CPU by :mod:`foundryx.kernels.nf4_cpu` (one pass per element, the
+    codes from :func:`thresholds`); elsewhere, without a C compiler, or for a slice with a
+    block that scales out of [-1, 1], by torch ops a chunk of blocks at a time (no
+    whole-weight copy, no 16-level comparison tensor; see :func:`_nearest`) through this
+    thread's scratch tensors. Needs
     nothing from other ranks: it runs in a reader thread; :func:`nf4` finishes with the one
     collective."""
     flat = rows.reshape(-1)
     n = flat.numel()
-    lut = _nf4_lut(dtype).to(rows.device)
     absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
     packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
+    if nf4_cpu.supports(flat.dtype, dtype, block, rows.device) and _native():
+        scales = absmax if dtype == torch.float32 else torch.empty(n // block)
+        if not nf4_cpu.encode(flat.contiguous(), block, dtype, thresholds(dtype), scales, packed):
+            if scales is not absmax:
+                absmax.copy_(scales)  # a bfloat16 block's absmax is a bfloat16 value: exact
+            return Encoded(absmax, packed, rows.shape)
+        # a block of zeros, an infinity or NaN: the whole slice as torch's ops encode it
+    lut = _nf4_lut(dtype).to(rows.device)
     step = max(1, CHUNK // block) * block
     # rows whose every value is one of ``dtype`` (bfloat16 for a float32 NF4): their block
     # maxima found on the rows as they are (max never rounds), before the copy

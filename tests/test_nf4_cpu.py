@@ -1,0 +1,121 @@
+"""The one-pass C encoder of NF4 on load (foundryx.kernels.nf4_cpu): torchao's codes for every
+value that matters, torchao's NF4 weights through the loader, the torch-op encoder where it
+cannot run, and one line saying so when there is no C compiler."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from foundryx.kernels import nf4_cpu
+from foundryx.loading import quantize
+
+pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
+
+
+def _values(dtype: torch.dtype) -> torch.Tensor:
+    """Values of ``dtype`` in [-1, 1] where a code can go wrong: every one of a 16-bit dtype; for
+    float32 every value of the 15 buckets (top 16 bits) that hold a decision boundary, the
+    levels, their midpoints a rounding either side, and random ones."""
+    lut = quantize._nf4_lut(dtype)
+    mids = (lut[1:].double() + lut[:-1].double()) / 2
+    v = torch.cat([torch.rand(20000, dtype=torch.float64) * 2 - 1, lut.double(), mids,
+                   mids.nextafter(torch.tensor(2.0, dtype=torch.float64)),
+                   mids.nextafter(torch.tensor(-2.0, dtype=torch.float64)),
+                   torch.tensor([1.0, -1.0, 0.0, -0.0])]).to(dtype)
+    if dtype != torch.float32:
+        v = torch.cat([v, torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)])
+    else:
+        edges = quantize._code_tables(dtype)[1].isfinite().nonzero().squeeze(1)
+        top = (edges << 16).to(torch.int32)
+        v = torch.cat([v, *(((top | low).view(torch.float32)) for low in range(1 << 16))])
+    return v[v.float().abs() <= 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_boundary_value_gets_torchaos_code(dtype):
+    """Blocks of 1.0 (the absmax: each value divides by it exactly) and 63 test values: the
+    kernel's code for each is torchao's nearest level, for every bfloat16 value in [-1, 1] and
+    every float32 value of the buckets that hold a boundary (15 x 65536)."""
+    from torchao.dtypes.nf4tensor import NF4Tensor
+
+    v = _values(dtype)
+    v = torch.cat([v, v[: (-len(v)) % 63]])  # a whole number of blocks of 63
+    rows = torch.cat([torch.ones(len(v) // 63, 1, dtype=dtype), v.view(-1, 63)], dim=1).contiguous()
+    absmax, packed = torch.empty(rows.shape[0]), torch.empty(rows.numel() // 2, dtype=torch.uint8)
+    assert nf4_cpu.encode(rows, 64, dtype, quantize.thresholds(dtype), absmax, packed) == 0
+    codes = torch.stack([packed >> 4, packed & 15], dim=1).view(rows.shape)[:, 1:].reshape(-1)
+    want = NF4Tensor.quantize_tensor_nearest(v, quantize._nf4_lut(dtype)).to(torch.uint8)
+    assert torch.equal(absmax, torch.ones(rows.shape[0]))
+    wrong = (codes != want).nonzero().squeeze(1)
+    assert not len(wrong), (dtype, v[wrong[:5]].tolist(), codes[wrong[:5]].tolist(), want[wrong[:5]].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16, torch.float32])
+def test_loader_nf4_equals_torchao(stored, dtype):
+    """The loader's NF4 of a weight stored in any dtype equals torchao's to_nf4 of the weight
+    in the model's dtype, part for part; a block of zeros, an infinity or a NaN sends the slice
+    to the torch-op encoder, which gives torchao's bytes too."""
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    torch.manual_seed(0)
+    w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(stored)
+    fused = quantize.nf4_encode(w, 64, dtype)  # no zero block: the kernel's bytes
+    quantize._native_checked["ok"] = False
+    try:
+        unfused = quantize.nf4_encode(w, 64, dtype)
+    finally:
+        quantize._native_checked.clear()
+    assert torch.equal(fused.codes, unfused.codes) and torch.equal(fused.absmax, unfused.absmax)
+    w[5, :64] = 0
+    w[3] = 0
+    w[7, 3] = float("inf")
+    for weight in (w[:32], w[32:], w):
+        ref, mine = to_nf4(weight.to(dtype), 64, 256), quantize.nf4(weight, to_nf4(weight.to(dtype), 64, 256), dtype)
+        for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+            a, b = getattr(mine, part), getattr(ref, part)
+            assert a.shape == b.shape and bool(((a == b) | (a != a) & (b != b)).all()), (stored, dtype, part)
+
+
+def test_without_a_compiler_the_loader_says_so_once_and_encodes_with_torch(tmp_path, monkeypatch, caplog):
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FOUNDRYX_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(nf4_cpu, "_lib", {})
+    monkeypatch.setattr(quantize, "_native_checked", {})
+    w = (torch.randn(64, 256, dtype=torch.float64) * 0.02).to(torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="foundryx.loading.quantize"):
+        for _ in range(2):
+            got = quantize.nf4(w, to_nf4(w.float(), 64, 256), torch.float32)
+    assert torch.equal(got.quantized_data, to_nf4(w.float(), 64, 256).quantized_data)
+    lines = [r.getMessage() for r in caplog.records if "NF4 on load" in r.getMessage()]
+    assert len(lines) == 1 and "no-such-cc" in lines[0], lines
+    assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*.so"))
+
+
+def test_the_library_is_built_once_and_then_reused(tmp_path, monkeypatch):
+    """A second process (here: a fresh handle on the library) finds the built file and does not
+    run the compiler again; a failed build says why and leaves no file behind."""
+    calls = tmp_path / "calls"
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexec {shutil.which("cc") or shutil.which("gcc")} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("FOUNDRYX_KERNEL_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        monkeypatch.setattr(nf4_cpu, "_lib", {})
+        assert not isinstance(nf4_cpu.library(), str)
+    builds = [line for line in calls.read_text().splitlines() if "--version" not in line]
+    assert len(builds) == 1, builds
+    built = list((tmp_path / "cache").iterdir())
+    assert len(built) == 1 and built[0].suffix == ".so"
+    monkeypatch.setattr(nf4_cpu, "_lib", {})
+    monkeypatch.setattr(nf4_cpu, "SOURCE", nf4_cpu.SOURCE + "\nthis is not C;\n")
+    why = nf4_cpu.library()
+    assert isinstance(why, str) and "failed" in why and "error" in why, why
+    assert list((tmp_path / "cache").iterdir()) == built
