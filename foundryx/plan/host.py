@@ -37,15 +37,13 @@ READER_THREADS = 4
 READER_BUFFER = 64 * MiB
 # Shard-on-read (foundryx/loading): what a rank keeps, plus in flight READ_AHEAD bytes of file
 # ranges mapped ahead of use (foundryx.loading.reader.AHEAD_BYTES) and the largest tensor's
-# slice; an NF4 frozen base is encoded a chunk at a time in each reader thread, through
-# scratch tensors it reuses (2^18 elements: the scaled float32 values, the table index, the
-# threshold, the codes and their packing, about 20 bytes each, x 8 threads: NF4_CHUNK;
-# foundryx.loading.quantize.nf4_encode); offloaded
+# slice (an NF4 frozen base is encoded in place by a C kernel, foundryx.kernels.nf4_cpu, with
+# 48 KiB of stack a reader thread; without a C compiler the torch-op encoder's scratch tensors
+# take up to 40 MiB more a rank, not counted: the load says so when it happens); offloaded
 # shards are moved into one host buffer at the end of the load a layer at a time, each
 # layer's old copy dropped as it goes (foundryx.models.peft.offload.pack_offloaded), so they
 # are held OFFLOAD_PACK_COPIES times, plus one layer's (within the largest slice's term).
 READ_AHEAD = 64 * MiB
-NF4_CHUNK = 40 * MiB
 OFFLOAD_PACK_COPIES = 1
 
 # Measured by benchmarks/plan_host.py (benchmarks/RESULTS.md, "Host memory"): the resident
@@ -163,11 +161,7 @@ def shard_on_read_bytes(c: Census, s: Setup, n: int, per_elem: float, offloaded:
     if s.device_kind == "cpu":
         on = terms(c, s)
         kept = on["frozen_weights"] + on["trainable_weights"]
-    work = 0.0
-    if s.lora and s.frozen_dtype == "nf4":
-        work = NF4_CHUNK
-    return (kept + OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + c.largest_param * per_elem / n
-            + work)
+    return kept + OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + c.largest_param * per_elem / n
 
 
 def read_bytes(s: Setup, h: HostSetup) -> tuple[int, int]:
