@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -174,12 +175,15 @@ def run_side(side: str, py: Path, cfg: Path, work: Path, i: int, profile: bool =
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     if side == "foundryx":
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.exit(f"eval_vs_llmfoundry: {side} failed:\n{p.stderr[-6000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = json.loads(result.read_text())
     out["process_s"] = time.perf_counter() - start
+    # the process's user + system CPU seconds: unlike wall time, not stretched by a busy neighbour
+    out["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return out
 
 
@@ -245,7 +249,8 @@ def main() -> None:
         for side in order:
             log(f"round {i + 1}/{args.rounds}: {side}")
             row[side] = run_side(side, pys[side], cfgs[side], args.work, i)
-            log(f"  {side}: {row[side]['eval_s']:.1f} s (process {row[side]['process_s']:.1f} s)")
+            log(f"  {side}: {row[side]['eval_s']:.1f} s (process {row[side]['process_s']:.1f} s, "
+                f"{row[side]['cpu_s']:.1f} CPU s)")
             with (args.work / "runs.jsonl").open("a") as f:
                 f.write(json.dumps({"round": i + 1, "side": side, **row[side]}) + "\n")
         rows.append(row)
@@ -259,7 +264,8 @@ def main() -> None:
     times = "\n".join(
         f"| {r['round']} | {r['first']} | {r['foundryx']['eval_s']:.1f} / {r['foundryx']['process_s']:.1f} "
         f"| {r['llmfoundry']['eval_s']:.1f} / {r['llmfoundry']['process_s']:.1f} "
-        f"| {r['llmfoundry']['eval_s'] / r['foundryx']['eval_s']:.2f} |" for r in rows)
+        f"| {r['llmfoundry']['eval_s'] / r['foundryx']['eval_s']:.2f} "
+        f"| {r['foundryx']['cpu_s']:.0f} / {r['llmfoundry']['cpu_s']:.0f} |" for r in rows)
     ratios = [r["llmfoundry"]["eval_s"] / r["foundryx"]["eval_s"] for r in rows]
     table, same, compared = scores_table(rows[0]["foundryx"]["scores"], rows[0]["llmfoundry"]["scores"])
     import torch
@@ -278,7 +284,8 @@ def main() -> None:
                if args.generation_batch_size else "") + ", "
             f"max_seq_len {MAX_LEN}; {'first ' + str(args.examples) if args.examples else 'all'} "
             f"examples of each task.\n\n| round | first | foundryx s (call / process) | LLM Foundry s "
-            f"(call / process) | LLM Foundry / foundryx |\n|---|---|---:|---:|---:|\n{times}\n\n"
+            f"(call / process) | LLM Foundry / foundryx | process CPU s, foundryx / LLM Foundry |\n"
+            f"|---|---|---:|---:|---:|---:|\n{times}\n\n"
             f"Speed-up (LLM Foundry / foundryx, the eval call): median {statistics.median(ratios):.2f} "
             f"(min {min(ratios):.2f}, max {max(ratios):.2f}).\n\nScores (round 1): {same} of "
             f"{compared} results identical.\n\n{table}\n\nfoundryx's time per task result "
