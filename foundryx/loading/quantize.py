@@ -269,9 +269,8 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     codes from :func:`thresholds`); elsewhere, without a C compiler, or for a slice with a
     block that scales out of [-1, 1], by torch ops a chunk of blocks at a time (no
     whole-weight copy, no 16-level comparison tensor; see :func:`_nearest`) through this
-    thread's scratch tensors. Needs
-    nothing from other ranks: it runs in a reader thread; :func:`nf4` finishes with the one
-    collective."""
+    thread's scratch tensors. Needs nothing from other ranks: it runs in a reader thread;
+    :func:`nf4` finishes with the one collective."""
     flat = rows.reshape(-1)
     n = flat.numel()
     absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
