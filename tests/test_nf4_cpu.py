@@ -64,13 +64,11 @@ def test_loader_nf4_equals_torchao(stored, dtype):
 
     torch.manual_seed(0)
     w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(stored)
-    assert quantize._native()  # this machine built the kernel: the next line runs it
+    assert nf4_cpu.available()  # this machine built the kernel: the next line runs it
     fused = quantize.nf4_encode(w, 64, dtype)  # no zero block: the kernel's bytes
-    quantize._native_checked["ok"] = False
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # as on a machine without the kernel
+        mp.setattr(nf4_cpu, "_lib", {"lib": "switched off by the test"})
         unfused = quantize.nf4_encode(w, 64, dtype)
-    finally:
-        quantize._native_checked.clear()
     assert torch.equal(fused.codes, unfused.codes) and torch.equal(fused.absmax, unfused.absmax)
     w[5, :64] = 0
     w[3] = 0
@@ -88,9 +86,8 @@ def test_without_a_compiler_the_loader_says_so_once_and_encodes_with_torch(tmp_p
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("FOUNDRYX_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(nf4_cpu, "_lib", {})
-    monkeypatch.setattr(quantize, "_native_checked", {})
     w = (torch.randn(64, 256, dtype=torch.float64) * 0.02).to(torch.bfloat16)
-    with caplog.at_level(logging.INFO, logger="foundryx.loading.quantize"):
+    with caplog.at_level(logging.INFO, logger="foundryx.kernels.nf4_cpu"):
         for _ in range(2):
             got = quantize.nf4(w, to_nf4(w.float(), 64, 256), torch.float32)
     assert torch.equal(got.quantized_data, to_nf4(w.float(), 64, 256).quantized_data)

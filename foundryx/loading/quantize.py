@@ -21,7 +21,6 @@ changes nothing, see :func:`rowwise`), one pass per chunk while it is in cache.
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 import threading
 from typing import Any, NamedTuple
@@ -33,7 +32,6 @@ from foundryx.models.peft.rowwise import MIN_SCALE, QDTYPES, QMAX, RowScaledTens
 
 CHUNK = 1 << 18  # float32 elements of scratch per reader thread (1 MiB: stays in cache)
 _scratch = threading.local()
-log = logging.getLogger(__name__)
 
 
 def exact(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -239,29 +237,6 @@ def thresholds(dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([values[codes > k].min() for k in range(15)])
 
 
-_native_checked: dict[str, bool] = {}
-_native_lock = threading.Lock()
-
-
-def _native() -> bool:
-    """Whether the one-pass C encoder (:mod:`foundryx.kernels.nf4_cpu`) is there; if not, the
-    load says once why and encodes with torch ops."""
-    with _native_lock:
-        if "ok" not in _native_checked:
-            _native_checked["ok"] = _check_native()
-        return _native_checked["ok"]
-
-
-def _check_native() -> bool:
-    lib = nf4_cpu.library()
-    if isinstance(lib, str):
-        log.info("NF4 on load: encoding with torch ops (about 3x the load's CPU time and up to "
-                 "40 MiB more host memory a rank than foundryx's C encoder, which is not "
-                 "available: %s)", lib)
-        return False
-    return True
-
-
 def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     """``(absmax per block, packed 4-bit codes, shape)`` of ``rows`` as ``dtype``: what torchao's
     ``get_block_absmax`` and ``convert_to_norm_float_weight`` give for ``rows.to(dtype)``,
@@ -275,7 +250,7 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     n = flat.numel()
     absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
     packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
-    if nf4_cpu.supports(flat.dtype, dtype, block, rows.device) and _native():
+    if nf4_cpu.supports(flat.dtype, dtype, block, rows.device) and nf4_cpu.available():
         scales = absmax if dtype == torch.float32 else torch.empty(n // block)
         if not nf4_cpu.encode(flat.contiguous(), block, dtype, thresholds(dtype), scales, packed):
             if scales is not absmax:
