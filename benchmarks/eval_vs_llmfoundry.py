@@ -17,6 +17,13 @@ it. ``--examples N`` gives both sides a copy of the first N rows of each file (a
 most few-shot examples a task asks for plus one, 26 for the quick suite's 25-shot
 arc_challenge, and 16 so jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
 prints where the time goes.
+
+``--by-task`` runs each task result (a task at one shot count) as its own pair of processes,
+the two sides one after the other (alternating which goes first), and appends each side's
+result to ``WORK/units.jsonl`` as it ends. Run again with the same ``--work``, it skips the
+pairs already there, so a whole-file comparison that takes hours survives an interrupted
+session; the summary comes once every pair is done. The total of each side is the sum of its
+eval calls, each loading the (tiny) model again.
 """
 
 from __future__ import annotations
@@ -187,6 +194,96 @@ def run_side(side: str, py: Path, cfg: Path, work: Path, i: int, profile: bool =
     return out
 
 
+def commit() -> str:
+    p = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                       text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "foundryx"],
+                           capture_output=True, text=True).stdout.strip()
+    return (p.stdout.strip() or "unknown") + ("+dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def task_units(entries: list[dict]) -> list[tuple[str, dict]]:
+    """One (key, entry) per task result: a task with several shot counts becomes one each."""
+    out = []
+    for t in entries:
+        shots = t["num_fewshot"] if isinstance(t["num_fewshot"], list) else [t["num_fewshot"]]
+        out += [(f"{t['label']}/{n}-shot", {**t, "num_fewshot": [n]}) for n in shots]
+    return out
+
+
+def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | None:
+    """Each task result as its own pair of processes, resumable from WORK/units.jsonl; the
+    per-side totals and scores once every pair is done, else None."""
+    record = args.work / "units.jsonl"
+    done = {}
+    if record.exists():
+        for line in record.read_text().splitlines():
+            r = json.loads(line)
+            done[(r["unit"], r["side"])] = r
+    units, here = task_units(entries), {"commit": commit(), "cpu": cpu_model()}
+    for i, (key, entry) in enumerate(units):
+        unit_dir = args.work / "units" / key.replace("/", "_")
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        cfgs = configs(unit_dir, model, [entry], args.examples, args.batch_size,
+                       args.generation_batch_size)
+        order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
+        for side in order:
+            if (key, side) in done:
+                continue
+            log(f"[{i + 1}/{len(units)}] {key}: {side}")
+            out = run_side(side, pys[side], cfgs[side], unit_dir, 0)
+            log(f"  {side}: {out['eval_s']:.1f} s ({out['cpu_s']:.1f} CPU s)")
+            done[(key, side)] = {"unit": key, "side": side, **here, **out,
+                                 "at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+            with record.open("a") as f:
+                f.write(json.dumps(done[(key, side)]) + "\n")
+    if any((k, s) not in done for k, _ in units for s in ("foundryx", "llmfoundry")):
+        return None
+    sides = {}
+    for s in ("foundryx", "llmfoundry"):
+        runs = [done[(k, s)] for k, _ in units]
+        sides[s] = {"eval_s": sum(r["eval_s"] for r in runs), "cpu_s": sum(r["cpu_s"] for r in runs),
+                    "process_s": sum(r["process_s"] for r in runs),
+                    "scores": {k: v for r in runs for k, v in r["scores"].items()},
+                    "task_s": {k: done[(k, s)]["eval_s"] for k, _ in units}}
+    sides["commits"] = sorted({done[(k, s)]["commit"] for k, _ in units for s in ("foundryx",)})
+    sides["cpus"] = sorted({done[(k, s)]["cpu"] for k, _ in units for s in ("foundryx", "llmfoundry")})
+    sides["dates"] = sorted({done[(k, s)]["at"][:10] for k, _ in units for s in ("foundryx", "llmfoundry")})
+    return sides
+
+
+def by_task_text(args, res: dict, cmd: str) -> str:
+    fx, lf = res["foundryx"], res["llmfoundry"]
+    rows = "\n".join(
+        f"| {k} | {fx['task_s'][k]:.1f} | {lf['task_s'][k]:.1f} | {lf['task_s'][k] / fx['task_s'][k]:.1f} |"
+        for k in fx["task_s"])
+    table, same, compared = scores_table(fx["scores"], lf["scores"])
+    # each process pays a fixed cost (model load, trainer set-up) that a single run pays once.
+    # LLM Foundry's total less (tasks - 1) x its shortest task's time, against foundryx's whole
+    # total, is a floor of the single-run ratio: that task's time over-counts the fixed cost
+    n = len(fx["task_s"]) - 1
+    lf_floor = lf["eval_s"] - n * min(lf["task_s"].values())
+    return (f"\n## foundryx eval vs LLM Foundry 0.22 eval, task by task, CPU (issue 25)\n\n"
+            f"{', '.join(res['dates'])}. {', '.join(res['cpus'])}, {os.cpu_count()} cores; foundryx at "
+            f"{', '.join(res['commits'])}. Command: `{cmd} --by-task`. Each task result is a pair of "
+            f"fresh processes, one per side, one after the other; the totals are sums of the eval "
+            f"calls.\n\n| task result | foundryx s | LLM Foundry s | LLM Foundry / foundryx |\n"
+            f"|---|---:|---:|---:|\n{rows}\n| **total** | **{fx['eval_s']:.1f}** | "
+            f"**{lf['eval_s']:.1f}** | **{lf['eval_s'] / fx['eval_s']:.2f}** |\n| floor: LLM Foundry less "
+            f"{n} x its shortest task (a per-process cost a single run pays once) | "
+            f"{fx['eval_s']:.1f} | {lf_floor:.1f} | {lf_floor / fx['eval_s']:.2f} |\n\nProcess CPU "
+            f"seconds: foundryx {fx['cpu_s']:.0f}, LLM Foundry {lf['cpu_s']:.0f} (ratio "
+            f"{lf['cpu_s'] / fx['cpu_s']:.2f}). Scores: {same} of {compared} results identical."
+            f"\n\n{table}\n")
+
+
 def profile_summary(work: Path, top: int = 25) -> str:
     import io
     import pstats
@@ -223,6 +320,8 @@ def main() -> None:
                     help="foundryx's generation_batch_size (LLM Foundry has none: its generation "
                          "batches are --batch-size rows)")
     ap.add_argument("--profile", action="store_true", help="profile one more foundryx run")
+    ap.add_argument("--by-task", action="store_true",
+                    help="one pair of processes per task result, resumable from WORK/units.jsonl")
     ap.add_argument("--only", choices=["foundryx", "llmfoundry"], help="run one side only")
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
     ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-eval-vs-llmfoundry"))
@@ -238,9 +337,23 @@ def main() -> None:
         sys.exit(f"eval_vs_llmfoundry: --examples {args.examples} is too few: a task asks for "
                  f"{most} few-shot examples drawn from the same rows (and jeopardy_small's "
                  f"categories need 16); give at least {max(most + 1, 16)}")
+    pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
+    cmd = (f"python benchmarks/eval_vs_llmfoundry.py --tasks {os.path.relpath(args.tasks, ROOT)} "
+           f"--rounds {args.rounds} --batch-size {args.batch_size} --hidden {args.hidden}"
+           + (f" --examples {args.examples}" if args.examples else "")
+           + (f" --generation-batch-size {args.generation_batch_size}" if args.generation_batch_size else ""))
+    if args.by_task:
+        res = run_by_task(args, pys, model, entries)
+        if res is None:
+            sys.exit("eval_vs_llmfoundry: not every task result has both sides yet; run again")
+        text = by_task_text(args, res, cmd)
+        print(text)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(text)
+        return
     cfgs = configs(args.work, model, entries, args.examples, args.batch_size,
                    args.generation_batch_size)
-    pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
     rows = []
     for i in range(args.rounds):
         order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
@@ -269,10 +382,6 @@ def main() -> None:
     ratios = [r["llmfoundry"]["eval_s"] / r["foundryx"]["eval_s"] for r in rows]
     table, same, compared = scores_table(rows[0]["foundryx"]["scores"], rows[0]["llmfoundry"]["scores"])
     import torch
-    cmd = (f"python benchmarks/eval_vs_llmfoundry.py --tasks {os.path.relpath(args.tasks, ROOT)} "
-           f"--rounds {args.rounds} --batch-size {args.batch_size} --hidden {args.hidden}"
-           + (f" --examples {args.examples}" if args.examples else "")
-           + (f" --generation-batch-size {args.generation_batch_size}" if args.generation_batch_size else ""))
     slowest = sorted(rows[0]["foundryx"].get("task_s", {}).items(), key=lambda kv: -kv[1])
     where = ", ".join(f"{k} {v:.1f} s" for k, v in slowest)
     text = (f"\n## foundryx eval vs LLM Foundry 0.22 eval, CPU (issue 25)\n\n{datetime.date.today()}. "
