@@ -22,7 +22,8 @@ prints where the time goes.
 the two sides one after the other (alternating which goes first), and appends each side's
 result to ``WORK/units.jsonl`` as it ends. Run again with the same ``--work``, it skips the
 pairs already there, so a whole-file comparison that takes hours survives an interrupted
-session; the summary comes once every pair is done. The total of each side is the sum of its
+session; the summary comes once every pair is done. With ``--only``, one side's results are
+added (the other's may come from another run). The total of each side is the sum of its
 eval calls, each loading the (tiny) model again.
 """
 
@@ -235,7 +236,7 @@ def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | Non
                        args.generation_batch_size)
         order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
         for side in order:
-            if (key, side) in done:
+            if (key, side) in done or args.only not in (None, side):
                 continue
             log(f"[{i + 1}/{len(units)}] {key}: {side}")
             out = run_side(side, pys[side], cfgs[side], unit_dir, 0)
