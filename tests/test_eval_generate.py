@@ -12,7 +12,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
 
 import foundryx.eval.runner as runner
 from foundryx.eval.data import StopOnSequences, _pad
-from foundryx.eval.generate import decode_generations, fast_path_problem, greedy_generate
+from foundryx.eval.generate import (
+    _GrowingLayer,
+    decode_generations,
+    fast_path_problem,
+    greedy_generate,
+    new_cache,
+)
 from foundryx.eval.models import wrap_hf_model
 from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
@@ -63,6 +69,31 @@ def test_greedy_generate_is_hf_generate(tiny_tokenizer, family):
     cut = greedy_generate(hf, tok, ids, mask, 12, eos_token_id=eos, stop_sequences=[stop])
     assert len(cut[0]) == plain[0].index(eos) + 1 and min(map(len, cut)) < max(map(len, cut))
     assert decode_generations(tok, cut) == hf_texts(hf, tok, ids, mask, 12, eos, [stop])
+
+
+def test_the_generation_cache_holds_what_dynamic_cache_holds(tiny_tokenizer):
+    """The cache greedy_generate uses keeps keys and values in place: step by step the same
+    tensors as transformers' DynamicLayer (a prompt, then a token at a time), after rows leave
+    the batch, and after it outgrows its first capacity (doubled, filled part copied)."""
+    from transformers.cache_utils import DynamicLayer
+
+    assert all(type(layer) is _GrowingLayer
+               for layer in new_cache(tiny_llama(len(tiny_tokenizer)), capacity=20).layers)
+    torch.manual_seed(0)
+    mine, ref = _GrowingLayer(capacity=7), DynamicLayer()
+    for step, (rows, length) in enumerate([(4, 5), (4, 1), (4, 1), (3, 1), (3, 1), (3, 1), (2, 1)]):
+        if step and rows < ref.keys.shape[0]:
+            keep = torch.tensor([0, 2, 3][:rows]) if rows == 3 else torch.tensor([1, 2])
+            mine.batch_select_indices(keep)
+            ref.batch_select_indices(keep)
+        k, v = torch.randn(rows, 2, length, 8), torch.randn(rows, 2, length, 8)
+        got, want = mine.update(k, v), ref.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+        assert mine.get_seq_length() == ref.get_seq_length()
+    assert mine._k.shape[2] == 2 * 8  # outgrown at 8 positions
+    mine.crop(6)
+    ref.crop(6)
+    assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
 
 
 def test_generation_task_scores_the_same_through_generate(tiny_tokenizer, tmp_path, monkeypatch):
