@@ -12,13 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
 
 import foundryx.eval.runner as runner
 from foundryx.eval.data import StopOnSequences, _pad
-from foundryx.eval.generate import (
-    _GrowingLayer,
-    decode_generations,
-    fast_path_problem,
-    greedy_generate,
-    new_cache,
-)
+from foundryx.eval.generate import decode_generations, fast_path_problem, greedy_generate
+from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.models import wrap_hf_model
 from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
@@ -71,16 +66,59 @@ def test_greedy_generate_is_hf_generate(tiny_tokenizer, family):
     assert decode_generations(tok, cut) == hf_texts(hf, tok, ids, mask, 12, eos, [stop])
 
 
+def tiny_model(kind: str, vocab: int, attn: str = "sdpa", **extra) -> torch.nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    config, model = classes[kind]
+    cfg = config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                 initializer_range=0.5, attn_implementation=attn, **extra)
+    return model(cfg).eval()
+
+
+@pytest.mark.parametrize("kind,attn,window", [("llama", "sdpa", None), ("llama", "eager", None),
+                                              ("qwen2", "sdpa", None), ("mistral", "sdpa", None),
+                                              ("mistral", "sdpa", 4)])
+def test_decoding_steps_fed_directly_give_generates_tokens(tiny_tokenizer, kind, attn, window,
+                                                           monkeypatch):
+    """After the prompt's step, greedy_generate feeds the model its new token, position and
+    padding mask itself (no prepare_inputs_for_generation, no mask building): the same tokens
+    as through prepare_inputs_for_generation every step, and as generate, with left padding
+    and rows leaving the batch. A sliding-window model keeps generate's steps."""
+    import foundryx.eval.generate as generate
+
+    tok = tiny_tokenizer
+    extra = {"sliding_window": window} if kind == "mistral" else {}
+    hf = tiny_model(kind, len(tok), attn, **extra)
+    calls = []
+    prepare = hf.prepare_inputs_for_generation
+    monkeypatch.setattr(hf, "prepare_inputs_for_generation",
+                        lambda *a, **k: calls.append(1) or prepare(*a, **k))
+    ids, mask = _pad([tuple(tok(p)["input_ids"]) for p in PROMPTS], tok.pad_token_id or 0, left=True)
+    plain = greedy_generate(hf, tok, ids, mask, 12)
+    eos = plain[1][4]  # a row finishes early, the others run on
+    direct = greedy_generate(hf, tok, ids, mask, 12, eos_token_id=eos)
+    assert min(map(len, direct)) < 12
+    assert len(calls) == (2 if window is None else 2 * 12)  # direct: the prompts' steps only
+    monkeypatch.setattr(generate, "plain_causal", lambda hf: False)
+    assert greedy_generate(hf, tok, ids, mask, 12, eos_token_id=eos) == direct
+    monkeypatch.undo()  # generate checks its arguments against prepare_inputs_for_generation's
+    assert decode_generations(tok, direct) == hf_texts(hf, tok, ids, mask, 12, eos, [])
+
+
 def test_the_generation_cache_holds_what_dynamic_cache_holds(tiny_tokenizer):
     """The cache greedy_generate uses keeps keys and values in place: step by step the same
     tensors as transformers' DynamicLayer (a prompt, then a token at a time), after rows leave
     the batch, and after it outgrows its first capacity (doubled, filled part copied)."""
     from transformers.cache_utils import DynamicLayer
 
-    assert all(type(layer) is _GrowingLayer
+    assert all(type(layer) is GrowingLayer
                for layer in new_cache(tiny_llama(len(tiny_tokenizer)), capacity=20).layers)
     torch.manual_seed(0)
-    mine, ref = _GrowingLayer(capacity=7), DynamicLayer()
+    mine, ref = GrowingLayer(capacity=7), DynamicLayer()
     for step, (rows, length) in enumerate([(4, 5), (4, 1), (4, 1), (3, 1), (3, 1), (3, 1), (2, 1)]):
         if step and rows < ref.keys.shape[0]:
             keep = torch.tensor([0, 2, 3][:rows]) if rows == 3 else torch.tensor([1, 2])

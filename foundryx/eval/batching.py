@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from foundryx.eval.generate import forward_params, generation_model, new_cache
+from foundryx.eval.generate import forward_params, generation_model
+from foundryx.eval.kv_cache import new_cache
 
 AUTO_CAP = 32  # rows: past this a CPU's decoding step grows about as fast as its rows
 

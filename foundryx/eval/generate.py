@@ -1,14 +1,17 @@
 """Greedy generation for ICL generation tasks: the steps of Hugging Face's greedy ``generate``
-(the model's own ``prepare_inputs_for_generation``, its KV cache, the last position's logits in
-float32, argmax), without what the eval does not need, and rows leave the batch as they finish.
+(the model's own ``prepare_inputs_for_generation`` for the prompt, its KV cache, the last
+position's logits in float32, argmax), without what the eval does not need, and rows leave the
+batch as they finish.
 
 A row finishes at the end-of-sequence token, at a stop sequence in its new text (checked on
-the rows still running, on the new token only when it can have completed one), or after
-``max_new_tokens``. ``generate`` keeps finished rows in the batch, padding them, until every
-row is done; here they are dropped (their KV cache rows too), so a batch's later steps cost
-what its running rows cost. The text of each row is the same as ``generate``'s: the same
-calls on the same inputs give the same logits, and a row's tokens up to its stop are decoded
-the same way. Models whose generation config asks for more than greedy decoding (a repetition
+the rows still running), or after ``max_new_tokens``. ``generate`` keeps finished rows in the
+batch, padding them, until every row is done; here they are dropped (their KV cache rows too),
+so a batch's later steps cost what its running rows cost. The text of each row is the same as
+``generate``'s: the same calls on the same inputs give the same logits, and a row's tokens up to
+its stop are decoded the same way. The KV cache keeps its tensors in place
+(:mod:`foundryx.eval.kv_cache`), and for plain causal models the steps after the prompt's are
+fed directly (:class:`_DirectSteps`): the same inputs, made without ``generate``'s per-step
+work. Models whose generation config asks for more than greedy decoding (a repetition
 penalty, forced tokens, ...) and models that are not Hugging Face generation models keep
 Composer's ``eval_forward`` (``generate``); see :func:`fast_path_problem`.
 """
@@ -18,8 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from foundryx.eval.kv_cache import GrowingLayer, new_cache
+from foundryx.eval.plain_causal import plain_causal
 
 # generation config fields that add logits processors or stopping rules to greedy decoding,
 # with the value that adds none (transformers.GenerationConfig's defaults)
@@ -53,76 +57,6 @@ def fast_path_problem(hf: Any) -> str | None:
         if value != plain and value not in (None, [], {}):
             return f"its generation config sets {name}={value!r}"
     return None
-
-
-class _GrowingLayer(DynamicLayer):
-    """A DynamicCache layer that holds the same keys and values as ``DynamicLayer`` without
-    copying them all at every step: they live in a buffer of ``capacity`` positions (doubled
-    if ever outgrown), and attention is handed a view of the filled part. ``DynamicLayer``
-    concatenates each new token onto a new tensor, a copy of the whole cache per step: a
-    quarter of the CPU time of a gsm8k batch (32 rows of 1,000 tokens)."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity, self.length = capacity, 0
-
-    def _views(self) -> None:
-        self.keys, self.values = self._k[..., :self.length, :], self._v[..., :self.length, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.length + key_states.shape[-2]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states)
-            self._k = key_states.new_empty((*key_states.shape[:2], max(self.capacity, n), key_states.shape[3]))
-            self._v = value_states.new_empty((*value_states.shape[:2], self._k.shape[2], value_states.shape[3]))
-        if n > self._k.shape[-2]:  # outgrown: twice the length, the filled part copied once
-            k, v = self._k, self._v
-            self._k = k.new_empty((*k.shape[:2], 2 * n, k.shape[3]))
-            self._v = v.new_empty((*v.shape[:2], 2 * n, v.shape[3]))
-            self._k[..., :self.length, :] = k[..., :self.length, :]
-            self._v[..., :self.length, :] = v[..., :self.length, :]
-        self._k[..., self.length:n, :] = key_states
-        self._v[..., self.length:n, :] = value_states
-        self.length = n
-        self._views()
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.length:
-            self._k, self._v = self._k[indices, ...], self._v[indices, ...]
-            self._views()
-
-    def crop(self, max_length: int) -> None:
-        if max_length < 0:
-            max_length = self.length + max_length
-        if self.length > max_length:
-            self.length = max_length
-            self._views()
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("foundryx's greedy generation cache does not repeat rows")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("foundryx's greedy generation cache does not reorder beams")
-
-
-def new_cache(hf: Any, capacity: int | None = None) -> Any:
-    """The cache ``generate`` would start with: a DynamicCache where the model supports one.
-    With ``capacity`` (the prompt's tokens + the new ones), its plain layers keep their keys
-    and values in place (:class:`_GrowingLayer`): the same tensors for attention, no copy of
-    the cache per step; sliding-window and other layers stay as transformers made them."""
-    supports = getattr(hf, "_supports_default_dynamic_cache", None)
-    if not (callable(supports) and supports()):
-        return None
-    try:
-        cache = DynamicCache(config=hf.config)
-    except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
-    if capacity is not None and getattr(cache, "layers", None):
-        cache.layers = [_GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
-    return cache
 
 
 def _select(value: Any, keep: torch.Tensor) -> Any:
@@ -167,8 +101,13 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     if "logits_to_keep" in forward_params(hf):
         kwargs["logits_to_keep"] = 1
     kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
+    steps = _DirectSteps(hf, cache, attention_mask, max_new_tokens)
+    nxt = ids[:, -1]  # each step's new tokens (the first step's input is the prompt)
     for step in range(max_new_tokens):
-        inputs = hf.prepare_inputs_for_generation(ids, **kwargs)
+        if step and steps.on:
+            inputs = steps.inputs(nxt, kwargs)
+        else:
+            inputs = hf.prepare_inputs_for_generation(ids, **kwargs)
         outputs = hf(**inputs, return_dict=True)
         nxt = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32).argmax(-1)
         cpu_next = nxt.tolist()
@@ -179,9 +118,10 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
                 finished.append(i)
         if step == max_new_tokens - 1 or len(finished) == len(cpu_next):
             break
-        ids = torch.cat([ids, nxt[:, None]], dim=-1)
-        kwargs["attention_mask"] = torch.cat(
-            [kwargs["attention_mask"], kwargs["attention_mask"].new_ones((ids.shape[0], 1))], dim=-1)
+        if not steps.on:
+            ids = torch.cat([ids, nxt[:, None]], dim=-1)
+            kwargs["attention_mask"] = torch.cat(
+                [kwargs["attention_mask"], kwargs["attention_mask"].new_ones((ids.shape[0], 1))], dim=-1)
         kwargs["cache_position"] = kwargs["cache_position"][-1:] + 1
         past = getattr(outputs, "past_key_values", None)
         if past is not None:
@@ -190,11 +130,66 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
             keep = torch.tensor([i for i in range(len(cpu_next)) if i not in set(finished)],
                                 device=ids.device)
             rows = rows[keep.cpu()]
-            ids = ids.index_select(0, keep)
-            kwargs["attention_mask"] = kwargs["attention_mask"].index_select(0, keep)
+            nxt = nxt.index_select(0, keep)
+            steps.select(keep)
+            if not steps.on:
+                ids = ids.index_select(0, keep)
+                kwargs["attention_mask"] = kwargs["attention_mask"].index_select(0, keep)
             if "past_key_values" in kwargs:
                 kwargs["past_key_values"] = _select(kwargs["past_key_values"], keep)
     return out
+
+
+class _DirectSteps:
+    """The inputs of decoding steps after the prompt's, made without ``generate``'s per-step
+    work. ``prepare_inputs_for_generation`` clones the ids, recomputes every row's positions
+    from the whole attention mask, and the model then builds a 4D mask from it (a vmapped
+    function and a conversion of booleans to an additive mask in each layer): a third of a
+    decoding step of a small model. For a step of one new token after the prompt, those are
+    the previous positions + 1 and, for attention, the padding of the prompt (the new tokens
+    see every real token before them): kept here as one additive mask (0 or -inf, what
+    ``scaled_dot_product_attention`` makes of a boolean mask) that the model uses as given.
+    On where the cache is foundryx's (:class:`GrowingLayer`: full attention, no sliding window)
+    and the model is :func:`~foundryx.eval.plain_causal.plain_causal`."""
+
+    def __init__(self, hf: Any, cache: Any, attention_mask: torch.Tensor, max_new_tokens: int):
+        self.on = (cache is not None and bool(getattr(cache, "layers", None))
+                   and all(type(layer) is GrowingLayer for layer in cache.layers)
+                   and plain_causal(hf) and {"position_ids", "cache_position"} <= forward_params(hf))
+        if not self.on:
+            return
+        self.length = attention_mask.shape[1]
+        self.positions = attention_mask.long().sum(-1) - 1  # the last prompt token's
+        self.logits_to_keep = "logits_to_keep" in forward_params(hf)
+        self.mask = None
+        self._prompt_mask, self._new = attention_mask, max_new_tokens
+
+    def _build_mask(self, dtype: torch.dtype) -> None:
+        rows, prompt = self._prompt_mask.shape
+        mask = torch.zeros((rows, 1, 1, prompt + self._new), dtype=dtype,
+                           device=self._prompt_mask.device)
+        mask[:, 0, 0, :prompt].masked_fill_(self._prompt_mask == 0, float("-inf"))
+        self.mask = mask
+
+    def inputs(self, nxt: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
+        cache = kwargs["past_key_values"]
+        if self.mask is None:
+            self._build_mask(cache.layers[0].keys.dtype)
+        self.positions = self.positions + 1
+        self.length += 1
+        out = {"input_ids": nxt[:, None], "position_ids": self.positions[:, None],
+               "attention_mask": self.mask[..., :self.length], "past_key_values": cache,
+               "cache_position": kwargs["cache_position"], "use_cache": True}
+        if self.logits_to_keep:
+            out["logits_to_keep"] = 1
+        return out
+
+    def select(self, keep: torch.Tensor) -> None:
+        if self.on:
+            self.positions = self.positions.index_select(0, keep)
+            self._prompt_mask = self._prompt_mask.index_select(0, keep)
+            if self.mask is not None:
+                self.mask = self.mask.index_select(0, keep)
 
 
 def forward_params(hf: Any) -> set[str]:

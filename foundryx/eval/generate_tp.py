@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from foundryx.eval.generate import generation_model, new_cache
+from foundryx.eval.generate import generation_model
+from foundryx.eval.kv_cache import new_cache
 
 log = logging.getLogger(__name__)
 

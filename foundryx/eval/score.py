@@ -11,7 +11,11 @@ continuation spans), and the batch handed to the metric is re-indexed to those p
 metric sees the same logits of the same tokens, the rest of the work is not done.
 
 The model's layers see the same inputs, so the kept logits are the ones ``eval_forward`` would
-give (tests/test_icl_invariance.py compares the two paths). Models whose forward has no
+give (tests/test_icl_invariance.py compares the two paths). Scoring batches are padded on the
+right, so for a :func:`~foundryx.eval.plain_causal.plain_causal` model causal attention alone
+already keeps every real token from seeing padding: those batches go without an attention
+mask, and attention skips the masked half of its work instead of building a mask of width x
+width and adding it in every layer (the same logits, bit for bit). Models whose forward has no
 ``logits_to_keep`` argument, and metrics other than the built-in ICL ones, keep
 ``eval_forward``.
 """
@@ -22,6 +26,8 @@ import inspect
 from typing import Any
 
 import torch
+
+from foundryx.eval.plain_causal import plain_causal, right_padded
 
 
 def kept_positions(batch: dict[str, Any]) -> torch.Tensor:
@@ -55,10 +61,14 @@ def scoring_forward(hf: Any) -> Any:
     if "logits_to_keep" not in params:
         return None
     use_cache = {"use_cache": False} if "use_cache" in params else {}
+    plain = plain_causal(hf)
 
     def forward(batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         keep = kept_positions(batch)
-        out = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+        mask = batch["attention_mask"]
+        if plain and right_padded(mask):  # padding after every real token: causal alone hides it
+            mask = None
+        out = hf(input_ids=batch["input_ids"], attention_mask=mask,
                  logits_to_keep=keep, return_dict=True, **use_cache)
         logits = out.logits
         pad = logits.new_zeros((logits.shape[0], 1, logits.shape[2]))  # the metrics drop the last column
