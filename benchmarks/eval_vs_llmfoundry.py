@@ -23,7 +23,8 @@ the two sides one after the other (alternating which goes first), and appends ea
 result to ``WORK/units.jsonl`` as it ends. Run again with the same ``--work``, it skips the
 pairs already there, so a whole-file comparison that takes hours survives an interrupted
 session; the summary comes once every pair is done. With ``--only``, one side's results are
-added (the other's may come from another run). The total of each side is the sum of its
+added (the other's may come from another run); ``--partial`` runs nothing and prints the table
+of the task results that both sides have so far. The total of each side is the sum of its
 eval calls, each loading the (tiny) model again.
 """
 
@@ -236,7 +237,7 @@ def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | Non
                        args.generation_batch_size)
         order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
         for side in order:
-            if (key, side) in done or args.only not in (None, side):
+            if (key, side) in done or args.only not in (None, side) or args.partial:
                 continue
             log(f"[{i + 1}/{len(units)}] {key}: {side}")
             out = run_side(side, pys[side], cfgs[side], unit_dir, 0)
@@ -245,9 +246,11 @@ def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | Non
                                  "at": datetime.datetime.now(datetime.timezone.utc).isoformat()}
             with record.open("a") as f:
                 f.write(json.dumps(done[(key, side)]) + "\n")
-    if any((k, s) not in done for k, _ in units for s in ("foundryx", "llmfoundry")):
+    paired = [(k, e) for k, e in units if all((k, s) in done for s in ("foundryx", "llmfoundry"))]
+    if len(paired) < len(units) and not (args.partial and paired):
         return None
-    sides = {}
+    sides = {"of": len(units)}
+    units = paired
     for s in ("foundryx", "llmfoundry"):
         runs = [done[(k, s)] for k, _ in units]
         sides[s] = {"eval_s": sum(r["eval_s"] for r in runs), "cpu_s": sum(r["cpu_s"] for r in runs),
@@ -271,7 +274,9 @@ def by_task_text(args, res: dict, cmd: str) -> str:
     # total, is a floor of the single-run ratio: that task's time over-counts the fixed cost
     n = len(fx["task_s"]) - 1
     lf_floor = lf["eval_s"] - n * min(lf["task_s"].values())
-    return (f"\n## foundryx eval vs LLM Foundry 0.22 eval, task by task, CPU (issue 25)\n\n"
+    part = (f" ({len(fx['task_s'])} of {res['of']} task results: the others are not measured yet)"
+            if len(fx["task_s"]) < res["of"] else "")
+    return (f"\n## foundryx eval vs LLM Foundry 0.22 eval, task by task, CPU (issue 25){part}\n\n"
             f"{', '.join(res['dates'])}. {', '.join(res['cpus'])}, {os.cpu_count()} cores; foundryx at "
             f"{', '.join(res['commits'])}. Command: `{cmd} --by-task`. Each task result is a pair of "
             f"fresh processes, one per side, one after the other; the totals are sums of the eval "
@@ -323,6 +328,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile one more foundryx run")
     ap.add_argument("--by-task", action="store_true",
                     help="one pair of processes per task result, resumable from WORK/units.jsonl")
+    ap.add_argument("--partial", action="store_true",
+                    help="with --by-task: run nothing, print the table of the task results both sides "
+                         "have so far")
     ap.add_argument("--only", choices=["foundryx", "llmfoundry"], help="run one side only")
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
     ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-eval-vs-llmfoundry"))
@@ -346,7 +354,8 @@ def main() -> None:
     if args.by_task:
         res = run_by_task(args, pys, model, entries)
         if res is None:
-            sys.exit("eval_vs_llmfoundry: not every task result has both sides yet; run again")
+            sys.exit("eval_vs_llmfoundry: not every task result has both sides yet; run again "
+                     "(--partial: the table of those that have)")
         text = by_task_text(args, res, cmd)
         print(text)
         if args.out:
