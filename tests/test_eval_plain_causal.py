@@ -1,5 +1,5 @@
-"""Scoring batches of a plain causal model go without an attention mask (their padding is on
-the right, after every real token): the logits at every real position are the masked
+"""Scoring batches of a plain causal model go without padding in their attention mask (it is on
+the right, after every real token), so SDPA runs causal with no mask: the logits at every real position are the masked
 forward's, bit for bit, across attention's blocks; other padding keeps the mask."""
 
 from __future__ import annotations
@@ -33,9 +33,13 @@ def test_scoring_without_a_mask_gives_the_masked_logits(family, monkeypatch):
     batch = {"input_ids": ids, "attention_mask": mask, "cont_start": ends - 5, "cont_end": ends}
     score, seen = scoring_forward(hf), []
     forward = hf.forward
+    masks = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(hf, "forward", lambda **kw: seen.append(kw["attention_mask"]) or forward(**kw))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: masks.append(kw.get("attn_mask")) or sdpa(*a, **kw))
     fast, _ = score(batch)
-    assert seen == [None]
+    assert bool(seen[0].all()) and masks == [None, None]  # SDPA runs causal, with no mask at all
     with torch.no_grad():
         full = hf(input_ids=ids, attention_mask=mask, use_cache=False).logits
     keep = [p for p in range(width - 1) if any(e - 6 <= p < e - 1 for e in lengths)]  # kept: every row's last 5
@@ -46,4 +50,4 @@ def test_scoring_without_a_mask_gives_the_masked_logits(family, monkeypatch):
         assert torch.equal(got[real], want[real])
     seen.clear()
     score({**batch, "attention_mask": mask.flip(1)})  # left padding keeps its mask
-    assert seen[0] is not None
+    assert torch.equal(seen[0], mask.flip(1))

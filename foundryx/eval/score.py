@@ -13,9 +13,10 @@ metric sees the same logits of the same tokens, the rest of the work is not done
 The model's layers see the same inputs, so the kept logits are the ones ``eval_forward`` would
 give (tests/test_icl_invariance.py compares the two paths). Scoring batches are padded on the
 right, so for a :func:`~foundryx.eval.plain_causal.plain_causal` model causal attention alone
-already keeps every real token from seeing padding: those batches go without an attention
-mask, and attention skips the masked half of its work instead of building a mask of width x
-width and adding it in every layer (the same logits, bit for bit). Models whose forward has no
+already keeps every real token from seeing padding: those batches go with an attention mask of
+all ones, so SDPA runs causal alone and skips the masked half of its work instead of the model
+building a boolean mask of width x width that SDPA turns into an additive one in every layer
+(the same logits, bit for bit). Models whose forward has no
 ``logits_to_keep`` argument, and metrics other than the built-in ICL ones, keep
 ``eval_forward``.
 """
@@ -67,7 +68,9 @@ def scoring_forward(hf: Any) -> Any:
         keep = kept_positions(batch)
         mask = batch["attention_mask"]
         if plain and right_padded(mask):  # padding after every real token: causal alone hides it
-            mask = None
+            # all ones rather than None: without a mask transformers looks for packed sequences
+            # and then builds the full mask anyway
+            mask = torch.ones_like(mask)
         out = hf(input_ids=batch["input_ids"], attention_mask=mask,
                  logits_to_keep=keep, return_dict=True, **use_cache)
         logits = out.logits
