@@ -250,6 +250,10 @@ def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | Non
     if len(paired) < len(units) and not (args.partial and paired):
         return None
     sides = {"of": len(units)}
+    if len(paired) < len(units) and all((k, "foundryx") in done for k, _ in units):
+        measured = {k for k, _ in paired}
+        sides["foundryx_only"] = {k: done[(k, "foundryx")]["eval_s"] for k, _ in units
+                                  if k not in measured}
     units = paired
     for s in ("foundryx", "llmfoundry"):
         runs = [done[(k, s)] for k, _ in units]
@@ -276,15 +280,23 @@ def by_task_text(args, res: dict, cmd: str) -> str:
     lf_floor = lf["eval_s"] - n * min(lf["task_s"].values())
     part = (f" ({len(fx['task_s'])} of {res['of']} task results: the others are not measured yet)"
             if len(fx["task_s"]) < res["of"] else "")
+    bound = ""
+    if res.get("foundryx_only"):  # foundryx ran every task result: LLM Foundry's part bounds the whole
+        rows += "\n" + "\n".join(f"| {k} | {v:.1f} | not measured | |" for k, v in res["foundryx_only"].items())
+        whole = fx["eval_s"] + sum(res["foundryx_only"].values())
+        bound = (f"\n\nfoundryx's whole suite ({res['of']} task results): {whole:.1f} s. LLM Foundry's "
+                 f"{len(fx['task_s'])} measured results alone take {lf['eval_s']:.1f} s ({lf_floor:.1f} s "
+                 f"less the per-process cost), so on the whole suite LLM Foundry / foundryx is at least "
+                 f"**{lf_floor / whole:.2f}**.")
     return (f"\n## foundryx eval vs LLM Foundry 0.22 eval, task by task, CPU (issue 25){part}\n\n"
             f"{', '.join(res['dates'])}. {', '.join(res['cpus'])}, {os.cpu_count()} cores; foundryx at "
             f"{', '.join(res['commits'])}. Command: `{cmd} --by-task`. Each task result is a pair of "
             f"fresh processes, one per side, one after the other; the totals are sums of the eval "
             f"calls.\n\n| task result | foundryx s | LLM Foundry s | LLM Foundry / foundryx |\n"
-            f"|---|---:|---:|---:|\n{rows}\n| **total** | **{fx['eval_s']:.1f}** | "
+            f"|---|---:|---:|---:|\n{rows}\n| **total{' of the measured' if part else ''}** | **{fx['eval_s']:.1f}** | "
             f"**{lf['eval_s']:.1f}** | **{lf['eval_s'] / fx['eval_s']:.2f}** |\n| floor: LLM Foundry less "
             f"{n} x its shortest task (a per-process cost a single run pays once) | "
-            f"{fx['eval_s']:.1f} | {lf_floor:.1f} | {lf_floor / fx['eval_s']:.2f} |\n\nProcess CPU "
+            f"{fx['eval_s']:.1f} | {lf_floor:.1f} | {lf_floor / fx['eval_s']:.2f} |{bound}\n\nProcess CPU "
             f"seconds: foundryx {fx['cpu_s']:.0f}, LLM Foundry {lf['cpu_s']:.0f} (ratio "
             f"{lf['cpu_s'] / fx['cpu_s']:.2f}). Scores: {same} of {compared} results identical."
             f"\n\n{table}\n")
