@@ -7,8 +7,8 @@ Two uses, each giving the same logits as the model's own mask building (tests co
 bit for bit):
 - greedy generation's decoding steps pass the prompt's padding as one additive 4D mask
   (:mod:`foundryx.eval.generate`);
-- scoring batches whose padding is all on the right pass no mask, so attention runs causal
-  alone, which skips the masked half of the work (:mod:`foundryx.eval.score`).
+- scoring batches whose padding is all on the right pass an all-ones mask, so SDPA runs
+  causal alone and skips the masked half of its work (:mod:`foundryx.eval.score`).
 """
 
 from __future__ import annotations
