@@ -261,13 +261,13 @@ def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | Non
                     "process_s": sum(r["process_s"] for r in runs),
                     "scores": {k: v for r in runs for k, v in r["scores"].items()},
                     "task_s": {k: done[(k, s)]["eval_s"] for k, _ in units}}
-    sides["commits"] = sorted({done[(k, s)]["commit"] for k, _ in units for s in ("foundryx",)})
+    sides["commits"] = sorted({done[(k, "foundryx")]["commit"] for k, _ in units})
     sides["cpus"] = sorted({done[(k, s)]["cpu"] for k, _ in units for s in ("foundryx", "llmfoundry")})
     sides["dates"] = sorted({done[(k, s)]["at"][:10] for k, _ in units for s in ("foundryx", "llmfoundry")})
     return sides
 
 
-def by_task_text(args, res: dict, cmd: str) -> str:
+def by_task_text(res: dict, cmd: str) -> str:
     fx, lf = res["foundryx"], res["llmfoundry"]
     rows = "\n".join(
         f"| {k} | {fx['task_s'][k]:.1f} | {lf['task_s'][k]:.1f} | {lf['task_s'][k] / fx['task_s'][k]:.1f} |"
@@ -349,7 +349,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    lf_py = ensure_llmfoundry(args.venv) if args.only != "foundryx" else None
+    # --partial only reads the records: no LLM Foundry venv to install
+    lf_py = ensure_llmfoundry(args.venv) if args.only != "foundryx" and not args.partial else None
     model = build_model(args.work, hidden=args.hidden)
     entries = task_entries(args.tasks, args.data_root, args.examples, args.work)
     most = max(max(t["num_fewshot"]) if isinstance(t["num_fewshot"], list) else t["num_fewshot"]
@@ -368,7 +369,7 @@ def main() -> None:
         if res is None:
             sys.exit("eval_vs_llmfoundry: not every task result has both sides yet; run again "
                      "(--partial: the table of those that have)")
-        text = by_task_text(args, res, cmd)
+        text = by_task_text(res, cmd)
         print(text)
         if args.out:
             with args.out.open("a") as f:

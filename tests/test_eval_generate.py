@@ -18,12 +18,22 @@ from foundryx.eval.models import wrap_hf_model
 from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
 
-def tiny_llama(vocab: int) -> LlamaForCausalLM:
+def tiny_model(kind: str, vocab: int, attn: str = "sdpa", **extra) -> torch.nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      initializer_range=0.5)  # sharp preferences: varied, repeatable tokens
-    return LlamaForCausalLM(cfg).eval()
+    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+               "mistral": (MistralConfig, MistralForCausalLM)}
+    config, model = classes[kind]
+    cfg = config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                 initializer_range=0.5,  # sharp preferences: varied, repeatable tokens
+                 attn_implementation=attn, **extra)
+    return model(cfg).eval()
+
+
+def tiny_llama(vocab: int) -> LlamaForCausalLM:
+    return tiny_model("llama", vocab)
 
 
 def tiny_mpt(tokenizer) -> torch.nn.Module:
@@ -64,19 +74,6 @@ def test_greedy_generate_is_hf_generate(tiny_tokenizer, family):
     cut = greedy_generate(hf, tok, ids, mask, 12, eos_token_id=eos, stop_sequences=[stop])
     assert len(cut[0]) == plain[0].index(eos) + 1 and min(map(len, cut)) < max(map(len, cut))
     assert decode_generations(tok, cut) == hf_texts(hf, tok, ids, mask, 12, eos, [stop])
-
-
-def tiny_model(kind: str, vocab: int, attn: str = "sdpa", **extra) -> torch.nn.Module:
-    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    classes = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-               "mistral": (MistralConfig, MistralForCausalLM)}
-    config, model = classes[kind]
-    cfg = config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                 initializer_range=0.5, attn_implementation=attn, **extra)
-    return model(cfg).eval()
 
 
 @pytest.mark.parametrize("kind,attn,window", [("llama", "sdpa", None), ("llama", "eager", None),

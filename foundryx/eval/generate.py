@@ -160,7 +160,6 @@ class _DirectSteps:
             return
         self.length = attention_mask.shape[1]
         self.positions = attention_mask.long().sum(-1) - 1  # the last prompt token's
-        self.logits_to_keep = "logits_to_keep" in forward_params(hf)
         self.mask = None
         self._prompt_mask, self._new = attention_mask, max_new_tokens
 
@@ -180,8 +179,8 @@ class _DirectSteps:
         out = {"input_ids": nxt[:, None], "position_ids": self.positions[:, None],
                "attention_mask": self.mask[..., :self.length], "past_key_values": cache,
                "cache_position": kwargs["cache_position"], "use_cache": True}
-        if self.logits_to_keep:
-            out["logits_to_keep"] = 1
+        if "logits_to_keep" in kwargs:
+            out["logits_to_keep"] = kwargs["logits_to_keep"]
         return out
 
     def select(self, keep: torch.Tensor) -> None:
