@@ -33,7 +33,7 @@ from foundryx.plan.census import NotPlannable
 from foundryx.plan.planner import plan_here, render
 from foundryx.plan.prelaunch import check_fits, host_problem
 from foundryx.run_summary import RunFacts, summary
-from foundryx.runtime import pick_device, setup_logging
+from foundryx.runtime import pick_device, setup_logging, with_host_collectives
 
 log = logging.getLogger("foundryx")
 
@@ -106,7 +106,7 @@ def train(loaded: LoadedConfig):
     picked = pick_device(cfg.device)
     if picked == "gpu" and cfg.plan_check:
         check_fits(loaded)  # before anything is built on the GPU: stop a run that cannot fit
-    device = get_device(picked)
+    device = with_host_collectives(get_device(picked), derived.world_size)
     if derived.world_size > 1 and not dist.is_initialized():
         dist.initialize_dist(device, timeout=cfg.dist_timeout)
     reproducibility.seed_all(cfg.seed)

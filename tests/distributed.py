@@ -132,6 +132,10 @@ def _rank_main(rank: int, world_size: int, backend: str, env: dict[str, str], fo
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     out = Path(folder) / f"rank{rank}"
     try:
+        if "nccl_like" in backend:  # a backend that refuses host tensors, as NCCL does
+            import nccl_like
+
+            nccl_like.register()
         tdist.init_process_group(backend, init_method=f"file://{folder}/rendezvous", rank=rank,
                                  world_size=world_size, timeout=timedelta(seconds=timeout))
         result = pickle.dumps(fn(*args))

@@ -18,7 +18,7 @@ from foundryx.eval.models import EvalModels
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model, read_tasks
-from foundryx.runtime import pick_device, setup_logging
+from foundryx.runtime import pick_device, setup_logging, with_host_collectives
 
 log = logging.getLogger("foundryx")
 
@@ -105,7 +105,7 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     dump = dump_examples if dump_examples is not None else cfg.dump_examples
     ref_label, ref_file = _reference(loaded, compare_to)
     setup_logging(cfg.python_log_level)
-    device = get_device(pick_device(cfg.device))
+    device = with_host_collectives(get_device(pick_device(cfg.device)), dist.get_world_size())
     note = precision_note(device.name, cfg.precision)
     if note:
         log.info(note)
