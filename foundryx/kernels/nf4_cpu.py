@@ -18,8 +18,10 @@ the kernel counts such blocks and the caller encodes the whole slice with the un
 The same idea as DeepSpeed's CPU Adam, which is built with the machine's compiler on first use.
 The library is cached under ``~/.cache/foundryx/kernels`` (``FOUNDRYX_KERNEL_CACHE``), keyed by
 the source, the flags, the compiler and the CPU's flags; ranks that build it at once each write
-their own file and rename it into place. Without a C compiler (or where it fails) :func:`library`
-says why, and the caller keeps the unfused encoder.
+their own file and rename it into place. The source needs no ``_Float16`` (float16 values are
+converted by bit operations), so any C11 compiler builds it: gcc before 12 on x86-64 too. Without
+a C compiler (or where it fails) :func:`library` warns once, with why, the cost and the fix, and
+the caller keeps the unfused encoder.
 """
 
 from __future__ import annotations
@@ -41,8 +43,28 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* round to nearest even, as c10::BFloat16 does for a finite value (NaN never reaches it) */
+/* round to nearest even, as c10::BFloat16 does for a finite value (a NaN whose payload is all in
+   the low half comes out infinite: still above every finite value, so its block is left to the
+   caller as a NaN's is) */
 static inline uint32_t round_bf16(uint32_t u) { return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u; }
+
+/* A float16's bits as the float32's bits of the same value, exactly as the hardware converts
+   (x86's F16C, AArch64's FCVT, and so torch): a NaN keeps its sign and payload and comes out
+   quiet. By integer operations rather than _Float16, which gcc has on x86-64 from version 12
+   only (Ubuntu 22.04's gcc 11, RHEL 8/9 lack it), and with masks instead of branches or
+   selects (which gcc 12 reads as control flow), so that the loop over a block vectorizes. A
+   zero or subnormal is its 10-bit mantissa times 2^-24 (an exact float32 product); a normal
+   number rebiases its exponent by 127 - 15 = 112; an infinity or NaN (exponent 31) by 112
+   more, to 255. */
+static inline uint32_t half_to_float(uint32_t h) {
+    uint32_t sign = (h & 0x8000u) << 16, em = h & 0x7FFFu;
+    float tiny = (float)(int32_t)em * 0x1p-24f;
+    uint32_t small; memcpy(&small, &tiny, 4);
+    uint32_t is_small = 0u - (uint32_t)(em < 0x0400u), is_special = 0u - (uint32_t)(em >= 0x7C00u);
+    uint32_t quiet = (uint32_t)(em > 0x7C00u) << 22;
+    uint32_t big = ((em << 13) + (112u << 23) + (is_special & (112u << 23))) | quiet;
+    return sign | (small & is_small) | (big & ~is_small);
+}
 
 /* One block of n values at a time; each loop written so that the compiler vectorizes it (bits
    as integers, no branches), and inlined with n = 64 (torchao's block) as a constant. */
@@ -61,7 +83,7 @@ static inline __attribute__((always_inline)) int64_t encode_blocks(
         int64_t o = b * n;
         if (src_kind == 0) memcpy(u, (const float *)src + o, sizeof(float) * n);
         else if (src_kind == 1) { const uint16_t *s = (const uint16_t *)src + o; for (int i = 0; i < n; i++) u[i] = (uint32_t)s[i] << 16; }
-        else { const _Float16 *s = (const _Float16 *)src + o; for (int i = 0; i < n; i++) { float f = (float)s[i]; memcpy(&u[i], &f, 4); } }
+        else { const uint16_t *s = (const uint16_t *)src + o; for (int i = 0; i < n; i++) u[i] = half_to_float(s[i]); }
         if (bf16_out && src_kind != 1) for (int i = 0; i < n; i++) u[i] = round_bf16(u[i]);
         /* magnitudes order as their bits do; NaN and infinity above every finite value */
         uint32_t top = 0;
@@ -119,31 +141,29 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> ctypes.CDLL | str:
-    """The kernel's library, built here if no cached one matches; or why it cannot be built."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return "no C compiler on PATH (set CC)"
+def _compile(cc: list[str], flags: list[str], path: Path) -> str | None:
+    """Compile :data:`SOURCE` with the command ``cc`` and ``flags`` into ``path``; None, or why
+    not. A private build directory beside ``path`` and one rename into place: ranks building
+    at once each write their own file, and a failed build leaves nothing behind. (Tests build
+    the source with other compilers and flags through this.)"""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            c, so = Path(tmp) / "nf4_cpu.c", Path(tmp) / path.name
+            c.write_text(SOURCE)
+            done = subprocess.run([*cc, *flags, str(c), "-o", str(so)], capture_output=True, text=True,
+                                  timeout=300)
+            if done.returncode:
+                said = (done.stderr or done.stdout).strip().splitlines() or [f"exit code {done.returncode}"]
+                return f"{' '.join(cc)} failed: {said[-1][:200]}"
+            os.replace(so, path)  # atomic: a whole file or none
     except (OSError, subprocess.SubprocessError) as e:
-        return f"{cc} --version failed: {e}"
-    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, version, platform.machine(), _cpu_flags()]).encode())
-    path = cache_dir() / f"nf4_cpu-{key.hexdigest()[:20]}.so"
-    if not path.exists():
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                c, so = Path(tmp) / "nf4_cpu.c", Path(tmp) / path.name
-                c.write_text(SOURCE)
-                done = subprocess.run([cc, *FLAGS, str(c), "-o", str(so)], capture_output=True, text=True,
-                                      timeout=300)
-                if done.returncode:
-                    said = (done.stderr or done.stdout).strip().splitlines() or [f"exit code {done.returncode}"]
-                    return f"{cc} failed: {said[-1][:200]}"
-                os.replace(so, path)  # atomic: ranks building at once each rename a whole file
-        except (OSError, subprocess.SubprocessError) as e:
-            return f"building {path} failed: {e}"
+        return f"building {path} failed: {e}"
+    return None
+
+
+def _load(path: Path) -> ctypes.CDLL | str:
+    """The built library at ``path`` with :func:`encode`'s entry point typed; or why not."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -154,16 +174,37 @@ def _build() -> ctypes.CDLL | str:
     return lib
 
 
+def _build() -> ctypes.CDLL | str:
+    """The kernel's library, built here if no cached one matches; or why it cannot be built."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return "no C compiler on PATH"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{cc} --version failed: {e}"
+    key = hashlib.sha256("\0".join([SOURCE, *FLAGS, version, platform.machine(), _cpu_flags()]).encode())
+    path = cache_dir() / f"nf4_cpu-{key.hexdigest()[:20]}.so"
+    if not path.exists():
+        why = _compile([cc], FLAGS, path)
+        if why:
+            return why
+    return _load(path)
+
+
 def library() -> ctypes.CDLL | str:
-    """The kernel's library (built or loaded once per process), or why there is none: said
-    once, in one line, with what the torch-op encoder the loader falls back to costs."""
+    """The kernel's library (built or loaded once per process), or why there is none: a
+    warning, once, in one line, with what the torch-op encoder the loader falls back to costs
+    and how to get the kernel (a deliberate fallback, but one that makes an NF4 load CPU-bound:
+    worth a user's attention, not an info line that nobody reads)."""
     with _lock:
         if "lib" not in _lib:
             _lib["lib"] = _build()
             if isinstance(_lib["lib"], str):
-                log.info("NF4 on load: encoding with torch ops (about 3x the load's CPU time and "
-                         "up to 40 MiB more host memory a rank than foundryx's C encoder, which "
-                         "is not available: %s)", _lib["lib"])
+                log.warning("NF4 on load: encoding with torch ops, about 3x the load's CPU time and "
+                            "up to 40 MiB more host memory a rank, because foundryx's C encoder "
+                            "is not available: %s. Fix: install a C compiler (gcc or clang) or set "
+                            "CC to one", _lib["lib"])
         return _lib["lib"]  # type: ignore[return-value]
 
 

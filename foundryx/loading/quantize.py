@@ -31,6 +31,9 @@ from foundryx.kernels import nf4_cpu
 from foundryx.models.peft.rowwise import MIN_SCALE, QDTYPES, QMAX, RowScaledTensor
 
 CHUNK = 1 << 18  # float32 elements of scratch per reader thread (1 MiB: stays in cache)
+# elements of an NF4 chunk on a GPU: ~40 bytes of transient device memory each (80 MiB); no
+# cache to fit, and each chunk is a dozen kernel launches
+DEVICE_CHUNK = 1 << 21
 _scratch = threading.local()
 
 
@@ -141,15 +144,21 @@ def _nearest(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     beyond go through torchao's own search."""
     from torchao.dtypes.nf4tensor import NF4Tensor
 
-    idx = torch.searchsorted(lut, scaled)
-    hi = idx.clamp(max=lut.numel() - 1)
-    lo = idx.sub_(1).clamp_(min=0)
-    pick_hi = (scaled - lut[hi]).abs_() < (scaled - lut[lo]).abs_()
-    codes = torch.where(pick_hi, hi, lo).to(torch.uint8)
+    codes = _searched(scaled, lut)
     odd = ~(scaled.abs() <= 1)  # NaN, or beyond the levels (never a scaled block's value)
     if odd.any():  # where roundings tie far levels: torchao's own search
         codes[odd] = NF4Tensor.quantize_tensor_nearest(scaled[odd], lut).to(torch.uint8)
     return codes
+
+
+def _searched(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """:func:`_nearest`'s two-level search alone (uint8 codes): torchao's code for every value
+    in [-1, 1], and a code of no meaning for NaN or anything beyond."""
+    idx = torch.searchsorted(lut, scaled)
+    hi = idx.clamp(max=lut.numel() - 1)
+    lo = idx.sub_(1).clamp_(min=0)
+    pick_hi = (scaled - lut[hi]).abs_() < (scaled - lut[lo]).abs_()
+    return torch.where(pick_hi, hi, lo).to(torch.uint8)
 
 
 # the top 16 bits of a float32 on this machine: the second half-word on a little-endian one
@@ -241,15 +250,17 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
     """``(absmax per block, packed 4-bit codes, shape)`` of ``rows`` as ``dtype``: what torchao's
     ``get_block_absmax`` and ``convert_to_norm_float_weight`` give for ``rows.to(dtype)``,
     bit for bit. On the CPU by :mod:`foundryx.kernels.nf4_cpu` (one pass per element, the
-    codes from :func:`thresholds`); elsewhere, without a C compiler, or for a slice with a
-    block that scales out of [-1, 1], by torch ops a chunk of blocks at a time (no
-    whole-weight copy, no 16-level comparison tensor; see :func:`_nearest`) through this
-    thread's scratch tensors. Needs nothing from other ranks: it runs in a reader thread;
-    :func:`nf4` finishes with the one collective."""
+    codes from :func:`thresholds`); without a C compiler, or for a slice with a block that
+    scales out of [-1, 1], by torch ops a chunk of blocks at a time (no whole-weight copy, no
+    16-level comparison tensor; see :func:`_nearest`) through this thread's scratch tensors;
+    on a GPU by :func:`_nf4_encode_device`. Needs nothing from other ranks: it runs in a
+    reader thread; :func:`nf4` finishes with the one collective."""
+    if rows.device.type != "cpu":
+        return _nf4_encode_device(rows, block, dtype)
     flat = rows.reshape(-1)
     n = flat.numel()
-    absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
-    packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
+    absmax = torch.empty(n // block, dtype=dtype)
+    packed = torch.empty(n // 2, dtype=torch.uint8)
     if nf4_cpu.supports(flat.dtype, dtype, block, rows.device) and nf4_cpu.available():
         scales = absmax if dtype == torch.float32 else torch.empty(n // block)
         if not nf4_cpu.encode(flat.contiguous(), block, dtype, thresholds(dtype), scales, packed):
@@ -257,28 +268,100 @@ def nf4_encode(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
                 absmax.copy_(scales)  # a bfloat16 block's absmax is a bfloat16 value: exact
             return Encoded(absmax, packed, rows.shape)
         # a block of zeros, an infinity or NaN: the whole slice as torch's ops encode it
-    lut = _nf4_lut(dtype).to(rows.device)
+    lut = _nf4_lut(dtype)
     step = max(1, CHUNK // block) * block
-    # rows whose every value is one of ``dtype`` (bfloat16 for a float32 NF4): their block
-    # maxima found on the rows as they are (max never rounds), before the copy
-    as_is = exact(flat.dtype, dtype) and flat.dtype in _SIGN
-    cpu = rows.device.type == "cpu"
+    as_is = _maxima_as_is(flat.dtype, dtype)
     for s in range(0, n, step):
         e = min(s + step, n)
-        src = flat[s:e].view(-1, block)
-        # the chunk as ``dtype`` (the cast ``to`` makes), divided in place below: on the CPU
-        # in a scratch copy (a promoting division would run far slower)
-        scaled = (_scratch_tensor("scaled", e - s, dtype).view(-1, block).copy_(src) if cpu
-                  else src.to(dtype, copy=True))
+        # the chunk as ``dtype`` (the cast ``to`` makes) in a scratch copy, divided in place
+        # below (a promoting division would run far slower)
+        scaled = _scratch_tensor("scaled", e - s, dtype).view(-1, block)
         am = absmax[s // block:e // block]
-        if as_is:
-            am.copy_(_absmax(src))
-        else:
-            torch.amax(scaled.abs(), dim=1, out=am)
-        within = bool(((am > 0) & (am < float("inf"))).all())  # no 0/0, inf/inf: no NaN
-        torch.div(scaled, am[:, None], out=scaled)
+        _scale_blocks(flat[s:e].view(-1, block), scaled, am, as_is)
+        within = bool(_finite_nonzero(am).all())  # no 0/0, inf/inf: no NaN
         _pack(_codes(scaled.view(-1), lut, within), packed[s // 2:e // 2])
     return Encoded(absmax, packed, rows.shape)
+
+
+def _maxima_as_is(src: torch.dtype, dtype: torch.dtype) -> bool:
+    """Whether rows of ``src`` have their block maxima found on the rows as they are, before
+    the copy to ``dtype`` (max never rounds): every value of ``src`` is one of ``dtype``
+    (bfloat16 for a float32 NF4) and :func:`_absmax` reads its bits."""
+    return exact(src, dtype) and src in _SIGN
+
+
+def _scale_blocks(src: torch.Tensor, scaled: torch.Tensor, am: torch.Tensor, as_is: bool) -> None:
+    """``src``'s blocks (rows) copied into ``scaled`` (of the NF4 dtype: the cast ``to``
+    makes), their absmax into ``am``, and ``scaled`` divided by it in place: torchao's
+    ``get_block_absmax`` and ``blocks / scales``."""
+    scaled.copy_(src)
+    if as_is:
+        am.copy_(_absmax(src))
+    else:
+        torch.amax(scaled.abs(), dim=1, out=am)
+    torch.div(scaled, am[:, None], out=scaled)
+
+
+def _finite_nonzero(am: torch.Tensor) -> torch.Tensor:
+    """Per block, whether its absmax scales it into [-1, 1]: neither 0 (0/0 is NaN), infinite
+    (inf/inf) nor NaN. A finite, nonzero absmax does: ``|x| <= am`` gives ``|x / am| <= 1``
+    after the division's rounding too (1 is a value of every dtype)."""
+    return (am > 0) & (am < float("inf"))
+
+
+@functools.cache
+def _device_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The NF4 levels of ``dtype`` on ``device``, copied there once per process (a copy from
+    the host per weight would be a host sync per weight)."""
+    return _nf4_lut(dtype).to(device)
+
+
+def _nf4_encode_device(rows: torch.Tensor, block: int, dtype: torch.dtype) -> Encoded:
+    """:func:`nf4_encode` on a GPU (or any device; tests run it on CPU tensors): the same torch
+    ops, bit for bit, with at most one host sync per weight rather than two per chunk (about
+    10^5 a rank for a 405B model, each one stalling the reader thread on the device's queue).
+
+    The chunk loop never asks the host: each value's code comes from the two-level search
+    alone (:func:`_searched`), torchao's for every value of a block with a finite, nonzero
+    absmax. The blocks that have none (a block of zeros, an infinity or a NaN: rare) are found
+    after the loop, from the block maxima, in the one sync (``nonzero``), and encoded again
+    by torchao's own search (:func:`_recode`). Chunks of :data:`DEVICE_CHUNK` elements in
+    fresh device tensors (the caching allocator reuses them); ``block`` is even, as NF4's."""
+    flat = rows.reshape(-1)
+    n = flat.numel()
+    absmax = torch.empty(n // block, dtype=dtype, device=rows.device)
+    packed = torch.empty(n // 2, dtype=torch.uint8, device=rows.device)
+    lut = _device_lut(dtype, rows.device)
+    step = max(1, DEVICE_CHUNK // block) * block
+    as_is = _maxima_as_is(flat.dtype, dtype)
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        scaled = torch.empty((e - s) // block, block, dtype=dtype, device=rows.device)
+        _scale_blocks(flat[s:e].view(-1, block), scaled, absmax[s // block:e // block], as_is)
+        codes = _searched(scaled.view(-1), lut)
+        torch.bitwise_or(codes[::2] << 4, codes[1::2], out=packed[s // 2:e // 2])
+    odd = (~_finite_nonzero(absmax)).nonzero().squeeze(1)  # the one host sync
+    if odd.numel():
+        _recode(flat.view(-1, block), odd, absmax, packed.view(-1, block // 2), lut, step // block)
+    return Encoded(absmax, packed, rows.shape)
+
+
+def _recode(blocks: torch.Tensor, odd: torch.Tensor, absmax: torch.Tensor, packed: torch.Tensor,
+            lut: torch.Tensor, step: int) -> None:
+    """The blocks ``odd`` of ``blocks`` (their absmax 0, infinite or NaN, already in
+    ``absmax``) encoded again into their rows of ``packed`` by torchao's own nearest-level
+    search (``quantize_tensor_nearest``: what :func:`_nearest` does for the values its
+    two-level search cannot place, and the same as that search for every other value), at
+    most ``step`` blocks at a time (the search holds 16 differences per value: a weight of
+    zeros is all odd blocks). No host sync: ``odd`` is a device tensor of known length."""
+    from torchao.dtypes.nf4tensor import NF4Tensor
+
+    for i in range(0, odd.numel(), step):
+        which = odd[i:i + step]
+        scaled = blocks[which].to(absmax.dtype)
+        torch.div(scaled, absmax[which, None], out=scaled)
+        codes = NF4Tensor.quantize_tensor_nearest(scaled.view(-1), lut).to(torch.uint8)
+        packed[which] = (codes[::2] << 4 | codes[1::2]).view(len(which), -1)
 
 
 def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
