@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from foundryx.models.peft.parts import index_rows, take_columns, take_rows
+from foundryx.models.peft.pinning import HostPin
 from foundryx.models.peft.rowwise import RowScaledTensor
 
 
@@ -90,6 +91,8 @@ class Offloaded:
         self.placed: tuple[DeviceMesh, tuple, torch.Size] | None = None  # under TP: the DTensor
         self.host = host
         self.set_host(host)
+        self.buffer: torch.Tensor | None = None  # the host buffer host's bytes live in, once packed
+        self.pin: HostPin | None = None  # that buffer's pinning, shared by the layers in it
         self.next: Offloaded | None = None
         self.prev: Offloaded | None = None
         self.pending: tuple[torch.device, torch.Tensor, object] | None = None
@@ -220,12 +223,18 @@ def _inner(t: torch.Tensor) -> tuple[list[str], object]:
 
 def pack_offloaded(layers: list[nn.Module], release: Callable[[], None] | None = None) -> int:
     """Move every offloaded shard's bytes into one exact-size host buffer (pinned in place
-    with ``cudaHostRegister`` when there is a GPU, once filled); its size in bytes. A layer's
-    old tensors are dropped as soon as its bytes are in the buffer, whose pages become resident
-    only as they are filled, so the move holds the buffer plus one layer, not two copies of
-    every offloaded weight (``release``, when given, runs after each layer: the loader hands
-    freed memory back to the OS with it)."""
+    with ``cudaHostRegister`` when there is a GPU, once filled: :class:`HostPin`, which says
+    once when the host refuses); its size in bytes. A layer's old tensors are dropped as soon
+    as its bytes are in the buffer, whose pages become resident only as they are filled, so
+    the move holds the buffer plus one layer, not two copies of every offloaded weight
+    (``release``, when given, runs after each layer: the loader hands freed memory back to the
+    OS with it). Packing again (tensor parallelism cut the shards anew) unregisters the old
+    buffer before the layers let go of it (and before the new one is filled)."""
     hosts = [layer.offload for layer in layers if layer.offload is not None]
+    for old in {id(o.pin): o.pin for o in hosts if o.pin is not None}.values():
+        old.unpin()  # a re-pack: unregistered first, then freed (now, unless a host views it)
+    for o in hosts:
+        o.buffer = o.pin = None
     align = 64
 
     def padded(t: torch.Tensor) -> int:
@@ -249,6 +258,7 @@ def pack_offloaded(layers: list[nn.Module], release: Callable[[], None] | None =
         o.host = type(o.host).__tensor_unflatten__(views, meta, o.host.shape, o.host.stride())
         if release is not None:
             release()
-    if torch.cuda.is_available() and total:
-        torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), total, 0)
+    pin = HostPin(buffer)  # holds the buffer: unregistered before it can be freed
+    for o in hosts:
+        o.pin = pin
     return total
