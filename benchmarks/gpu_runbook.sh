@@ -1,82 +1,144 @@
 #!/usr/bin/env bash
-# GPU run book (issue 15): every GPU number foundryx wants, from ONE GPU, in one command.
+# GPU run book v2 (issues 15, 36): the flagship path and every GPU number foundryx wants, from
+# ONE GPU, in one command, in at most 8 minutes.
 #
-#   bash benchmarks/gpu_runbook.sh [--out FILE] [--quick] [--wheels DIR] [--dry-run] [--wheel-list]
+#   bash benchmarks/gpu_runbook.sh [--out FILE] [--quick] [--wheels DIR] [--venv DIR] [--dry-run]
+#   bash benchmarks/gpu_runbook.sh --wheel-list [--torch VERSION]   # the wheel folder's pins
+#   bash benchmarks/gpu_runbook.sh --install-only [--wheels DIR]    # step 1 alone, no GPU needed
 #
-# From the repository root of a machine with one NVIDIA or AMD GPU, with the Python that has
-# torch and Triton (PYTHON=..., default python3). Steps:
-#   [1/5] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit)
-#   [2/5] the Triton attention tests, compiled on the GPU at real sizes: pass/fail counts
-#   [3/5] attention TFLOP/s table and MPT-1B steps (benchmarks/attention.py)
-#   [4/5] MPT-125M/350M/1B tokens/s and MFU, activation checkpointing x compile
-#         (benchmarks/train_throughput.py gpu)
-#   [5/5] FP8-base fine-tuning memory (issue 12): "not built yet" until its benchmark exists
-# A failing step records the tail of its output and the next step runs; the exit code is 1 when
-# any step failed. It writes ONE markdown file (default benchmarks/gpu-runbook-<host>-<date>.md)
-# to paste into benchmarks/RESULTS.md. --quick: every step at tiny sizes (a smoke run; its
-# numbers are not results). --dry-run: print the steps and commands, and check that the files
-# they use exist and the flags they pass are accepted; no GPU needed. Without a GPU: exit 2.
+# From the repository root of a machine with one NVIDIA or AMD GPU (an H100 or MI300X: the 8B
+# model's runs need at most 38 GiB of GPU memory and 12 GiB of host memory by `foundryx plan`,
+# and its files 16 GB of disk under ~/.cache/foundryx-bench), with the Python that has torch
+# and Triton (PYTHON=..., default python3). Steps, in order of value, each under its own time
+# limit (`timeout`; the limits add up to 480 s; RUNBOOK_LIMITS="60 230 35 60 45 50" sets them),
+# with the time each is expected to take on an H100 (estimates: no GPU has run this yet):
+#   [1/6] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit);
+#         installs from the wheel folder when foundryx's dependencies do not import    60 s: ~15 s, ~35 s installing
+#   [2/6] the flagship path (benchmarks/flagship.py): a Llama-3.1-8B-shaped model, random bf16
+#         weights written once as 4 safetensors files (16 GB, kept for later runs), read shard
+#         by shard and LoRA-trained 3 steps (4096 tokens x 2) over a bf16, an FP8 and an NF4
+#         frozen base, offload 0 and 0.5: tokens/s, peak GPU and host memory against
+#         `foundryx plan`'s figures, load GB/s                                         230 s: ~30 s writing + 6 x ~30 s
+#   [3/6] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
+#         scores (benchmarks/gpu_runbook/icl.py)                                         35 s: ~20 s
+#   [4/6] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
+#         combination sweep left out: run pytest tests/test_triton_attention.py for it)    60 s: ~45 s
+#   [5/6] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
+#         128 (benchmarks/attention.py)                                                  45 s: ~30 s
+#   [6/6] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
+#         train_throughput.py gpu; the other settings and sizes: run it without --settings) 50 s: ~30 s
+# A failing or timed-out step records the tail of its output and the next step runs; the exit
+# code is 1 when any step failed. It writes ONE markdown file (default benchmarks/gpu-runbook-
+# <host>-<date>.md) to paste into benchmarks/RESULTS.md. --quick: every step at tiny sizes (a
+# smoke run; its numbers are not results). --dry-run: print the steps and commands, and check
+# that the files they use exist and the flags they pass are accepted; no GPU needed (CI runs
+# it: tests/test_gpu_runbook.py). Without a GPU: exit 2.
 #
-# Bare machine (only torch, torchvision and Triton installed): when foundryx's dependencies do
-# not import, they are installed with `pip install --no-deps --no-index` from the wheel folder
-# (--wheels DIR, default wheels/), then foundryx itself (`pip install --no-deps -e .`). Build the
-# folder on a machine with internet and the GPU machine's OS, CPU architecture and Python:
-#   bash benchmarks/gpu_runbook.sh --wheel-list > wheel-list.txt
-#   pip download -d wheels --no-deps -r wheel-list.txt
-#   (for another platform add: --python-version 3.11 --platform manylinux2014_x86_64 --only-binary=:all:)
-# The list is constraints.txt minus torch, triton, torchvision and nvidia-* (they come with the
-# machine's torch build) and ruff and ziglang (lint, AMD cross-compilation). Composer imports
-# torchvision: it must be the build matching the machine's torch (torch 2.7.0: torchvision
-# 0.22.0 from the same CUDA or ROCm index as torch); a torchvision wheel put in the folder is
-# installed with the rest. flash-attn is optional; when it imports, the tables include it.
+# Bare machine (Python 3.12 with torch 2.11 + Triton 3.6, transformers 5.17, peft and
+# safetensors preinstalled, nothing downloadable): when the run book's imports fail or a
+# version is outside foundryx's bounds (transformers 5: foundryx is tested with 4.57), step 1
+# makes its own venv (--venv DIR, default ~/.cache/foundryx-bench/gpu-runbook-venv) that sees
+# the machine's packages behind its own (a .pth adds the machine Python's site-packages; the
+# machine's environment is not changed), installs every file of the wheel folder into it with
+# `pip install --no-deps --no-index` (--wheels DIR, default wheels/), then foundryx itself
+# (editable), and runs every later step with that venv's Python. A later run reuses the venv.
+# Build the folder on a machine with internet, for the GPU machine's Python and platform:
+#   bash benchmarks/gpu_runbook.sh --wheel-list --torch 2.11.0 > wheel-list.txt
+#   pip download -d wheels --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -r wheel-list.txt
+# The list (benchmarks/gpu_runbook/wheels.txt names the packages, constraints.txt pins them):
+# what the steps import that such a machine lacks (found by installing over one, see
+# wheels.txt), foundryx's tested transformers stack (transformers 4.57.6, tokenizers,
+# huggingface_hub, requests, peft, accelerate) over the machine's transformers 5, and the
+# torchvision that matches the machine's torch (Composer imports it; 0.N+15 for torch 2.N: 0.26.0
+# for 2.11, from the index the machine's torch came from; PyPI's builds match PyPI's torch). Not
+# in it: torch, triton, safetensors, numpy and the rest that comes with them (wheels.txt lists
+# them). Measured 2026-11-27 with the two commands above (x86_64, Python 3.12, torch 2.11.0,
+# pip 26.3): 39 files, 40.6 MB (`du -sb wheels`: 40,633,906 bytes; transformers 12.0 MB,
+# torchvision 7.5, pillow 6.6, tokenizers 3.3, torchao 3.2, the other 34 under 1.1 MB each);
+# the limit is 60 MB. flash-attn is optional; when it imports, step 5 includes it.
 set -uo pipefail
 
 HERE=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 PYTHON=${PYTHON:-python3}
+MACHINE_PYTHON=$PYTHON
 HELPER=benchmarks/gpu_runbook/report.py
-FP8_BENCH=benchmarks/fp8_base_memory.py  # issue 12 adds it: --out FILE (markdown), --quick
-OUT="" WHEELS=wheels QUICK=0 DRY=0 ARGS="$*"
+ICL=benchmarks/gpu_runbook/icl.py
+FLAGSHIP=benchmarks/flagship.py
+WHEEL_NAMES=benchmarks/gpu_runbook/wheels.txt
+OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ARGS="$*"
+VENV=${XDG_CACHE_HOME:-$HOME/.cache}/foundryx-bench/gpu-runbook-venv
+N=6 BUDGET=480
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 abspath() { case $1 in /*) echo "$1" ;; *) echo "$HERE/$1" ;; esac; }
+wheel_list() { # the pins of wheels.txt's names from constraints.txt, and torchvision for --torch
+  local name pin minor rest bad=0
+  while read -r name; do
+    pin=$(grep -i -m1 -E "^${name//./\\.}==" constraints.txt) ||
+      { echo "wheel list: $name (benchmarks/gpu_runbook/wheels.txt) has no pin in constraints.txt" >&2; bad=1; continue; }
+    echo "$pin"
+  done < <(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' "$WHEEL_NAMES")
+  if [[ $TORCH =~ ^2\.([0-9]+)(\.[0-9]+)?$ ]]; then
+    minor=${BASH_REMATCH[1]} rest=${BASH_REMATCH[2]:-.0}
+    echo "torchvision==0.$((minor + 15))$rest"
+  else
+    echo "wheel list: --torch $TORCH is not a torch 2.N[.P] version" >&2; bad=1
+  fi
+  return $bad
+}
 while [ $# -gt 0 ]; do
   case $1 in
-    --out | --wheels)
+    --out | --wheels | --venv | --torch)
       [ $# -ge 2 ] || { echo "$1 needs a value (see --help)" >&2; exit 2; }
-      if [ "$1" = --out ]; then OUT=$(abspath "$2"); else WHEELS=$(abspath "$2"); fi
+      case $1 in
+        --out) OUT=$(abspath "$2") ;; --wheels) WHEELS=$(abspath "$2") ;;
+        --venv) VENV=$(abspath "$2") ;; --torch) TORCH=$2 ;;
+      esac
       shift 2 ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY=1; shift ;;
-    --wheel-list) grep -v -E -i '^(torch|torchvision|triton|pytorch-triton.*|nvidia-.*|ruff|ziglang)[=<>]' constraints.txt; exit ;;
+    --install-only) INSTALL_ONLY=1; shift ;;
+    --wheel-list) LIST=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
+if [ "${LIST:-0}" = 1 ]; then wheel_list; exit; fi
 OUT=${OUT:-benchmarks/gpu-runbook-${HOSTNAME:-$(uname -n)}-$(date +%Y-%m-%d).md}
 if [ "$DRY" = 1 ]; then WORK="<tmp>"; else WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-runbook.XXXXXX") || exit 2; fi
 
-# The commands of the steps, shared by the run and --dry-run.
+read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-60 230 35 60 45 50}"
+[ ${#LIMITS[@]} = $N ] || { echo "RUNBOOK_LIMITS: $N numbers of seconds, one per step" >&2; exit 2; }
+TOTAL=0; for l in "${LIMITS[@]}"; do TOTAL=$((TOTAL + l)); done
+TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 / 0.5"
+  "ICL eval on the GPU against the CPU" "Triton attention tests on the GPU" "attention TFLOP/s table"
+  "MPT-1B tokens/s and MFU")
 TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py)
 if [ "$QUICK" = 1 ]; then
-  MODELS=(125m) TEST_ARGS=(-q -k "not test_every_combination") TP_ARGS=(--batches 8 --warmup 2)
-  ATTN_ARGS=(--seqs 1024 --head-dims 64 --mpt-batch 1) FP8_ARGS=(--quick)
-  EST=("about 1 min, 3 if it installs" "about 2 min" "about 2 min" "about 5 min")
+  SHAPE=benchmarks/gpu_runbook/shapes/llama-tiny STEPS=2 MODEL=125m TP_ARGS=(--batches 8 --warmup 2)
+  ATTN_ARGS=(--seqs 1024 --head-dims 64 --no-mpt)
+  EST=("~15 s" "~1 min" "~20 s" "~45 s" "~20 s" "~25 s")
+  TITLES[1]="flagship path at a tiny Llama shape"; TITLES[5]="MPT-125M tokens/s and MFU"
 else
-  MODELS=(125m 350m 1b) TEST_ARGS=(-q) TP_ARGS=(--batches 30 --warmup 10)
-  ATTN_ARGS=(--mpt-batch 4) FP8_ARGS=()
-  EST=("about 1 min, 3 if it installs" "about 10 min" "about 5 min" "about 30 min")
+  SHAPE=yamls/shapes/llama-3.1-8b STEPS=3 MODEL=1b TP_ARGS=(--batches 15 --warmup 5)
+  ATTN_ARGS=(--seqs 4096 --head-dims 128 --no-mpt)
+  EST=("~15 s, ~35 s installing" "~3.5 min" "~20 s" "~45 s" "~30 s" "~30 s")
 fi
-CMD_TESTS=("$PYTHON" -m pytest "${TEST_ARGS[@]}" -p no:cacheprovider --junit-xml="$WORK/tests.xml" "${TESTS[@]}")
-CMD_ATTN=("$PYTHON" benchmarks/attention.py "${ATTN_ARGS[@]}" --out "$WORK/attention.md")
-cmd_tp() { CMD_TP=("$PYTHON" benchmarks/train_throughput.py gpu --models "$1" "${TP_ARGS[@]}" --out "$WORK/throughput-$1.json"); }
-CMD_FP8=("$PYTHON" "$FP8_BENCH" ${FP8_ARGS[@]+"${FP8_ARGS[@]}"} --out "$WORK/fp8.md")
-TITLES=("environment" "Triton attention tests on the GPU" "attention TFLOP/s table"
-  "MPT-125M/350M/1B tokens/s and MFU" "FP8-base fine-tuning memory")
 
-# Issue 12 (FP8/low-precision base for fine-tuning) is built when its memory benchmark exists.
-has_fp8_base() { [ -f "$FP8_BENCH" ]; }
-if has_fp8_base; then EST+=("see $FP8_BENCH"); else EST+=("not built yet, issue 12"); fi
+commands() { # the steps' commands, shared by the run and --dry-run; again once step 1 picks PYTHON
+  CMD_FLAGSHIP=("$PYTHON" "$FLAGSHIP" --device cuda --shape "$SHAPE" --bases bf16,fp8,nf4
+    --offload 0,0.5 --steps "$STEPS" --time-limit $((LIMITS[1] > 20 ? LIMITS[1] - 10 : LIMITS[1]))
+    --run-timeout 90 --logs "$WORK/flagship" --out "$WORK/flagship.md")
+  CMD_ICL=("$PYTHON" "$ICL" --out "$WORK/icl.md")
+  CMD_TESTS=("$PYTHON" -m pytest -q -k "not test_every_combination" -p no:cacheprovider
+    --junit-xml="$WORK/tests.xml" "${TESTS[@]}")
+  CMD_ATTN=("$PYTHON" benchmarks/attention.py "${ATTN_ARGS[@]}" --out "$WORK/attention.md")
+  CMD_TP=("$PYTHON" benchmarks/train_throughput.py gpu --models "$MODEL" --settings eager
+    "${TP_ARGS[@]}" --out "$WORK/throughput.json")
+}
+commands
 show() { # a command as one readable line
   local a s=""
   for a in "$@"; do case $a in *[[:space:]]*) s+=" '$a'" ;; *) s+=" $a" ;; esac; done
@@ -86,49 +148,104 @@ dur() { printf '%d min %02d s' $(($1 / 60)) $(($1 % 60)); }
 
 if [ "$DRY" = 1 ]; then
   echo "dry run: nothing is installed or measured; a run would write $OUT"
-  echo "[1/5] ${TITLES[0]} (${EST[0]})"
-  echo "  \$ $(show "$PYTHON" "$HELPER" probe)  # when it fails:"
-  echo "  \$ $(show "$PYTHON" -m pip install --no-deps --no-index --find-links "$WHEELS" "$WHEELS/*.whl")"
-  echo "  \$ $(show "$PYTHON" -m pip install --no-deps --no-index --no-build-isolation -e .)"
-  echo "  \$ $(show "$PYTHON" "$HELPER" env)"
-  echo "[2/5] ${TITLES[1]} (${EST[1]}; TRITON_INTERPRET unset)"
-  echo "  \$ $(show "${CMD_TESTS[@]}")"
-  echo "[3/5] ${TITLES[2]} (${EST[2]})"
-  echo "  \$ $(show "${CMD_ATTN[@]}")"
-  echo "[4/5] ${TITLES[3]} (${EST[3]})"
-  for m in "${MODELS[@]}"; do cmd_tp "$m"; echo "  \$ $(show "${CMD_TP[@]}")"; done
-  echo "[5/5] ${TITLES[4]} (${EST[4]})"
-  if has_fp8_base; then echo "  \$ $(show "${CMD_FP8[@]}")"; else echo "  not built yet: $FP8_BENCH is absent; the step records that"; fi
+  echo "time limits: ${LIMITS[*]} s, $TOTAL s in all"
+  step_head() { echo "[$1/$N] ${TITLES[$1 - 1]} (limit ${LIMITS[$1 - 1]} s; ${EST[$1 - 1]})"; }
+  step_head 1
+  echo "  \$ $(show "$PYTHON" "$HELPER" probe)  # when it fails (or $VENV/bin/python's, when that venv exists):"
+  echo "  \$ $(show "$PYTHON" -m venv --without-pip "$VENV")"
+  echo "  \$ $(show "$VENV/bin/python" "$HELPER" machine-pth) \$($(show "$PYTHON" "$HELPER" sites))"
+  echo "  \$ $(show "$VENV/bin/python" -m pip install --no-deps --no-index --no-compile --find-links "$WHEELS" "$WHEELS/*")"
+  echo "  \$ $(show "$VENV/bin/python" -m pip install --no-deps --no-index --no-build-isolation -e .)"
+  echo "  \$ $(show "$PYTHON" "$HELPER" env)  # with the venv's Python when it was made"
+  step_head 2; echo "  \$ $(show "${CMD_FLAGSHIP[@]}")"
+  step_head 3; echo "  \$ $(show "${CMD_ICL[@]}")"
+  step_head 4; echo "  \$ $(show "${CMD_TESTS[@]}")  # TRITON_INTERPRET unset"
+  step_head 5; echo "  \$ $(show "${CMD_ATTN[@]}")"
+  step_head 6; echo "  \$ $(show "${CMD_TP[@]}")"
   n=0 bad=0
   check() { # check DESCRIPTION COMMAND...: one line per check
     n=$((n + 1))
     if "${@:2}" >/dev/null 2>&1; then echo "  ok    $1"; else echo "  FAIL  $1"; bad=$((bad + 1)); fi
   }
-  accepts() { # accepts SCRIPT ARG...: every --flag (and the gpu mode, the models) is in SCRIPT --help
+  accepts() { # accepts SCRIPT ARG...: every --flag (and the gpu mode, models, settings) is in SCRIPT --help
     local help a seen=" "
     help=$("$PYTHON" "$1" --help 2>&1) || { check "$1 --help runs" false; return; }
     for a in "${@:2}"; do
       case $seen in *" $a "*) continue ;; esac
       seen+="$a "
-      case $a in --* | gpu | 125m | 350m | 1b)
-        check "$1 accepts $a" grep -q -E -- "(^|[^[:alnum:]_-])$a([^[:alnum:]_-]|$)" <<<"$help" ;;
+      case $a in --* | gpu | cuda | 125m | 350m | 1b | eager)
+        check "$1 accepts ${a%%=*}" grep -q -E -- "(^|[^[:alnum:]_-])${a%%=*}([^[:alnum:]_-]|$)" <<<"$help" ;;
       esac
     done
   }
   echo "checks:"
-  for f in "$HELPER" constraints.txt pyproject.toml "${TESTS[@]}" benchmarks/attention.py \
-    benchmarks/train_throughput.py; do check "file $f exists" test -f "$f"; done
-  for m in "${MODELS[@]}"; do check "file yamls/mpt-$m.yaml exists" test -f "yamls/mpt-$m.yaml"; done
+  for f in "$HELPER" "$ICL" "$FLAGSHIP" "$WHEEL_NAMES" constraints.txt pyproject.toml "${TESTS[@]}" \
+    benchmarks/attention.py benchmarks/train_throughput.py benchmarks/load_memory.py \
+    "yamls/mpt-$MODEL.yaml" yamls/finetune/llama-8b-lora-fp8.yaml "$SHAPE/config.json" \
+    eval/yamls/quickstart.yaml; do check "file $f exists" test -f "$f"; done
+  check "the time limits add up to at most $BUDGET s ($TOTAL)" test "$TOTAL" -le "$BUDGET"
+  check "timeout (coreutils) is installed" command -v timeout
+  check "every name in $WHEEL_NAMES has a pin (--wheel-list)" wheel_list
   check "$HELPER --help runs" "$PYTHON" "$HELPER" --help
   check "pytest runs and accepts --junit-xml" grep -q -- --junit-xml <<<"$("$PYTHON" -m pytest --help 2>&1)"
-  [ "$QUICK" = 0 ] || check "test_every_combination (deselected by --quick) exists" \
-    grep -q "def test_every_combination" tests/test_triton_attention.py
+  check "test_every_combination (deselected) exists" grep -q "def test_every_combination" tests/test_triton_attention.py
+  accepts "$FLAGSHIP" "${CMD_FLAGSHIP[@]:2}"
+  accepts "$ICL" "${CMD_ICL[@]:2}"
   accepts benchmarks/attention.py "${CMD_ATTN[@]:2}"
-  cmd_tp "${MODELS[0]}" && accepts benchmarks/train_throughput.py "${CMD_TP[@]:2}" "${MODELS[@]}"
-  if has_fp8_base; then accepts "$FP8_BENCH" "${CMD_FP8[@]:2}"; fi
+  accepts benchmarks/train_throughput.py "${CMD_TP[@]:2}"
   echo "dry run: $n checks, $bad failed"
   [ "$bad" = 0 ]
   exit
+fi
+
+limited() { # a command under what is left of the step's limit: exit 124 when it ran out
+  local left=$((DEADLINE - SECONDS))
+  [ $left -gt 0 ] || { echo "no time left of this step's ${LIMIT} s" >&2; return 124; }
+  timeout -k 10 "$left" "$@"
+}
+
+install() { # $1: what is missing; makes the venv, installs the wheel folder, sets PYTHON
+  local vpy=$VENV/bin/python pkgs=() sites=()
+  shopt -s nullglob && pkgs=("$WHEELS"/*.whl "$WHEELS"/*.tar.gz "$WHEELS"/*.zip) && shopt -u nullglob
+  if [ ${#pkgs[@]} = 0 ]; then
+    DEPS="**missing: $1; no wheel folder $WHEELS (see the head of benchmarks/gpu_runbook.sh)**"; return 1
+  fi
+  mapfile -t sites < <(limited "$PYTHON" "$HELPER" sites)
+  if [ ! -x "$vpy" ]; then
+    mkdir -p "$(dirname "$VENV")"
+    limited "$PYTHON" -m venv --without-pip "$VENV" ||
+      { DEPS="**missing: $1; \`$PYTHON -m venv --without-pip $VENV\` failed**"; return 1; }
+  fi
+  limited "$vpy" "$HELPER" machine-pth "${sites[@]}" &&
+    limited "$vpy" -m pip install --no-deps --no-index --no-compile --find-links "$WHEELS" "${pkgs[@]}" ||
+    { DEPS="**missing: $1; installing $WHEELS into $VENV failed (is pip installed for $PYTHON? the log has pip's output)**"; return 1; }
+  limited "$vpy" -m pip install --no-deps --no-index --no-build-isolation -e . && rm -rf foundryx.egg-info
+  if DEPS=$(limited "$vpy" "$HELPER" probe); then
+    PYTHON=$vpy
+    DEPS="installed from $WHEELS (${#pkgs[@]} files) into the run book's venv $VENV, over the packages of $MACHINE_PYTHON"
+  else
+    DEPS="**still missing after installing from $WHEELS into $VENV: $DEPS**"; return 1
+  fi
+}
+
+setup_python() { # the Python the steps use (PYTHON), why (DEPS); installs when it must
+  local gone
+  if [ -x "$VENV/bin/python" ] && gone=$(limited "$VENV/bin/python" "$HELPER" probe 2>/dev/null); then
+    PYTHON=$VENV/bin/python DEPS="all import in the run book's venv $VENV (made by an earlier run)"
+  elif gone=$(limited "$PYTHON" "$HELPER" probe); then
+    DEPS="all import, nothing installed"
+  else
+    echo "missing: $gone"
+    install "$gone" || return 1
+  fi
+  commands
+}
+
+if [ "$INSTALL_ONLY" = 1 ]; then
+  LIMIT=${LIMITS[0]} DEADLINE=$((SECONDS + LIMITS[0]))
+  setup_python; rc=$?
+  echo "Python: $PYTHON"; echo "Dependencies: $DEPS"
+  exit $rc
 fi
 
 "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)' 2>/dev/null
@@ -141,37 +258,41 @@ unset TRITON_INTERPRET # the kernels are compiled for the GPU, not interpreted
 export WANDB_MODE=${WANDB_MODE:-disabled}
 FAILED=0
 
-step_env() { # $1: the step's markdown; installs missing dependencies first
-  local deps rc=0 pkgs=()
-  if deps=$("$PYTHON" "$HELPER" probe); then
-    deps="all import, nothing installed"
-  else
-    echo "missing: $deps"
-    shopt -s nullglob && pkgs=("$WHEELS"/*.whl "$WHEELS"/*.tar.gz "$WHEELS"/*.zip) && shopt -u nullglob
-    if [ ${#pkgs[@]} -gt 0 ]; then
-      "$PYTHON" -m pip install --no-deps --no-index --find-links "$WHEELS" "${pkgs[@]}"
-      [[ $("$PYTHON" "$HELPER" probe) != *"foundryx ("* ]] ||
-        { "$PYTHON" -m pip install --no-deps --no-index --no-build-isolation -e . && rm -rf foundryx.egg-info; }
-      if deps=$("$PYTHON" "$HELPER" probe); then deps="installed from $WHEELS"; else deps="**still missing after installing from $WHEELS: $deps**"; rc=1; fi
-    else
-      deps="**missing: $deps; no wheel folder $WHEELS (see the head of benchmarks/gpu_runbook.sh)**"; rc=1
-    fi
+step_env() { # $1: the step's markdown
+  local rc=0
+  setup_python || rc=1
+  limited "$PYTHON" "$HELPER" env >"$1" || rc=1
+  { echo "- Python: $PYTHON"; echo "- Dependencies: $DEPS"; } >>"$1"
+  return $rc
+}
+
+step_flagship() {
+  local rc
+  limited "${CMD_FLAGSHIP[@]}"; rc=$?
+  if [ -f "$WORK/flagship.md" ]; then sed "s|$WORK/||g" "$WORK/flagship.md" >"$1"; fi
+  if [ $rc = 124 ] || [ $rc = 137 ]; then
+    echo; echo "**Stopped at the step's limit of $LIMIT s**: the table has the runs that finished." >>"$1"
   fi
-  "$PYTHON" "$HELPER" env >"$1" || rc=1
-  echo "- Dependencies: $deps" >>"$1"
+  return $rc
+}
+
+step_icl() {
+  local rc
+  limited "${CMD_ICL[@]}"; rc=$?
+  [ ! -f "$WORK/icl.md" ] || cat "$WORK/icl.md" >"$1"
   return $rc
 }
 
 step_tests() {
   local rc
-  "${CMD_TESTS[@]}"; rc=$?
+  limited "${CMD_TESTS[@]}"; rc=$?
   { echo "Command: \`$(show "${CMD_TESTS[@]/--junit-xml=*/--junit-xml=FILE}")\`"; echo
     "$PYTHON" "$HELPER" junit "$WORK/tests.xml"; } >"$1"
   return $rc
 }
 
 step_attention() {
-  "${CMD_ATTN[@]}" || return
+  limited "${CMD_ATTN[@]}" || return
   sed -e '/^## Attention kernels on /d' -e "s|--out $WORK/attention.md|--out FILE|" "$WORK/attention.md" |
     sed '/./,$!d' >"$1" # without attention.py's heading and the blank lines before its text
   if grep -q "wrong (max error" "$1"; then
@@ -179,59 +300,46 @@ step_attention() {
   fi
 }
 
-step_throughput() { # one run per model: a model that fails (out of memory) leaves the others
-  local m rc=0 ok=() failed="$WORK/throughput-failed.md"
-  : >"$failed"
-  for m in "${MODELS[@]}"; do
-    cmd_tp "$m"
-    if "${CMD_TP[@]}" 2>&1 | tee "$WORK/throughput-$m.log"; then ok+=("$WORK/throughput-$m.json"); else
-      rc=1
-      { echo; echo "MPT-${m^^} failed; the last lines of its output:"; echo; echo '```text'
-        tail -n 20 "$WORK/throughput-$m.log"; echo '```'; } >>"$failed"
-    fi
-  done
-  { echo "Command per model: \`$(cmd_tp MODEL; show "${CMD_TP[@]:0:${#CMD_TP[@]}-2}")\`"; echo
-    "$PYTHON" "$HELPER" throughput ${ok[@]+"${ok[@]}"}; echo
+step_throughput() {
+  local rc
+  limited "${CMD_TP[@]}"; rc=$?
+  { echo "Command: \`$(show "${CMD_TP[@]:0:${#CMD_TP[@]}-2}")\`"; echo
+    if [ $rc = 0 ]; then "$PYTHON" "$HELPER" throughput "$WORK/throughput.json"; echo; fi
     echo "Random tokens, seq 2048, bf16 (amp_bf16), one process, attn_impl of the yamls (torch)."
     echo "MFU is n/a when foundryx/devices.py (the speed monitor's peak table) has no bf16 peak for this GPU."
-    cat "$failed"; } >"$1"
+  } >"$1"
   return $rc
 }
 
-step_fp8() {
-  if ! has_fp8_base; then
-    echo "Not built yet: issue 12 (FP8/low-precision base for fine-tuning) has not added $FP8_BENCH, so nothing was measured." >"$1"
-    return 0
-  fi
-  "${CMD_FP8[@]}" || return
-  { echo "Command: \`$(show "${CMD_FP8[@]:0:${#CMD_FP8[@]}-1}" FILE)\`"; echo; cat "$WORK/fp8.md"; } >"$1"
-}
-
-run_step() { # run_step N FUNCTION: runs it, appends its section to $OUT
+run_step() { # run_step N FUNCTION: runs it under its limit, appends its section to $OUT
   local n=$1 title=${TITLES[$1 - 1]} log="$WORK/step$1.log" body="$WORK/step$1.md" t0=$SECONDS rc status
-  echo "[$n/5] $title ... (${EST[$n - 1]}; log: $log)" >&2
+  LIMIT=${LIMITS[$n - 1]} DEADLINE=$((SECONDS + LIMITS[$n - 1]))
+  echo "[$n/$N] $title ... (limit $LIMIT s, ${EST[$n - 1]}; log: $log)" >&2
   : >"$body"
   "$2" "$body" >"$log" 2>&1; rc=$?
   status="ok"
-  [ $rc = 0 ] || { status="FAILED (exit $rc)"; FAILED=$((FAILED + 1)); }
+  if [ $rc = 124 ] || [ $rc = 137 ]; then status="FAILED (timed out at its limit of $LIMIT s)"; FAILED=$((FAILED + 1))
+  elif [ $rc != 0 ]; then status="FAILED (exit $rc)"; FAILED=$((FAILED + 1)); fi
   status+=", $(dur $((SECONDS - t0)))"
   { echo; echo "### $n. $title: $status"; echo; cat "$body"
     if [ $rc != 0 ] && ! grep -q '^```text' "$body"; then
       echo; echo "The last lines of its output:"; echo; echo '```text'; tail -n 40 "$log"; echo '```'
     fi; } >>"$OUT"
-  echo "[$n/5] $title: $status" >&2
+  echo "[$n/$N] $title: $status" >&2
 }
 
 mkdir -p "$(dirname "$OUT")"
-{ echo "## GPU run book on ${HOSTNAME:-$(uname -n)}, $(date +%Y-%m-%d) (issue 15)"; echo
-  echo "Command: \`bash benchmarks/gpu_runbook.sh${ARGS:+ $ARGS}\`"
+{ echo "## GPU run book on ${HOSTNAME:-$(uname -n)}, $(date +%Y-%m-%d) (issues 15, 36)"; echo
+  echo "Command: \`bash benchmarks/gpu_runbook.sh${ARGS:+ $ARGS}\` (time limits ${LIMITS[*]} s)"
   [ "$QUICK" = 0 ] || { echo; echo "**--quick smoke run: tiny sizes; its numbers are not results.**"; }
 } >"$OUT"
+START=$SECONDS
 run_step 1 step_env
-run_step 2 step_tests
-run_step 3 step_attention
-run_step 4 step_throughput
-run_step 5 step_fp8
-{ echo; echo "Steps failed: $FAILED of 5."; } >>"$OUT"
-echo "wrote $OUT ($FAILED of 5 steps failed; logs in $WORK)" >&2
+run_step 2 step_flagship
+run_step 3 step_icl
+run_step 4 step_tests
+run_step 5 step_attention
+run_step 6 step_throughput
+{ echo; echo "Steps failed: $FAILED of $N. Total $(dur $((SECONDS - START)))."; } >>"$OUT"
+echo "wrote $OUT ($FAILED of $N steps failed, $(dur $((SECONDS - START))); logs in $WORK)" >&2
 [ "$FAILED" = 0 ]

@@ -61,9 +61,12 @@ DROP = Path("/proc/sys/vm/drop_caches")
 RECIPE = ROOT / "yamls" / "finetune" / "llama-8b-lora-fp8.yaml"
 GiB = 2**30
 
-def write_model(folder: Path, sizes: dict, shard_bytes: int) -> int:
-    """Random bf16 weights of a Llama with ``sizes``, in files of about ``shard_bytes`` with
-    an index; returns the stored bytes."""
+def write_model(folder: Path, sizes: dict, shard_bytes: int, device: str = "cpu") -> int:
+    """Random bf16 weights of a Llama with ``sizes``, in files of at most ``shard_bytes`` (a
+    tensor that would overflow a file starts the next, as ``save_pretrained``'s
+    ``max_shard_size`` does) with an index; returns the stored bytes. Each file is written as
+    soon as its tensors are drawn (host memory: one file's worth); ``device``: where the
+    values are drawn (``cuda``: seconds for an 8B model, against minutes on a CPU)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -72,23 +75,24 @@ def write_model(folder: Path, sizes: dict, shard_bytes: int) -> int:
         shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(folder)
-    files, current, size, total = [], {}, 0, 0
-    gen = torch.Generator().manual_seed(0)
+    files, size, total = [[]], 0, 0
     for name, shape in shapes.items():
-        t = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
-        current[name] = t
-        size += t.nbytes
-        total += t.nbytes
-        if size >= shard_bytes:
-            files.append(current)
-            current, size = {}, 0
-    if current:
-        files.append(current)
+        nbytes = 2 * shape.numel()
+        if files[-1] and size + nbytes > shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+        total += nbytes
+    gen = torch.Generator(device=device).manual_seed(0)
     weight_map = {}
-    for i, tensors in enumerate(files, 1):
+    for i, names in enumerate(files, 1):
+        tensors = {n: (torch.randn(shapes[n], generator=gen, device=device) * 0.02)
+                   .to(torch.bfloat16).cpu() for n in names}
         fname = f"model-{i:05d}-of-{len(files):05d}.safetensors"
         save_file(tensors, folder / fname, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, fname))
+        weight_map.update(dict.fromkeys(names, fname))
+        del tensors
     (folder / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}))
     return total

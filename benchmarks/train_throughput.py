@@ -10,7 +10,9 @@ Each case is a separate run of this file as the training script (under the compo
 for several processes): it registers a ``synthetic`` dataloader (random tokens, for the GPU
 cases, which have no 2048-token corpus offline) and calls ``foundryx train``. Tokens/s and
 MFU are the speed_monitor's numbers (MFU = model FLOPs per second / the GPU's peak dense bf16
-FLOP/s from foundryx/devices.py), averaged over the batches after ``--warmup``. The CPU cases train the quickstart
+FLOP/s from foundryx/devices.py), averaged over the batches after ``--warmup``. The GPU cases
+need only a tokenizer (the quickstart's, else a small BPE made once under
+~/.cache/foundryx-bench); ``--settings eager`` runs only one setting. The CPU cases train the quickstart
 on its generated data (``data/quickstart``, created if missing), each process with
 ``OMP_NUM_THREADS`` = cores / processes unless it is set.
 """
@@ -34,6 +36,7 @@ GPU_SETTINGS = [  # (label, overrides)
     ("AC every block, eager", ["activation_checkpointing.enabled=true", "compile.enabled=false"]),
     ("AC every block, compile", ["activation_checkpointing.enabled=true", "compile.enabled=true"]),
 ]
+SETTING_KEYS = ["eager", "compile", "ac-eager", "ac-compile"]  # --settings: GPU_SETTINGS in order
 GPU_MICROBATCH = {"125m": 16, "350m": 16, "1b": 8}
 
 
@@ -96,20 +99,33 @@ def cpu_cases(batches: int) -> list[tuple[str, str, list[str], int]]:
             ("quickstart, 2 processes, FSDP2", "yamls/quickstart.yaml", base + ["parallelism={}"], 2)]
 
 
-def gpu_cases(models: list[str], batches: int) -> list[tuple[str, str, list[str], int]]:
-    data = ROOT / "data" / "quickstart"  # only its tokenizer is used
-    if not (data / "tokenizer").is_dir():
-        from foundryx.data.quickstart import prepare_quickstart
+def gpu_tokenizer() -> Path:
+    """A tokenizer for the random tokens: the quickstart's when it is there, else a small BPE
+    trained here once (no corpus conversion: the GPU cases need nothing else of the data)."""
+    quickstart = ROOT / "data" / "quickstart" / "tokenizer"
+    if quickstart.is_dir():
+        return quickstart
+    out = Path.home() / ".cache" / "foundryx-bench" / "bpe-1024"
+    if not (out / "tokenizer.json").is_file():
+        from foundryx.data.synthetic import generate_corpus
+        from foundryx.data.tokenizers import train_bpe_tokenizer
 
-        prepare_quickstart(data)
+        train_bpe_tokenizer(generate_corpus(300, seed=1), vocab_size=1024, out_dir=out)
+    return out
+
+
+def gpu_cases(models: list[str], batches: int,
+              settings: list[str] | None = None) -> list[tuple[str, str, list[str], int]]:
+    tokenizer = gpu_tokenizer()
+    chosen = [GPU_SETTINGS[SETTING_KEYS.index(k)] for k in settings] if settings else GPU_SETTINGS
     cases = []
     for m in models:
         micro = GPU_MICROBATCH[m]
-        base = [f"variables.tokenizer_name={data}/tokenizer", "train_loader.name=synthetic",
+        base = [f"variables.tokenizer_name={tokenizer}", "train_loader.name=synthetic",
                 f"max_duration={batches}ba", f"global_train_batch_size={micro}",
                 f"device_train_microbatch_size={micro}", "device=gpu", "precision=amp_bf16"]
         cases += [(f"MPT-{m.upper()}, {label}", f"yamls/mpt-{m}.yaml", base + extra, 1)
-                  for label, extra in GPU_SETTINGS]
+                  for label, extra in chosen]
     return cases
 
 
@@ -122,11 +138,14 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["125m", "350m", "1b"], choices=list(GPU_MICROBATCH))
     p.add_argument("--batches", type=int, default=None, help="batches per case (cpu 40, gpu 30)")
     p.add_argument("--warmup", type=int, default=10, help="batches left out of the average")
+    p.add_argument("--settings", nargs="+", choices=SETTING_KEYS, default=None,
+                   help="gpu: only these settings (default all: no AC / AC every block x eager / "
+                        "compile)")
     p.add_argument("--out", type=Path, help="also write the results as JSON")
     args = p.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     batches = args.batches or (40 if args.mode == "cpu" else 30)
-    cases = cpu_cases(batches) if args.mode == "cpu" else gpu_cases(args.models, batches)
+    cases = cpu_cases(batches) if args.mode == "cpu" else gpu_cases(args.models, batches, args.settings)
     from tqdm import tqdm
 
     results = []

@@ -1,10 +1,15 @@
-"""benchmarks/gpu_runbook.sh: its dry run, its refusal without a GPU, and a whole run against a
-fake Python (every command answered with canned output) to check the report it assembles."""
+"""benchmarks/gpu_runbook.sh: its dry run, its refusal without a GPU, its wheel list, a whole run
+against a fake Python (every command answered with canned output) to check the report it
+assembles and the time limits, the flagship benchmark's CPU mode on a tiny Llama, and the
+install on a bare machine (only torch, Triton, transformers 5, peft and safetensors) from a
+wheel folder built with `--wheel-list`."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,13 +20,15 @@ import pytest
 ROOT = Path(__file__).parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_runbook.sh"
 NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1"}  # even on a GPU machine
+CACHE = Path.home() / ".cache" / "foundryx-bench"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def runbook(*args: str, python: str = sys.executable, **env: str):
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHON": python, **env}, timeout=300)  # fmt: skip
+def runbook(*args: str, python: str = sys.executable, script: Path = SCRIPT, **env: str):
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
+                          cwd=script.parents[1], env={**os.environ, "PYTHON": python, **env},
+                          timeout=600)  # fmt: skip
 
 
 def test_syntax():
@@ -32,18 +39,30 @@ def test_syntax():
 def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     r = runbook("--dry-run", *(["--quick"] if quick else []))
     assert r.returncode == 0, r.stdout + r.stderr
-    for n in range(1, 6):
-        assert f"[{n}/5]" in r.stdout
+    for n in range(1, 7):
+        assert f"[{n}/6]" in r.stdout
+    assert "time limits: 60 230 35 60 45 50 s, 480 s in all" in r.stdout
+    assert "the time limits add up to at most 480 s (480)" in r.stdout
+    assert "benchmarks/flagship.py --device cuda --shape " in r.stdout
+    assert "--bases bf16,fp8,nf4 --offload 0,0.5" in r.stdout
+    assert "benchmarks/gpu_runbook/icl.py --out" in r.stdout
     assert "-m pytest" in r.stdout and "tests/test_triton_attention.py" in r.stdout
+    assert "-k 'not test_every_combination'" in r.stdout
     assert "benchmarks/attention.py" in r.stdout and "train_throughput.py gpu" in r.stdout
+    assert "-m venv --without-pip" in r.stdout and "--no-deps --no-index" in r.stdout
     assert "FAIL " not in r.stdout and ", 0 failed" in r.stdout
-    assert "accepts --out" in r.stdout and "accepts --models" in r.stdout
-    assert ("--batches 8" in r.stdout) == quick and (
-        "not test_every_combination" in r.stdout
-    ) == quick
-    assert ("--models 1b" in r.stdout) != quick
-    if not (ROOT / "benchmarks" / "fp8_base_memory.py").exists():
-        assert "not built yet" in r.stdout
+    for flag in ("--shape", "--bases", "--offload", "--steps", "--time-limit", "--settings",
+                 "--models", "--seqs", "--out"):
+        assert f"accepts {flag}" in r.stdout, flag
+    assert "every name in benchmarks/gpu_runbook/wheels.txt has a pin" in r.stdout
+    assert ("llama-3.1-8b" in r.stdout) != quick and ("shapes/llama-tiny" in r.stdout) == quick
+    assert ("--models 1b" in r.stdout) != quick and ("--models 125m" in r.stdout) == quick
+
+
+def test_a_limit_that_does_not_fit_fails_the_dry_run():
+    r = runbook("--dry-run", RUNBOOK_LIMITS="100 300 35 60 45 50")
+    assert r.returncode == 1 and "FAIL  the time limits add up to at most 480 s (590)" in r.stdout
+    assert runbook("--dry-run", RUNBOOK_LIMITS="1 2 3").returncode == 2
 
 
 def test_refuses_without_a_gpu(tmp_path):
@@ -57,32 +76,63 @@ def test_refuses_without_a_gpu(tmp_path):
 def test_bad_arguments_and_wheel_list():
     assert runbook("--bogus").returncode == 2
     r = runbook("--wheel-list")
-    names = {line.split("==")[0].lower() for line in r.stdout.split()}
-    assert {"mosaicml", "transformers", "pytest", "setuptools", "wheel"} <= names
-    assert not names & {"torch", "triton", "torchvision", "ruff", "ziglang"}
+    assert r.returncode == 0, r.stderr
+    pins = dict(line.split("==") for line in r.stdout.split())
+    names = {n.lower() for n in pins}
+    assert {"mosaicml", "transformers", "tokenizers", "huggingface_hub", "peft", "torchao",
+            "pytest", "pytest-timeout", "setuptools", "mosaicml-cli", "torchvision"} <= names
+    assert pins["transformers"] == "4.57.6" and pins["torchvision"] == "0.26.0"  # torch 2.11
+    # the machine's own, and what no step imports
+    assert not names & {"torch", "triton", "safetensors", "numpy", "ruff", "ziglang", "wandb",
+                        "pyarrow", "datasets", "mosaicml-streaming", "matplotlib", "boto3"}
     assert not any(n.startswith("nvidia-") for n in names)
+    constraints = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().split())
+    assert all(constraints[n] == v for n, v in pins.items() if n != "torchvision")
+    assert runbook("--wheel-list", "--torch", "2.7.0").stdout.split()[-1] == "torchvision==0.22.0"
+    assert runbook("--wheel-list", "--torch", "2.14.1").stdout.split()[-1] == "torchvision==0.29.1"
+    bad = runbook("--wheel-list", "--torch", "nightly")
+    assert bad.returncode == 1 and "--torch nightly is not a torch 2.N[.P] version" in bad.stderr
 
 
 FAKE_PYTHON = r"""
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 args, state = sys.argv[1:], Path(os.environ["FAKE_STATE"])
+venv = os.environ.get("FAKE_VENV")
 with (state / "calls").open("a") as f:
-    f.write(" ".join(args) + "\n")
+    f.write(("venv: " if venv else "") + " ".join(args) + "\n")
 def value(flag):
     return next(a.split("=", 1)[1] if "=" in a else args[i + 1]
                 for i, a in enumerate(args) if a.split("=")[0] == flag)
 if args[0] == "-c":  # the GPU probe
     sys.exit(0)
-if args[:2] == ["-m", "pip"]:
-    (state / "installed").touch()
+if args[:2] == ["-m", "venv"]:
+    bin = Path(args[-1]) / "bin"
+    bin.mkdir(parents=True)
+    (bin / "python").write_text(f'#!/bin/sh\nFAKE_VENV=1 exec "{sys.executable}" "{__file__}" "$@"\n')
+    (bin / "python").chmod(0o755)
+elif args[:2] == ["-m", "pip"]:
+    (state / ("editable" if "-e" in args else "installed")).touch()
 elif args[0].endswith("report.py") and args[1] == "probe":
-    print("all import" if (state / "installed").exists() else "composer")
-    sys.exit(0 if (state / "installed").exists() else 1)
+    if venv and (state / "installed").exists() and (state / "editable").exists():
+        print("all import")
+        sys.exit(0)
+    print("composer, transformers 5.17.0 (foundryx needs transformers<5,>=4.45)")
+    sys.exit(1)
+elif args[0].endswith("report.py") and args[1] == "sites":
+    print("/machine/site-packages\n/machine/user site")
+elif args[0].endswith("report.py") and args[1] == "machine-pth":
+    print(args[2:])
 elif args[0].endswith("report.py") and args[1] == "env":
     print("- GPU: Fake H100")
 elif args[0].endswith("report.py"):
     os.execv(sys.executable, [sys.executable, *args])
+elif args[0].endswith("flagship.py"):
+    Path(value("--out")).write_text(
+        "| base | offload | tokens/s |\n|---|---|---|\n| bf16 | 0 | 5,000 |\n")
+    time.sleep(float(os.environ.get("FAKE_FLAGSHIP_SLEEP", "0")))
+elif args[0].endswith("icl.py"):
+    Path(value("--out")).write_text("All 5 results are the same on cpu and gpu.\n")
 elif args[:2] == ["-m", "pytest"]:
     with (state / "calls").open("a") as f:
         f.write(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}\n")
@@ -96,48 +146,235 @@ elif args[0].endswith("attention.py"):
     with open(value("--out"), "a") as f:
         f.write("\n## Attention kernels on Fake (today)\n\n| head_dim | fwd triton |\n|---|---|\n| 64 | 321 |\n")
 elif args[0].endswith("train_throughput.py"):
-    model = value("--models")
-    if model != "125m":
-        print("torch.OutOfMemoryError: CUDA out of memory", file=sys.stderr)
-        sys.exit(1)
-    rows = [{"case": "MPT-125M, no AC, eager", "tokens_per_sec": 1000.0, "mfu": 0.4},
-            {"case": "MPT-125M, no AC, compile", "tokens_per_sec": 1500.0, "mfu": float("nan")}]
+    assert value("--models") == "1b" and value("--settings") == "eager", args
+    rows = [{"case": "MPT-1B, no AC, eager", "tokens_per_sec": 1000.0, "mfu": 0.4}]
     Path(value("--out")).write_text(json.dumps(rows))
 else:
     sys.exit(f"fake python: unexpected {args}")
 """
 
 
-def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
+def fake_python(tmp_path: Path) -> Path:
     (tmp_path / "fake.py").write_text(textwrap.dedent(FAKE_PYTHON))
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{tmp_path / "fake.py"}" "$@"\n')
     python.chmod(0o755)
-    wheels = tmp_path / "wheels"
+    return python
+
+
+def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
+    python = fake_python(tmp_path)
+    wheels, venv = tmp_path / "wheels", tmp_path / "venv"
     wheels.mkdir()
     (wheels / "composer.whl").touch()
     (wheels / "wheel-list.txt").touch()  # not a package: left out
     out = tmp_path / "report.md"
-    r = runbook("--out", str(out), "--wheels", str(wheels), python=str(python),
-                FAKE_STATE=str(tmp_path), TMPDIR=str(tmp_path), TRITON_INTERPRET="1")  # fmt: skip
+    r = runbook("--out", str(out), "--wheels", str(wheels), "--venv", str(venv),
+                python=str(python), FAKE_STATE=str(tmp_path), TMPDIR=str(tmp_path),
+                TRITON_INTERPRET="1", RUNBOOK_LIMITS="60 3 35 60 45 50",
+                FAKE_FLAGSHIP_SLEEP="30")  # fmt: skip
     assert r.returncode == 1, r.stderr
-    assert "[3/5] attention TFLOP/s table ... (about 5 min; log: " in r.stderr
+    assert "[3/6] ICL eval on the GPU against the CPU ... (limit 35 s, ~20 s; log: " in r.stderr
     text = out.read_text()
     calls = (tmp_path / "calls").read_text()
-    assert (
-        f"-m pip install --no-deps --no-index --find-links {wheels} {wheels}/composer.whl\n"
-        in calls
-    )
-    assert f"- Dependencies: installed from {wheels}" in text
+    # step 1: the machine's Python lacks Composer and has transformers 5: the run book's own
+    # venv over the machine's packages, the wheel folder, then foundryx (editable)
+    assert f"-m venv --without-pip {venv}\n" in calls
+    assert "venv: benchmarks/gpu_runbook/report.py machine-pth /machine/site-packages " \
+           "/machine/user site\n" in calls
+    assert (f"venv: -m pip install --no-deps --no-index --no-compile --find-links {wheels} "
+            f"{wheels}/composer.whl\n") in calls
+    assert "venv: -m pip install --no-deps --no-index --no-build-isolation -e .\n" in calls
+    assert (f"- Dependencies: installed from {wheels} (1 files) into the run book's venv {venv}, "
+            f"over the packages of {python}") in text
+    assert f"- Python: {venv}/bin/python" in text
     assert "### 1. environment: ok, 0 min" in text and "Fake H100" in text
-    assert "### 2. Triton attention tests on the GPU: FAILED (exit 1)" in text
+    # every later step runs with the venv's Python
+    later = [c for c in calls.splitlines() if "flagship.py" in c or "icl.py" in c
+             or "-m pytest" in c or "attention.py" in c or "train_throughput.py" in c]
+    assert len(later) == 5 and all(c.startswith("venv: ") for c in later), later
+    # step 2 ran past its limit: stopped there, its finished rows kept, the next step ran
+    assert "### 2. flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 " \
+           "/ 0.5: FAILED (timed out at its limit of 3 s)" in text
+    assert "| bf16 | 0 | 5,000 |" in text and "**Stopped at the step's limit of 3 s**" in text
+    assert "### 3. ICL eval on the GPU against the CPU: ok" in text
+    assert "All 5 results are the same on cpu and gpu." in text
+    assert "### 4. Triton attention tests on the GPU: FAILED (exit 1)" in text
     assert "**2 passed, 1 failed, 0 errors, 0 skipped**" in text and "`t::bad`" in text
-    assert "### 3. attention TFLOP/s table: ok" in text and "| 64 | 321 |" in text
+    assert "### 5. attention TFLOP/s table: ok" in text and "| 64 | 321 |" in text
     assert "## Attention kernels on" not in text  # its heading is the run book's
-    assert "### 4. MPT-125M/350M/1B tokens/s and MFU: FAILED (exit 1)" in text
-    assert "| MPT-125M | no AC, compile | 1,500 | 1.50x | n/a |" in text
-    assert "MPT-350M failed" in text and "CUDA out of memory" in text
-    if not (ROOT / "benchmarks" / "fp8_base_memory.py").exists():
-        assert "### 5. FP8-base fine-tuning memory: ok" in text and "Not built yet" in text
-    assert text.rstrip().endswith("Steps failed: 2 of 5.")
+    assert "### 6. MPT-1B tokens/s and MFU: ok" in text
+    assert "| MPT-1B | no AC, eager | 1,000 | 1.00x | 40.0% |" in text
+    assert "Steps failed: 2 of 6. Total 0 min" in text.rstrip().splitlines()[-1]
     assert "TRITON_INTERPRET=None" in calls and "smoke run" not in text
+
+    # a second run finds the venv ready: nothing made or installed again
+    before = calls.count("-m pip install")
+    r = runbook("--install-only", "--venv", str(venv), python=str(python),
+                FAKE_STATE=str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert f"Dependencies: all import in the run book's venv {venv} (made by an earlier run)" in r.stdout
+    assert (tmp_path / "calls").read_text().count("-m pip install") == before
+
+
+def test_install_only_without_a_wheel_folder_says_so(tmp_path):
+    python = fake_python(tmp_path)
+    r = runbook("--install-only", "--wheels", str(tmp_path / "none"), "--venv",
+                str(tmp_path / "venv"), python=str(python), FAKE_STATE=str(tmp_path))  # fmt: skip
+    assert r.returncode == 1
+    assert "missing: composer, transformers 5.17.0 (foundryx needs transformers<5,>=4.45); " \
+           f"no wheel folder {tmp_path / 'none'}" in r.stdout
+    assert not (tmp_path / "venv").exists()
+
+
+@pytest.mark.slow
+def test_flagship_trains_a_tiny_llama_on_cpu(tmp_path):
+    """benchmarks/flagship.py's CPU mode, end to end: the model folder written (sharded bf16
+    safetensors with an index), then a fresh `foundryx train` of the large-model recipe per
+    base, each row with tokens/s, peak host memory and the plan's, and the load."""
+    out, raw = tmp_path / "flagship.md", tmp_path / "flagship.json"
+    r = subprocess.run(
+        [sys.executable, "benchmarks/flagship.py", "--device", "cpu", "--shape",
+         "benchmarks/gpu_runbook/shapes/llama-tiny", "--bases", "fp8,nf4", "--offload", "0.5",
+         "--steps", "2", "--cache", str(tmp_path / "model"), "--logs", str(tmp_path / "logs"),
+         "--json", str(raw), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    folder = tmp_path / "model"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2 and (folder / "tokenizer.json").is_file()
+    rows = json.loads(raw.read_text())["rows"]
+    assert [(row["base"], row["offload"]) for row in rows] == [("fp8", 0.5), ("nf4", 0.5)]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["tokens_per_s"] > 0 and len(row["losses"]) == 2
+        assert all(x == x for x in row["losses"])  # finite
+        assert row["load_bytes"] > 0 and row["load_s"] > 0
+        assert 0.5 < row["vmhwm_gib"] / row["plan_host_gib"] < 2, row  # the plan's, wired
+    text = out.read_text()
+    assert "| fp8 | 0.5 |" in text and "| nf4 | 0.5 |" in text and "host / plan" in text
+    log = (tmp_path / "logs" / "flagship-nf4-offload0.5.log").read_text()
+    assert "stored as nf4" in log and "offloaded to host memory" in log
+
+
+@pytest.mark.slow
+def test_icl_check_compares_two_devices(tmp_path):
+    """benchmarks/gpu_runbook/icl.py, the run book's step 3, with the CPU on both sides."""
+    out = tmp_path / "icl.md"
+    r = subprocess.run([sys.executable, "benchmarks/gpu_runbook/icl.py", "--devices", "cpu", "cpu",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = out.read_text()
+    assert "| facts_mc/0-shot |" in text and "| gauntlet/average |" in text
+    assert "All 5 results are the same on cpu and cpu." in text
+
+
+def pypi_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def machine_python(home: Path) -> Path:
+    """A Python like the GPU machine's: a venv that sees only torch, Triton and torch's own
+    requirements (symlinked from this environment: no download of torch), plus transformers
+    5.17, peft and safetensors installed from PyPI (with their requirements). Cached."""
+    import importlib.metadata as md
+
+    import torch
+    from packaging.requirements import Requirement
+
+    marker = home / ".ready"
+    want = f"{sys.prefix} {torch.__version__}"
+    if marker.is_file() and marker.read_text() == want:
+        return home / "bin" / "python"
+    shutil.rmtree(home, ignore_errors=True)
+    links = home / "torch-packages"
+    links.mkdir(parents=True)
+    todo, seen = ["torch"], set()
+    while todo:  # torch and its requirements, as installed here
+        name = todo.pop()
+        if name.lower() in seen:
+            continue
+        seen.add(name.lower())
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+        site = Path(dist.locate_file(""))
+        for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "bin")}:
+            if not (links / top).exists() and (site / top).exists():
+                (links / top).symlink_to(site / top)
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(home)], check=True)
+    python = home / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "torch-packages.pth").write_text(f"{links}\n")
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "transformers==5.17.0", "peft",
+                    "safetensors"], check=True, timeout=600)
+    marker.write_text(want)
+    return python
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="the run book's machines are Linux")
+def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
+    """The wheel list, downloaded (`pip download --no-deps`), installed by the run book's step 1
+    (`--install-only`) on a Python with only torch, Triton, transformers 5.17, peft and
+    safetensors: every module the steps import then imports, in the run book's own venv, and
+    `foundryx --help` runs; the machine's Python is left as it was."""
+    if not pypi_reachable():
+        pytest.skip("PyPI is unreachable: this test downloads the wheel folder and the bare "
+                    "machine's transformers 5.17")
+    import torch
+
+    machine = machine_python(CACHE / f"bare-machine-py{sys.version_info[0]}{sys.version_info[1]}")
+    # a copy of the checkout: the editable install writes into it, not into this one
+    repo = tmp_path / "repo"
+    for part in ("pyproject.toml", "README.md", "constraints.txt", "foundryx",
+                 "benchmarks/gpu_runbook.sh", "benchmarks/gpu_runbook"):
+        if (ROOT / part).is_dir():
+            shutil.copytree(ROOT / part, repo / part, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (repo / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / part, repo / part)
+    script = repo / "benchmarks" / "gpu_runbook.sh"
+    listed = runbook("--wheel-list", "--torch", torch.__version__.split("+")[0], script=script)
+    assert listed.returncode == 0, listed.stderr
+    # the folder, downloaded once per list (kept under ~/.cache/foundryx-bench)
+    wheels = CACHE / f"wheels-py{sys.version_info[0]}{sys.version_info[1]}-gpu-runbook"
+    done = wheels / ".list"
+    if not (done.is_file() and done.read_text() == listed.stdout):
+        shutil.rmtree(wheels, ignore_errors=True)
+        (tmp_path / "wheel-list.txt").write_text(listed.stdout)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels),
+                        "--no-deps", "-r", str(tmp_path / "wheel-list.txt")], check=True, timeout=600)
+        done.write_text(listed.stdout)
+    size = sum(f.stat().st_size for f in wheels.glob("*") if f.name != ".list")
+    assert size < 60e6, f"the wheel folder is {size / 1e6:.1f} MB"
+
+    venv = tmp_path / "venv"
+    r = runbook("--install-only", "--wheels", str(wheels), "--venv", str(venv), python=str(machine),
+                script=script, RUNBOOK_LIMITS="300 230 35 60 45 50")  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert f"Python: {venv}/bin/python" in r.stdout and "into the run book's venv" in r.stdout
+    probe = subprocess.run([str(venv / "bin" / "python"), "benchmarks/gpu_runbook/report.py", "probe"],
+                           cwd=repo, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0 and probe.stdout.strip() == "all import", probe.stdout + probe.stderr
+    cli = subprocess.run([str(venv / "bin" / "foundryx"), "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert cli.returncode == 0 and "usage: foundryx" in cli.stdout, cli.stderr
+    versions = "import torch, transformers; print(torch.__version__, transformers.__version__)"
+    mine = subprocess.run([str(venv / "bin" / "python"), "-c", versions], capture_output=True,
+                          text=True, timeout=300).stdout.split()
+    theirs = subprocess.run([str(machine), "-c", versions], capture_output=True, text=True,
+                            timeout=300).stdout.split()
+    assert mine == [torch.__version__, "4.57.6"], mine  # the machine's torch, foundryx's transformers
+    assert theirs == [torch.__version__, "5.17.0"], theirs  # the machine's Python untouched

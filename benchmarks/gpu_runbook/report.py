@@ -1,12 +1,15 @@
 """Helpers of benchmarks/gpu_runbook.sh: dependency probe, environment and result tables.
 
     python benchmarks/gpu_runbook/report.py probe               # exit 1, naming what is missing
+                                                                # or of a version foundryx refuses
+    python benchmarks/gpu_runbook/report.py sites               # this Python's site-packages
+    VENV/bin/python benchmarks/gpu_runbook/report.py machine-pth DIR...  # VENV sees DIR's packages
     python benchmarks/gpu_runbook/report.py env                 # the environment, markdown
     python benchmarks/gpu_runbook/report.py junit FILE          # pytest pass/fail counts, markdown
     python benchmarks/gpu_runbook/report.py throughput FILE...  # train_throughput.py JSON, table
 
-Standard library only (torch for the GPU's description): it runs before the dependencies are
-installed.
+Standard library only (torch for the GPU's description; ``packaging``, which transformers
+brings, for the version checks when it imports): it runs before the dependencies are installed.
 """
 
 from __future__ import annotations
@@ -17,26 +20,66 @@ import importlib.metadata as md
 import importlib.util
 import math
 import platform
+import re
+import site
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# What the run book's steps import: the tests, the two benchmarks and `foundryx train`.
-MODULES = ["torch", "triton", "torchvision", "composer", "streaming", "transformers",
-           "tokenizers", "omegaconf", "yaml", "tqdm", "pytest", "pytest_timeout"]  # fmt: skip
+# What the run book's steps import: the tests, the benchmarks, `foundryx train` and `eval`.
+MODULES = ["torch", "triton", "torchvision", "composer", "transformers", "tokenizers", "peft",
+           "safetensors", "torchao", "omegaconf", "yaml", "tqdm", "pytest",
+           "pytest_timeout"]  # fmt: skip
+# Distributions whose version pyproject.toml bounds and a GPU image may hold outside the bounds
+# (transformers 5 where foundryx is tested with 4.57): a version outside counts as missing.
+CHECKED = ["transformers", "tokenizers", "peft", "torchao", "omegaconf", "mosaicml"]
+
+
+def pyproject_requirements() -> dict[str, str]:
+    """name -> requirement string of pyproject.toml's ``dependencies`` (a plain parse: this
+    runs where tomllib may be absent)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
+    reqs = re.findall(r'"([^"]+)"', block.group(1)) if block else []
+    return {re.split(r"[<>=!~; \[]", r, maxsplit=1)[0].lower(): r for r in reqs}
+
+
+def version_problems() -> list[str]:
+    """``name VERSION (foundryx needs REQUIREMENT)`` for each CHECKED distribution outside
+    pyproject.toml's bounds; nothing when ``packaging`` does not import."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        return []
+    reqs, out = pyproject_requirements(), []
+    for name in CHECKED:
+        if name not in reqs:
+            continue
+        try:
+            version = md.version(name)
+        except md.PackageNotFoundError:
+            continue  # its module's import says so
+        req = Requirement(reqs[name])
+        if not req.specifier.contains(version, prereleases=True):
+            out.append(f"{name} {version} (foundryx needs {req})")
+    return out
 
 
 def missing() -> list[str]:
-    """Modules that do not import, and foundryx when this checkout is not pip-installed (its
-    built-in models are entry points, and the benchmarks' subprocesses import it by name)."""
+    """Modules that do not import, distributions of a version foundryx refuses, and foundryx
+    when this checkout is not pip-installed (its built-in models are entry points, and the
+    benchmarks' subprocesses import it by name)."""
     out = []
     for name in MODULES:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - any import failure means "install it"
-            out.append(name)
+        except Exception as e:  # noqa: BLE001 - any import failure means "install it"
+            why = "" if isinstance(e, ModuleNotFoundError) and e.name == name else \
+                f" (does not import: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+            out.append(name + why)
+    out += version_problems()
     spec = importlib.util.find_spec("foundryx")  # sys.path has no checkout: the installed one
     names = {ep.name for ep in md.entry_points(group="foundryx_models")}
     if spec is None or "mpt_causal_lm" not in names:
@@ -44,6 +87,23 @@ def missing() -> list[str]:
     elif not Path(spec.origin).resolve().is_relative_to(ROOT):
         out.append(f"foundryx (installed from {Path(spec.origin).parent}, not this checkout)")
     return out
+
+
+PTH = "_foundryx_gpu_runbook_machine.pth"
+
+
+def machine_pth(sites: list[str]) -> Path:
+    """Make this Python (the run book's venv) see the packages of ``sites`` (the machine
+    Python's site-packages) behind its own: a .pth file in its site-packages that adds each
+    as a site directory (their own .pth files processed too). A venv made with
+    --system-site-packages would see only the base interpreter's, not those of a venv or
+    conda environment the machine's torch may live in."""
+    import sysconfig
+
+    pth = Path(sysconfig.get_path("purelib")) / PTH
+    pth.parent.mkdir(parents=True, exist_ok=True)
+    pth.write_text("".join(f"import site; site.addsitedir({s!r})\n" for s in sites))
+    return pth
 
 
 def _run(cmd: list[str]) -> str:
@@ -138,6 +198,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("probe")
+    sub.add_parser("sites")
+    sub.add_parser("machine-pth").add_argument("sites", nargs="*")
     sub.add_parser("env")
     sub.add_parser("junit").add_argument("file", type=Path)
     sub.add_parser("throughput").add_argument("files", type=Path, nargs="*")
@@ -146,7 +208,14 @@ def main(argv=None) -> int:
         gone = missing()
         print(", ".join(gone) if gone else "all import")
         return 1 if gone else 0
-    if args.cmd == "env":
+    if args.cmd == "machine-pth":
+        print(machine_pth(args.sites))
+    elif args.cmd == "sites":  # what the run book's venv adds behind its own packages
+        sites = site.getsitepackages()
+        if site.ENABLE_USER_SITE and Path(site.getusersitepackages()).is_dir():
+            sites.append(site.getusersitepackages())
+        print("\n".join(dict.fromkeys(sites)))
+    elif args.cmd == "env":
         print(env())
     elif args.cmd == "junit":
         text, ok = junit(args.file)
