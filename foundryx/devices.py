@@ -189,6 +189,12 @@ def this_machine() -> Machine:
     return machine_from_torch() if "torch" in sys.modules else machine_without_torch()
 
 
+# What a CPU run computes in: fp32, and amp_bf16 as foundryx runs it there (Composer 0.32 refuses
+# every precision but fp32 on a CPU; foundryx gives it fp32 and autocasts to bf16 itself:
+# foundryx.callbacks.cpu_autocast). fp16 and fp8 compute need a GPU.
+CPU_PRECISIONS = ("fp32", "amp_bf16")
+
+
 def run_problems(data: dict[str, Any], machine: Machine | None = None) -> list[str]:
     """One line per setting of a resolved run config (``device``, ``precision``) that
     ``machine`` (default: :func:`this_machine`) cannot run, naming what it has and what to set
@@ -202,12 +208,12 @@ def run_problems(data: dict[str, Any], machine: Machine | None = None) -> list[s
         return [f"device: 'gpu' cannot run here: this machine has no GPU that torch can use "
                 f"({m.why_none}). Fix: set device=cpu{also}, or run on a machine with a GPU"]
     on_cpu = device == "cpu" or (device is None and m.gpus == 0)
-    if on_cpu and precision != "fp32":
+    if on_cpu and precision not in CPU_PRECISIONS:
         where = ("the config sets device: cpu" if device == "cpu"
                  else f"this run is on the CPU: no device is set and this machine has no GPU "
                       f"({m.why_none})")
-        return [f"precision: {precision!r} cannot run here: Composer trains on a CPU in fp32 "
-                f"only, and {where}. Fix: set precision=fp32"
+        return [f"precision: {precision!r} cannot run here: a CPU computes in fp32 or, under "
+                f"autocast, bf16 (amp_bf16), and {where}. Fix: set precision=amp_bf16 or fp32"
                 + (", or device=gpu on a machine with a GPU" if device == "cpu" else "")]
     if precision == "amp_fp8":
         return fp8_problems(m)

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from composer.utils import dist, get_device, reproducibility
 
 from foundryx import builders, known_warnings
 from foundryx.algorithms import check_algorithms
+from foundryx.callbacks.cpu_autocast import CpuAutocast
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
@@ -28,6 +30,7 @@ from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
+from foundryx.models.peft.frozen_base import storage_on_rank
 from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
 from foundryx.plan.planner import plan_here, render
@@ -111,12 +114,16 @@ def train(loaded: LoadedConfig):
         dist.initialize_dist(device, timeout=cfg.dist_timeout)
     reproducibility.seed_all(cfg.seed)
     log.info("derived numbers:\n%s", derived.table())
+    precision, autocast = composer_precision(cfg.precision, picked)
 
     tokenizer = builders.build_tokenizer(cfg)
     model = builders.build_model(cfg, tokenizer)
     algorithms = builders.build_named("algorithms", cfg.algorithms)
     check_algorithms(algorithms, model)  # surgery that does not apply: refused before any write
     model = builders.build_parallelism(cfg, model)  # FSDP2 etc., before the optimizer sees it
+    held = storage_on_rank(model)
+    if held:
+        log.info("frozen_base on this rank: %s", json.dumps(held))
     builders.replicate_data_for_tp(cfg)
     train_loader = builders.build_dataloader(
         cfg.train_loader, tokenizer, derived.device_train_batch_size
@@ -146,10 +153,10 @@ def train(loaded: LoadedConfig):
         optimizers=optimizer,
         schedulers=builders.build_scheduler(cfg),
         algorithms=algorithms,
-        callbacks=builders.build_named("callbacks", run_callbacks(cfg)) + icl_callbacks
+        callbacks=builders.build_named("callbacks", run_callbacks(cfg)) + icl_callbacks + autocast
         + ([checkpointer] if checkpointer else []),
         loggers=loggers,
-        precision=cfg.precision,
+        precision=precision,
         device=device,
         device_train_microbatch_size=derived.device_train_microbatch_size,
         # without evaluators these only make Composer warn that they have no effect: its defaults
@@ -171,6 +178,19 @@ def train(loaded: LoadedConfig):
         console = next((lg for lg in loggers if isinstance(lg, ConsoleLogger)), None)
         console.write(text) if console is not None else log.info("%s", text)
     return trainer
+
+
+def composer_precision(precision: str, device: str) -> tuple[str, list[Any]]:
+    """The precision Composer gets and the callbacks that do the rest: ``amp_bf16`` on a CPU
+    is Composer's ``fp32`` plus :class:`CpuAutocast` (Composer refuses it there), said in one
+    line; FSDP2's mixed-precision policy follows the config's precision either way."""
+    if device == "cpu" and precision == "amp_bf16":
+        if dist.get_global_rank() == 0:
+            log.info("precision: amp_bf16 on the CPU: Composer trains on a CPU in fp32 only, so "
+                     "foundryx gives it fp32 and runs the forward and loss under torch's CPU "
+                     "autocast to bf16 (FSDP2's mixed precision is amp_bf16's)")
+        return "fp32", [CpuAutocast()]
+    return precision, []
 
 
 def run_callbacks(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:

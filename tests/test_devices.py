@@ -143,13 +143,13 @@ UNKNOWN = devices.Machine(None)  # device files present, torch not imported yet
      ["Fix: set device=cpu and precision=fp32 (amp_bf16 needs a GPU)"]),
     ({"device": "cpu", "precision": "amp_fp16"}, A100,
      ["precision: 'amp_fp16' cannot run here", "the config sets device: cpu",
-      "Fix: set precision=fp32, or device=gpu"]),
-    ({"precision": "amp_bf16"}, NO_GPU, ["this run is on the CPU: no device is set",
-                                         "Fix: set precision=fp32"]),
+      "Fix: set precision=amp_bf16 or fp32, or device=gpu"]),
+    ({"precision": "amp_fp16"}, NO_GPU, ["this run is on the CPU: no device is set",
+                                         "Fix: set precision=amp_bf16 or fp32"]),
     ({"device": "gpu", "precision": "amp_bf16"}, V100,
      ["bf16 needs an NVIDIA GPU of compute capability 8.0", "Tesla V100-SXM2-16GB is 7.0",
       "Fix: set precision=amp_fp16"]),
-], ids=["gpu-without-gpu", "gpu-and-bf16-without-gpu", "fp16-on-cpu", "bf16-no-device-no-gpu",
+], ids=["gpu-without-gpu", "gpu-and-bf16-without-gpu", "fp16-on-cpu", "fp16-no-device-no-gpu",
         "bf16-on-v100"])
 def test_what_this_machine_cannot_run_is_one_line_with_the_fix(data, machine, needles):
     problems = devices.run_problems(data, machine)
@@ -160,6 +160,8 @@ def test_what_this_machine_cannot_run_is_one_line_with_the_fix(data, machine, ne
 
 @pytest.mark.parametrize("data, machine", [
     ({}, NO_GPU), ({"device": "cpu"}, NO_GPU), ({"precision": "amp_bf16"}, A100),
+    ({"device": "cpu", "precision": "amp_bf16"}, NO_GPU),  # CPU autocast (train.composer_precision)
+    ({"precision": "amp_bf16"}, NO_GPU),
     ({"device": "gpu", "precision": "amp_fp16"}, V100),
     ({"device": "gpu", "precision": "amp_bf16"}, UNKNOWN),  # torch decides, later
     ({"device": "tpu"}, NO_GPU),  # the schema's problem, reported as such

@@ -1,11 +1,16 @@
 """Every recipe in yamls/ runs, in its own configuration, on 2 CPU ranks: ``composer -n 2
 train.py RECIPE`` (started as that launcher starts it: tests/launcher.py) with only the model
-(a tiny model of the same family, saved in bf16 safetensors as the real one is), the data paths, the sizes, the device and the precision
-overridden, for 2 batches. Its init mode, LoRA, frozen base, offload, sharding, activation
-checkpointing, compile setting, dataloader workers, callbacks and loggers are the recipe's.
+(a tiny model of the same family, saved in bf16 safetensors as the real one is), the data
+paths, the sizes (with the learning rate and warmup of a 4-batch run) and the device
+overridden, in the recipe's own precision (amp_bf16 on a CPU runs as bf16 autocast:
+foundryx.train.composer_precision). Its init mode, LoRA, frozen base, offload, sharding,
+activation checkpointing, compile setting, dataloader workers, callbacks and loggers are the
+recipe's.
 
 Each run works in a fresh folder (the recipe's relative ``runs/...`` paths land there) and must
-exit 0 having trained 2 batches, with a committed checkpoint where the recipe saves one.
+exit 0 having trained 4 batches with a finite loss that falls, with a committed checkpoint where
+the recipe saves one (adapters only for LoRA); a low-precision frozen base is checked per rank
+(format, stored dtype, bytes, offloaded layers and their bytes).
 ``test_every_recipe_is_covered`` fails when a recipe is added to yamls/ without a way to run it
 here (or a test elsewhere that runs it on 2 ranks).
 """
@@ -13,7 +18,9 @@ here (or a test elsewhere that runs it on 2 ranks).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 import launcher
@@ -30,9 +37,18 @@ TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers":
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
               "vocab_size": 1024}  # the quickstart tokenizer's 1024 tokens
 TINY_MPT = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.vocab_size=1024"]
-SIZES = ["max_duration=2ba", "eval_interval=2ba", "eval_subset_num_batches=1",
+SIZES = ["max_duration=4ba", "eval_interval=4ba", "eval_subset_num_batches=1",
          "global_train_batch_size=4", "device_train_microbatch_size=1",
-         "device_eval_batch_size=2", "save_interval=2ba", "device=cpu", "precision=fp32"]
+         "device_eval_batch_size=2", "save_interval=4ba", "device=cpu",
+         # the learning rate and warmup of a 4-batch run of a tiny model: the recipes' (2e-4 after
+         # 50 warmup batches) move 4 batches by nothing bf16 logits can show
+         "optimizer.lr=5.0e-3", "scheduler.t_warmup=0ba"]
+STEPS = 4
+# what a frozen base of each format stores its values as, and its bytes per weight (with the
+# row scales, or NF4's block scalers) on all ranks together
+STORED = {"fp8": "float8_e4m3fn", "int8": "int8", "nf4": "uint8", "bf16": "bfloat16"}
+BYTES_PER_WEIGHT = {"fp8": (1.0, 1.1), "int8": (1.0, 1.1), "nf4": (0.5, 0.6), "bf16": (2.0, 2.1)}
+HELD = re.compile(r"rank(\d+): INFO: foundryx: frozen_base on this rank: (\{.*\})")
 
 # recipe -> (model family, extra size overrides). "llama-3.1-8b" etc: a tiny Llama built from
 # that release's config.json (yamls/shapes/) with its sizes swapped; "mpt": a foundryx MPT
@@ -149,14 +165,58 @@ def _leg(recipe: str):
 @pytest.mark.parametrize("recipe", [_leg(r) for r in sorted(RECIPES)])
 def test_recipe_trains_on_two_ranks(recipe, models, quickstart_data, tmp_path):
     from foundryx.checkpoint.layout import complete_checkpoints
+    from foundryx.loggers.jsonl import read_metrics
 
-    code, logs = launch(recipe, overrides(recipe, models, quickstart_data), tmp_path)
+    metrics = tmp_path / "metrics-test.jsonl"
+    code, logs = launch(recipe, [*overrides(recipe, models, quickstart_data),
+                                 f"loggers.jsonl.path={metrics}"], tmp_path)
     assert code == 0, f"{recipe} failed on 2 ranks:\n{logs[-12000:]}"
     section = yaml.safe_load((ROOT / "yamls" / recipe).read_text())
+    whole = "".join(p.read_text() for p in sorted(tmp_path.glob("rank*.*")))  # every rank, all of it
+    precision = section.get("precision", "fp32")
+    if precision == "amp_bf16":  # run as shipped: bf16 autocast on the CPU (foundryx.train)
+        assert "runs the forward and loss under torch's CPU autocast to bf16" in whole, logs[-4000:]
+    losses = [r["loss/train/total"] for r in read_metrics(metrics) if "loss/train/total" in r]
+    assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
+    assert sum(losses[-2:]) / 2 < losses[0], f"{recipe}: the loss did not fall: {losses}"
+    frozen = (section.get("model") or {}).get("frozen_base")
+    if frozen:
+        check_frozen_base(frozen, whole)
     folder = str(section.get("save_folder", "")).replace("${variables.run_name}",
                                                          str(section.get("variables", {})
                                                              .get("run_name", "")))
     if folder:
         saved = complete_checkpoints(tmp_path / folder)
         assert saved and saved[0][1] is not None, f"{recipe}: no checkpoint in {folder}\n{logs[-4000:]}"
-        assert saved[0][1].batch == 2, saved[0][1]
+        assert saved[0][1].batch == STEPS, saved[0][1]
+        if (section.get("model") or {}).get("peft_config"):
+            check_adapter_only(saved[0][0])
+
+
+def check_frozen_base(frozen: dict, logs: str) -> None:
+    """What each rank logged it holds of the frozen base: the recipe's format, stored as that
+    format's values; half the bytes each (sharded), at the format's bytes per weight; the
+    recipe's share of layers offloaded, each rank half of their bytes in host memory."""
+    held = {int(rank): json.loads(text) for rank, text in HELD.findall(logs)}
+    assert sorted(held) == [0, 1], logs[-4000:]
+    fmt, fraction = frozen["dtype"], frozen.get("offload_fraction", 0.0)
+    for rank, h in held.items():
+        assert (h["format"], h["stored_dtype"]) == (fmt, STORED[fmt]), (rank, h)
+        assert h["offloaded"] == round(fraction * h["layers"]), (rank, h)
+    total = sum(h["device_bytes"] + h["host_bytes"] for h in held.values())
+    low, high = BYTES_PER_WEIGHT[fmt]
+    assert low <= total / held[0]["weights"] <= high, (fmt, total, held)
+    for key in ("device_bytes", "host_bytes"):
+        a, b = held[0][key], held[1][key]
+        assert abs(a - b) <= 0.1 * max(a, b), (key, held)  # each rank its half
+    assert (held[0]["host_bytes"] > 0) == (fraction > 0), held
+
+
+def check_adapter_only(checkpoint: Path) -> None:
+    """A LoRA run's checkpoint holds the adapters and their optimizer state, not the base."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    assert json.loads((checkpoint / "lora_base.json").read_text())["adapter_only"] is True
+    keys = FileSystemReader(str(checkpoint / "dcp")).read_metadata().state_dict_metadata
+    model = [k for k in keys if k.startswith("model.")]
+    assert model and all(".lora_" in k for k in model), [k for k in model if ".lora_" not in k][:5]

@@ -239,3 +239,29 @@ def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1)
              f"each of {process_world_size()} ranks)"
              if offloaded else "")
     return model
+
+
+def _data_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype of a frozen weight's stored values (NF4: its packed uint8 codes; a row-scaled
+    format: its quantized rows), not the dtype it dequantizes to."""
+    local = getattr(weight, "_local_tensor", weight)
+    for name in ("quantized_data", "qdata"):
+        if hasattr(local, name):
+            return getattr(local, name).dtype
+    return local.dtype
+
+
+def storage_on_rank(model: nn.Module) -> dict | None:
+    """What this rank holds of a low-precision frozen base: the format, the stored values'
+    dtype, the layers and the bytes on the device, and the offloaded layers and their bytes in
+    host memory (this rank's rows); None without a frozen base. The run logs it per rank."""
+    layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
+    if not layers:
+        return None
+    kept = [m for m in layers if m.offload is None]
+    off = [m for m in layers if m.offload is not None]
+    return {"format": layers[0].storage,
+            "stored_dtype": str(_data_dtype(kept[0].weight if kept else off[0].offload.host)).removeprefix("torch."),
+            "layers": len(layers), "weights": sum(m.in_features * m.out_features for m in layers),
+            "device_bytes": sum(stored_bytes(m.weight) for m in kept),
+            "offloaded": len(off), "host_bytes": sum(stored_bytes(m.offload.host) for m in off)}
