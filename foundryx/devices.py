@@ -204,7 +204,8 @@ def run_problems(data: dict[str, Any], machine: Machine | None = None) -> list[s
         return []  # a schema problem, reported as such
     m = machine or this_machine()
     if device == "gpu" and m.gpus == 0:
-        also = "" if precision == "fp32" else f" and precision=fp32 ({precision} needs a GPU)"
+        also = ("" if precision in CPU_PRECISIONS
+                else f" and precision=amp_bf16 or fp32 ({precision} needs a GPU)")
         return [f"device: 'gpu' cannot run here: this machine has no GPU that torch can use "
                 f"({m.why_none}). Fix: set device=cpu{also}, or run on a machine with a GPU"]
     on_cpu = device == "cpu" or (device is None and m.gpus == 0)

@@ -139,8 +139,10 @@ UNKNOWN = devices.Machine(None)  # device files present, torch not imported yet
 @pytest.mark.parametrize("data, machine, needles", [
     ({"device": "gpu"}, NO_GPU, ["device: 'gpu' cannot run here", "/dev/nvidia*",
                                  "Fix: set device=cpu, or run on a machine with a GPU"]),
-    ({"device": "gpu", "precision": "amp_bf16"}, NO_GPU,
-     ["Fix: set device=cpu and precision=fp32 (amp_bf16 needs a GPU)"]),
+    ({"device": "gpu", "precision": "amp_fp16"}, NO_GPU,
+     ["Fix: set device=cpu and precision=amp_bf16 or fp32 (amp_fp16 needs a GPU)"]),
+    ({"device": "gpu", "precision": "amp_bf16"}, NO_GPU,  # a CPU runs amp_bf16 (autocast)
+     ["Fix: set device=cpu, or run on a machine with a GPU"]),
     ({"device": "cpu", "precision": "amp_fp16"}, A100,
      ["precision: 'amp_fp16' cannot run here", "the config sets device: cpu",
       "Fix: set precision=amp_bf16 or fp32, or device=gpu"]),
@@ -149,7 +151,7 @@ UNKNOWN = devices.Machine(None)  # device files present, torch not imported yet
     ({"device": "gpu", "precision": "amp_bf16"}, V100,
      ["bf16 needs an NVIDIA GPU of compute capability 8.0", "Tesla V100-SXM2-16GB is 7.0",
       "Fix: set precision=amp_fp16"]),
-], ids=["gpu-without-gpu", "gpu-and-bf16-without-gpu", "fp16-on-cpu", "fp16-no-device-no-gpu",
+], ids=["gpu-without-gpu", "gpu-and-fp16-without-gpu", "gpu-and-bf16-without-gpu", "fp16-on-cpu", "fp16-no-device-no-gpu",
         "bf16-on-v100"])
 def test_what_this_machine_cannot_run_is_one_line_with_the_fix(data, machine, needles):
     problems = devices.run_problems(data, machine)
