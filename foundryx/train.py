@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
@@ -21,6 +21,7 @@ from foundryx.algorithms import check_algorithms
 from foundryx.callbacks.cpu_autocast import CpuAutocast
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
+from foundryx.config.load import read_resolved
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.workers import worker_death_error
 from foundryx.devices import machine_from_torch, run_problems
@@ -33,6 +34,7 @@ from foundryx.loggers.jsonl import JSONLLogger
 from foundryx.models.peft.frozen_base import storage_on_rank
 from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
+from foundryx.plan.node import machine
 from foundryx.plan.planner import plan_here, render
 from foundryx.plan.prelaunch import check_fits, host_problem
 from foundryx.run_summary import RunFacts, summary
@@ -64,28 +66,31 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
     for the plan). A config that cannot be resolved at all raises its ConfigError, as
     ``foundryx train`` would."""
     problems: list[str] = []
+    world = dry_run_world(path, overrides)
     try:
-        loaded = load_run_config(path, overrides)
+        loaded = load_run_config(path, overrides, world)
     except ConfigError as e:
         problems = e.problems
         bad = {p.split(":", 1)[0].split(".", 1)[0] for p in problems}
         sections = [s for s in (*COMPONENT_SECTIONS, *NAMED_SECTIONS) if s not in bad]
         try:
-            loaded = load_config(path, overrides, component_sections=sections)
+            loaded = load_config(path, overrides, world, component_sections=sections)
         except ConfigError:
             raise e from None
-    problems += run_problems(loaded.resolved, machine_from_torch())
+    # A dry run checks the config for the machine the run will have (a login node has no GPU):
+    # what this machine could not run is a note, not a problem; a real run here stops on it.
+    elsewhere = run_problems(loaded.resolved, machine_from_torch())
     parts = [f"# resolved config of {loaded.source}", loaded.to_yaml(), "# derived numbers",
              loaded.derived.table(), "# plan (`foundryx plan` for other devices)"]
     try:
         plan = plan_here(loaded)
         parts.append(render(plan))
-        here_on_gpu = plan.device != "cpu" and torch.cuda.is_available()
-        if not plan.device_fits and here_on_gpu and loaded.cfg.plan_check:  # train stops there
+        on_gpu = plan.device != "cpu"  # the plan's GPU: this machine's, else the run's
+        if not plan.device_fits and on_gpu and loaded.cfg.plan_check:  # train stops there
             problems.append(f"plan_check: the run needs an estimated {plan.per_device_bytes / 2**30:.1f} "
                             f"GiB per device and the {plan.device} has {plan.capacity / 2**30:.1f} "
                             "GiB; see the plan's suggestions above")
-        if not plan.host_fits and here_on_gpu and loaded.cfg.plan_check:
+        if not plan.host_fits and on_gpu and loaded.cfg.plan_check:
             problems.append(host_problem(plan) + "; see the plan's host fixes above")
     except NotPlannable as e:  # a plugin model, ...: it may train all the same
         parts.append(f"no plan: {e}")
@@ -95,7 +100,19 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
     except FoundryxError as e:  # a hub name not cached, ...: the run would stop there too
         parts.append("no plan: the model cannot be built; see the problems below")
         problems.append(f"model: {e}")
+    parts += [f"note: this machine could not run it as it is ({p}); the dry run checked the "
+              "config for the machine the run will have" for p in elsewhere]
     return "\n".join(parts), problems
+
+
+def dry_run_world(path: str | Path, overrides: list[str] | None) -> int | None:
+    """The world size a dry run plans: the launcher's (WORLD_SIZE), else the recipe's node
+    (``node.gpus`` x ``node.nodes``), else one process (None)."""
+    if "WORLD_SIZE" in os.environ:
+        return None
+    data, _ = read_resolved(Path(path), overrides)  # its problems: load_run_config's
+    target = machine(data.get("node"), None, None, None, None)
+    return target.gpus * target.nodes if target.gpus else None
 
 
 def train(loaded: LoadedConfig):

@@ -102,6 +102,18 @@ class CompileConfig:
 
 
 @dataclass
+class NodeConfig:
+    """``node``: the machine a recipe is written for. ``foundryx plan`` and ``--dry-run`` plan
+    for it unless their flags say otherwise (a login node without a GPU plans the cluster's)."""
+
+    gpu: str | None = doc("the device kind, a `foundryx plan --gpu` name (h100, mi300x, ...)",
+                          default=None)
+    gpus: int | None = doc("devices (processes) per node", default=None, gt=0)
+    nodes: int = doc("nodes", default=1, gt=0)
+    host_memory: str | None = doc("host (CPU) memory per node, e.g. 2TB", default=None)
+
+
+@dataclass
 class TrainConfig:
     # -- what to train ------------------------------------------------------------------
     model: dict[str, Any] = doc("model: {name: <models key>, ...model options}")
@@ -163,6 +175,9 @@ class TrainConfig:
     parallelism: ParallelismConfig | None = doc(
         "FSDP2 sharding over several processes; none: DDP (several processes) or plain", default=None
     )
+    node: NodeConfig | None = doc(
+        "the machine the run is written for (GPU kind and count, host memory): what `foundryx "
+        "plan` and --dry-run plan for unless told otherwise", default=None)
     activation_checkpointing: ActivationCheckpointingConfig = doc(
         "recompute activations in backward, per block (with or without parallelism)",
         default_factory=ActivationCheckpointingConfig,
@@ -204,6 +219,8 @@ class TrainConfig:
             self.activation_checkpointing = ActivationCheckpointingConfig(**self.activation_checkpointing)
         if isinstance(self.compile, dict):
             self.compile = CompileConfig(**self.compile)
+        if isinstance(self.node, dict):
+            self.node = NodeConfig(**self.node)
 
 
 # Sections whose value names a registry entry, and the registry.

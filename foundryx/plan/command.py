@@ -17,10 +17,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="run config YAML (its model, precision, sharding, microbatch, "
                    "peft_config, frozen_base, optimizer)")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
-    p.add_argument("--gpus", type=int, default=None, help="devices per node (default: 1)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
-    p.add_argument("--gpu", default=None, help=f"the device: {', '.join(GPUS)} (default: "
-                   f"{DEFAULT_GPU}); cpu: a CPU process (no GPU context or allocator margin), of "
+    p.add_argument("--gpus", type=int, default=None, help="devices per node (default: the config's node.gpus, else 1)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: the config's node.nodes, else 1)")
+    p.add_argument("--gpu", default=None, help=f"the device: {', '.join(GPUS)} (default: the "
+                   f"config's node.gpu, else {DEFAULT_GPU}); cpu: a CPU process (no GPU context or allocator margin), of "
                    "this machine's memory / --gpus unless --gpu-memory, also the default for a "
                    "config with device: cpu")
     p.add_argument("--gpu-memory", default=None, help="memory per device, e.g. 80GB or 79.1GiB "
@@ -44,9 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    if args.nodes >= 1 and (args.gpus is None or args.gpus >= 1):  # else make_plan says so
+    if (args.nodes or 1) >= 1 and (args.gpus is None or args.gpus >= 1):  # else make_plan says so
         # before torch: the config's mistakes in a fraction of a second (as make_plan loads it)
-        world = (args.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * args.nodes
+        world = (args.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * (args.nodes or 1)
         precheck(args.config, args.overrides, world_size=world,
                  component_sections=("model", "optimizer"))
     # torch + transformers: only for a plan

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foundryx.config.load import LoadedConfig, load_config
+from foundryx.config.load import LoadedConfig, load_config, read_resolved
 from foundryx.devices import peak_flops
 from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
@@ -19,6 +19,7 @@ from foundryx.plan.census import Census
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, GiB, find_gpu, parse_memory, parse_rate
 from foundryx.plan.host import HOST_DOCS, LOAD_MODES, HostFix, HostPlan, host_fixes, host_plan
 from foundryx.plan.memory import TERM_DOCS, Setup, by_stage, terms
+from foundryx.plan.node import machine, shape_override
 from foundryx.plan.settings import plan_setup
 from foundryx.plan.tp import (
     ACTIVATION_TERMS,
@@ -124,7 +125,7 @@ def flops_per_token(c: Census, seq_len: int) -> int:
 
 
 def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: int | None = None,
-              nodes: int = 1, gpu: str | None = None, gpu_memory: str | None = None,
+              nodes: int | None = None, gpu: str | None = None, gpu_memory: str | None = None,
               mfu: float = DEFAULT_MFU, host_memory: str | None = None,
               read_rate: str | None = None, tp: int | None = None) -> Plan:
     """Plan the run ``config`` (with ``key=value`` overrides) on ``nodes`` x ``gpus`` devices,
@@ -133,14 +134,20 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     degree instead of the config's ``parallelism.tp``."""
     if not 0 < mfu <= 1:
         raise ConfigError([f"--mfu: {mfu} is not a fraction in (0, 1]; e.g. --mfu 0.4"])
-    if nodes < 1 or (gpus is not None and gpus < 1):
+    if (nodes is not None and nodes < 1) or (gpus is not None and gpus < 1):
         raise ConfigError(["--gpus and --nodes: at least 1 each"])
     if tp is not None and tp < 1:
         raise ConfigError([f"--tp: {tp} is not a degree; a divisor of --gpus, e.g. --tp 2"])
     notes: list[str] = []
+    data, _ = read_resolved(Path(config), overrides)  # its problems: load_config's, below
+    target = machine(data.get("node"), gpu, gpus, nodes, host_memory)
+    gpu, gpus, nodes, host_memory = target.gpu, target.gpus, target.nodes, target.host_memory
+    notes += [target.note] if target.note else []
+    shape, said = shape_override(config, data.get("model"))
+    notes += [said] if said else []
     per_node = gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     world = per_node * nodes
-    loaded = load_config(config, overrides, world_size=world,
+    loaded = load_config(config, [*(overrides or []), *shape], world_size=world,
                          component_sections=("model", "optimizer"))
     if (gpu or "").lower() == "cpu" or (loaded.cfg.device == "cpu" and gpu is None):
         # A CPU process: no CUDA / ROCm context and no caching allocator, so neither term.
@@ -149,7 +156,7 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
         where = "--gpu-memory" if gpu_memory else "this machine's memory / processes per node"
         notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
                      f"{where}; no MFU on CPU")
-        host = _host_spec(host_memory, read_rate, this_machine())
+        host = _host_spec(host_memory, read_rate, this_machine(), target.host_source)
         return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host,
                            tp=tp)
     if gpu is None:
@@ -158,7 +165,7 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     capacity = parse_memory(gpu_memory) if gpu_memory else spec.memory
     node = HostSpec(spec.host_memory, f"{spec.node} (--host-memory for yours)", spec.read_rate)
     return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
-                       notes, _host_spec(host_memory, read_rate, node),
+                       notes, _host_spec(host_memory, read_rate, node, target.host_source),
                        Links(spec.link_rate, spec.net_rate), tp=tp)
 
 
@@ -167,9 +174,10 @@ def this_machine() -> HostSpec:
     return HostSpec(_cpu_memory(), "this machine", CPU_READ_RATE)
 
 
-def _host_spec(memory: str | None, rate: str | None, default: HostSpec) -> HostSpec:
-    return HostSpec(parse_memory(memory, "--host-memory") if memory else default.memory,
-                    "--host-memory" if memory else default.node,
+def _host_spec(memory: str | None, rate: str | None, default: HostSpec,
+               where: str = "--host-memory") -> HostSpec:
+    return HostSpec(parse_memory(memory, where) if memory else default.memory,
+                    where if memory else default.node,
                     parse_rate(rate) if rate else default.read_rate)
 
 
@@ -229,12 +237,26 @@ def plan_here(loaded: LoadedConfig, mfu: float = DEFAULT_MFU) -> Plan:
         capacity = torch.cuda.get_device_properties(0).total_memory
         return plan_loaded(loaded, per_node, name, "rocm" if torch.version.hip else "cuda", name,
                            capacity, mfu, None, this_machine())
+    target = machine(loaded.resolved.get("node"), None, None, None, None)
+    if target.gpu is not None:  # the recipe's node (a login node plans the cluster's)
+        spec = find_gpu(target.gpu)
+        node = HostSpec(*_node_host(spec, target.host_memory))
+        return plan_loaded(loaded, target.gpus or per_node, spec.key, spec.kind, spec.device_name,
+                           spec.memory, mfu, [f"no GPU on this machine: {target.note}"], node,
+                           Links(spec.link_rate, spec.net_rate))
     spec = find_gpu(DEFAULT_GPU)
     note = (f"no GPU on this machine: planned for one {spec.key} per process "
             "(`foundryx plan CONFIG --gpu NAME --gpus N` plans for another)")
     node = HostSpec(spec.host_memory, spec.node, spec.read_rate)
     return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, spec.memory, mfu,
                        [note], node, Links(spec.link_rate, spec.net_rate))
+
+
+def _node_host(spec: Any, host_memory: str | None) -> tuple[int, str, float]:
+    """A node of ``spec``'s GPUs: its reference host memory, or ``host_memory``."""
+    if host_memory:
+        return parse_memory(host_memory, "node.host_memory"), "node.host_memory", spec.read_rate
+    return spec.host_memory, spec.node, spec.read_rate
 
 
 def _cpu_memory() -> int:
