@@ -4,6 +4,8 @@ as themselves; same logits after reload; atomic output; clear errors."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -87,6 +89,27 @@ def test_tokenizer_and_generation_config_are_written(tmp_path, tiny_tokenizer):
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tiny_tokenizer.eos_token_id
     assert json.loads((out / "config.json").read_text())["eos_token_id"] == tiny_tokenizer.eos_token_id
+
+
+def test_export_tokenizer_returns_what_the_model_takes(tmp_path, tiny_tokenizer):
+    """The saved tokenizer returns no token_type_ids (which generate refuses); the caller's
+    tokenizer is left as it was."""
+    before = list(tiny_tokenizer.model_input_names)
+    out = export(random_mpt(**LLAMA_STYLE), tmp_path / "out", tiny_tokenizer)
+    assert sorted(AutoTokenizer.from_pretrained(out)("the cat")) == ["attention_mask", "input_ids"]
+    assert tiny_tokenizer.model_input_names == before
+
+
+def test_export_modes_follow_the_umask(tmp_path, tiny_tokenizer):
+    """Not mkdtemp's 0o700 nor safetensors' 0o600: what the umask gives any file and folder."""
+    old = os.umask(0o027)
+    try:
+        out = export(random_mpt(**LLAMA_STYLE), tmp_path / "out", tiny_tokenizer)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o640}, modes
 
 
 def test_hf_model_exports_as_its_own_architecture(tmp_path):

@@ -24,6 +24,10 @@ from foundryx.errors import CheckpointError
 METADATA_DIR = "hf"  # inside a checkpoint folder: config.json and tokenizer files
 COMPONENTS = "components.json"  # inside a checkpoint folder: the model and tokenizer sections
 COMPONENTS_VERSION = 1
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# what a tokenizer may return that no model foundryx trains takes (its batches carry input_ids
+# and attention_mask): `model.generate(**tok(text, return_tensors="pt"))` refuses it
+UNUSED_INPUTS = ("token_type_ids",)
 
 
 def record_of(model: Any, tokenizer: Any) -> dict[str, Any]:
@@ -95,8 +99,28 @@ def write_model_metadata(folder: str | Path, composer_model: Any) -> Path | None
     config.save_pretrained(out)
     tokenizer = getattr(composer_model, "tokenizer", None)
     if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out)
+        save_tokenizer(tokenizer, out)
     return out
+
+
+def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
+    """``tokenizer.save_pretrained(folder)``, its ``tokenizer_config.json`` then naming the
+    inputs the model takes (``model_input_names``: ``input_ids``, ``attention_mask``) without
+    :data:`UNUSED_INPUTS`: a tokenizer made with ``PreTrainedTokenizerFast`` (the quickstart's)
+    returns ``token_type_ids`` by default, which ``model.generate(**tok(text,
+    return_tensors="pt"))`` refuses. The tokenizer object itself is left as it is."""
+    tokenizer.save_pretrained(folder)
+    path = Path(folder) / TOKENIZER_CONFIG
+    names = list(getattr(tokenizer, "model_input_names", None) or [])
+    kept = [name for name in names if name not in UNUSED_INPUTS]
+    if not path.is_file() or not kept:
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("model_input_names") == kept:
+        return
+    config["model_input_names"] = kept  # what AutoTokenizer.from_pretrained passes to __init__
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                    encoding="utf-8")
 
 
 def metadata_folder(checkpoint: str | Path) -> Path | None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from foundryx.checkpoint.metadata import save_tokenizer
 from foundryx.errors import ExportError
 from foundryx.export.writer import write_atomically
 from foundryx.models.mpt.configuration import MPTConfig
@@ -132,7 +133,7 @@ def write_adapter(model: nn.Module, options: LoraOptions, tokenizer: Any, out: s
     def fill(tmp: Path) -> None:
         write_adapter_folder(tmp, tensors, config)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)  # model_input_names without token_type_ids
 
     out = write_atomically(out, fill, overwrite)
     kind = {"llama": "a Llama", "mpt": "a foundryx_mpt"}.get(fmt, "its Hugging Face")

@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from foundryx.checkpoint.metadata import save_tokenizer
 from foundryx.errors import ExportError
-from foundryx.runtime import replace_all
+from foundryx.runtime import give_usual_modes, replace_all
 
 
 def replaceable(out: Path) -> bool:
@@ -34,7 +35,8 @@ def check_target(out: str | Path, overwrite: bool) -> Path:
 
 def write_atomically(out: str | Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Run ``fill(tmp)`` on a temporary sibling folder of ``out``, then rename it to ``out``
-    (replacing an older export when ``overwrite``). On any error nothing is left behind and
+    (replacing an older export when ``overwrite``), its files and folders given the modes the
+    umask gives any (``0o644``/``0o755`` under umask 022). On any error nothing is left behind and
     ``out`` is as it was; a failed write (full disk, no permission) is an ExportError naming
     ``out``."""
     out = check_target(out, overwrite)
@@ -43,6 +45,7 @@ def write_atomically(out: str | Path, fill: Callable[[Path], None], overwrite: b
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         fill(tmp)
+        give_usual_modes(tmp)  # mkdtemp's 0o700, safetensors' 0o600: readable as any file is
         replace_all([(tmp, out)])
     except BaseException as e:
         if tmp is not None:
@@ -68,8 +71,9 @@ def set_special_tokens(model: Any, tokenizer: Any) -> None:
 
 
 def save_model_folder(folder: Path, model: Any, tokenizer: Any, max_shard_size: str = "5GB") -> None:
-    """``save_pretrained`` of model (safetensors) and tokenizer into ``folder``."""
+    """``save_pretrained`` of model (safetensors) and tokenizer into ``folder`` (the tokenizer
+    as :func:`~foundryx.checkpoint.metadata.save_tokenizer` saves it)."""
     set_special_tokens(model, tokenizer)
     model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
     if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
+        save_tokenizer(tokenizer, folder)  # model_input_names without token_type_ids
