@@ -25,6 +25,7 @@ from typing import NoReturn
 from foundryx import __version__, known_warnings, registry
 from foundryx.config.help import component_help, config_help
 from foundryx.config.load import is_override, precheck, precheck_sections
+from foundryx.config_paths import path_problems
 from foundryx.data import partitions
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.quickstart import prepare_quickstart
@@ -32,6 +33,7 @@ from foundryx.data.tokenizers import build_hf_tokenizer
 from foundryx.devices import run_problems
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import load_eval_config, run_config_icl_problems
+from foundryx.eval.task_config import SCORINGS
 from foundryx.plan.command import add_parser as add_plan_parser
 from foundryx.runtime import setup_logging
 
@@ -49,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Before torch: the config's mistakes in a fraction of a second. A dry run lists what this
     # machine cannot run after its plan (a GPU recipe checked on a laptop still shows one).
     precheck(args.config, args.overrides,
-             checks=(run_config_icl_problems,) + (() if args.dry_run else (run_problems,)))
+             checks=(run_config_icl_problems,) + (() if args.dry_run else (run_problems, path_problems)))
     from foundryx import train as training  # torch + Composer: only when a run is loaded
 
     if args.dry_run:  # the config, derived numbers and plan, then the problems (exit 2)
@@ -167,7 +169,8 @@ def _add_export_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0, or 1 when --compare-to finds a result short of the reference."""
-    loaded = load_eval_config(args.config, args.overrides)  # before torch: mistakes answer fast
+    loaded = load_eval_config(args.config, args.overrides,  # before torch: mistakes answer fast
+                              scoring=args.scoring)
     cannot = run_problems({"device": loaded.cfg.device})  # (eval on a CPU runs in fp32)
     if cannot:
         raise ConfigError(cannot, source=str(args.config))
@@ -189,6 +192,10 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--tolerance", type=float, help="allowed shortfall (default: the config's, 0.02)")
     v.add_argument("--dump-examples", type=int, metavar="N",
                    help="write prompts, continuations and scores of N examples per task")
+    v.add_argument("--scoring", choices=SCORINGS, help="score every task of the config this way "
+                   "where it can be: lm_eval (lm-eval-harness's acc and acc_norm) goes on the "
+                   "multiple_choice and schema tasks without has_categories; llmfoundry on all "
+                   "(see docs/eval.md)")
     v.set_defaults(fn=cmd_eval)
 
 

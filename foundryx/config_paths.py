@@ -1,0 +1,50 @@
+"""The paths a run config names, checked before anything is built (``foundryx train`` calls
+:func:`path_problems` with the fast checks, before it imports torch): ``load_path``, the
+folders of the text loaders' MDS data, a tokenizer folder and a model folder. A path given as
+a folder (absolute, or starting with ``.`` or ``~``) must be one; a bare name may be a Hugging
+Face hub id and is left to the loaders. A dry run leaves data folders to its second stage (a
+cluster's data may not be on the login node) and reports them after its plan.
+
+An entry shell's helper: it may import anything (here, the data layer's folder checks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from foundryx.data import remote as remotes
+from foundryx.data.options import mds_folder_problems
+
+
+def _looks_like_folder(value: Any) -> bool:
+    return isinstance(value, str) and value.startswith(("/", ".", "~"))
+
+
+def path_problems(data: dict[str, Any]) -> list[str]:
+    """One line per path of the resolved config ``data`` that is not on this machine."""
+    problems = []
+    load = data.get("load_path")
+    if isinstance(load, str) and load and not remotes.is_remote(load) and not Path(load).expanduser().exists():
+        problems.append(f"load_path: {load} does not exist; give a checkpoint folder (a run's "
+                        "checkpoints/ folder or one of its ep*-ba* folders), or leave load_path "
+                        "out to start from scratch")
+    for section in ("train_loader", "eval_loader"):
+        loader = data.get(section)
+        dataset = loader.get("dataset") if isinstance(loader, dict) else None
+        if loader is None or loader.get("name") != "text" or not isinstance(dataset, dict) \
+                or "local" not in dataset or "streams" in dataset:
+            continue
+        problems += mds_folder_problems(dataset["local"], dataset.get("split"), f"{section}.dataset.",
+                                        dataset.get("max_seq_len"), f"{section}.dataset.max_seq_len",
+                                        dataset.get("remote"))
+    for section, key in (("tokenizer", "path"), ("model", "pretrained_model_name_or_path")):
+        part = data.get(section)
+        value = part.get(key) if isinstance(part, dict) else None
+        if section == "model" and isinstance(part, dict) and part.get("pretrained") is False:
+            continue
+        if _looks_like_folder(value) and not Path(value).expanduser().is_dir():
+            problems.append(f"{section}.{key}: folder {value} does not exist; give the folder of "
+                            "a Hugging Face model (config.json, tokenizer and safetensors) or a hub "
+                            "name")
+    return problems
