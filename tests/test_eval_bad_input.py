@@ -43,8 +43,10 @@ def config(tmp_path):
     ({"icl_task_type": "generation_task_with_answers", "scoring": "lm_eval"}, GEN, None,
      "icl_tasks[0].scoring: lm_eval is for multiple-choice tasks (multiple_choice, schema); 't' "
      "is a generation_task_with_answers task"),
-    ({}, MC, "nope", "eval_gauntlet.categories[0].benchmarks[0]: nope/0-shot is not among the ICL "
-                     "tasks evaluated (t/0-shot); add it or remove it"),
+    ({}, MC, "nope", "eval_gauntlet.categories[0].benchmarks[0]: the gauntlet scores nope/0-shot, "
+                     "which is not among the ICL tasks evaluated (t/0-shot); add task 'nope' "
+                     "(num_fewshot 0) to icl_tasks, remove this benchmark from category 'c', or "
+                     "evaluate without the gauntlet: eval_gauntlet=null"),
 ], ids=["missing-field", "too-many-shots", "lm-eval-on-generation", "gauntlet-unknown-task"])
 def test_bad_input_exits_2_with_one_message_and_writes_nothing(config, capsys, task, rows,
                                                                gauntlet_task, message):

@@ -83,6 +83,19 @@ def test_bad_gauntlet_configs():
             {"name": "a", "num_fewshot": 1, "random_baseline": 1.0}]}], "averages": {"core": ["y"]}}, KEYS)
     text = str(e.value)
     assert "benchmarks[0].random_baseline: must be in [0, 1), got 1.0" in text
-    assert "benchmarks[0]: a/1-shot is not among the ICL tasks evaluated" in text
+    assert "benchmarks[0]: the gauntlet scores a/1-shot, which is not among the ICL tasks" in text
+    assert "task 'a' is evaluated at 0 shots: add 1 to its num_fewshot" in text
     with pytest.raises(ConfigError, match="averages.core: unknown category 'y'"):
         load_gauntlet({"categories": [], "averages": {"core": ["y"]}}, KEYS)
+
+
+def test_many_missing_benchmarks_are_one_line_with_the_fixes():
+    """A task list cut to one task under a big gauntlet: one line naming every missing
+    benchmark and the fixes, not one line per benchmark."""
+    with pytest.raises(ConfigError) as e:
+        load_gauntlet({"categories": [{"name": "x", "benchmarks": [
+            {"name": n, "num_fewshot": 0} for n in ("a", "d", "e", "f", "g")]}]}, KEYS)
+    assert e.value.problems == [
+        "eval_gauntlet: 4 benchmarks are not among the ICL tasks evaluated (a/0-shot, b/3-shot, "
+        "c/0-shot): d/0-shot, e/0-shot, f/0-shot, g/0-shot; add those tasks to icl_tasks, remove "
+        "them from the gauntlet's categories, or evaluate without the gauntlet: eval_gauntlet=null"]

@@ -17,7 +17,7 @@ from foundryx.config.types import dataclass_problems, join
 from foundryx.errors import ConfigError, did_you_mean
 from foundryx.eval.gauntlet import Gauntlet, load_gauntlet
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
-from foundryx.eval.task_config import ICLTaskConfig, load_icl_tasks
+from foundryx.eval.task_config import ICLTaskConfig, load_icl_tasks, with_scoring
 
 
 @dataclass
@@ -75,7 +75,9 @@ class EvalConfig:
     setup: dict[str, dict[str, Any]] = doc(
         "steps run before reading data, e.g. {quickstart_facts: {out_dir: ...}}",
         default_factory=dict)
-    progress_bar: bool = doc("show a tqdm bar per task", default=True)
+    progress_bar: bool | None = doc(
+        "null: a progress bar per task when stderr is a terminal, else (piped, redirected) a log "
+        "line per task when it is done; true/false: always/never a bar", default=None)
     python_log_level: str | None = doc("log level of foundryx", default="info")
     variables: dict[str, Any] = doc("values for ${variables.x} interpolation", default_factory=dict)
 
@@ -88,6 +90,7 @@ class LoadedEvalConfig:
     gauntlet: Gauntlet | None
     source: str
     resolved: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # lines for the log once it is set up
 
 
 def _model_problems(models: list[Any]) -> tuple[list[EvalModelSpec], list[str]]:
@@ -160,8 +163,11 @@ def run_config_icl_problems(data: dict[str, Any]) -> list[str]:
     return icl_problems(data["icl_tasks"], data.get("icl_data_root"), data.get("eval_gauntlet"))[2]
 
 
-def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEvalConfig:
-    """Read, merge, resolve and validate an eval config; raise ConfigError with every problem."""
+def load_eval_config(path: str, overrides: list[str] | None = None,
+                     scoring: str | None = None) -> LoadedEvalConfig:
+    """Read, merge, resolve and validate an eval config; raise ConfigError with every problem.
+    ``scoring`` (``--scoring``): every task that can take it is scored so (see
+    :func:`foundryx.eval.task_config.with_scoring`), said in a note."""
     merged, problems = read_merged(path, overrides)
     data = resolve(merged, "", problems)
     problems += dataclass_problems(EvalConfig, data)
@@ -185,7 +191,20 @@ def load_eval_config(path: str, overrides: list[str] | None = None) -> LoadedEva
         cfg.icl_tasks, cfg.icl_data_root, cfg.eval_gauntlet,
         check_files=not (cfg.setup or cfg.skip_missing_data),
         missing_hint=" (or skip_missing_data=true to leave such tasks out)")
+    if any(o.startswith("icl_tasks") and "scoring" in o for o in overrides or []):
+        # a task list replaced to change its scoring: say the one flag that does that
+        at = next((i for i, p in enumerate(more) if "not among the ICL tasks evaluated" in p), None)
+        if at is not None:
+            more[at] += ("; to change only how the tasks are scored, keep icl_tasks as it is and "
+                         "give foundryx eval --scoring lm_eval (or llmfoundry)")
     problems += more
     if problems:
         raise ConfigError(problems, source=path)
-    return LoadedEvalConfig(cfg, specs, tasks, gauntlet, path, data)
+    notes = []
+    if scoring is not None:
+        try:
+            tasks, note = with_scoring(tasks, scoring)
+        except ConfigError as e:
+            raise ConfigError(e.problems, source=path) from None
+        notes.append(note)
+    return LoadedEvalConfig(cfg, specs, tasks, gauntlet, path, data, notes)

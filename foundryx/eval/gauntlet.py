@@ -95,6 +95,7 @@ def load_gauntlet(source: str | dict[str, Any], task_keys: set[str], where: str 
         raise ConfigError([f"{where}: expected a mapping with categories, got {data!r}"], source=origin)
     problems = dataclass_problems(GauntletConfig, data, where)
     categories: dict[str, list[Benchmark]] = {}
+    missing: list[tuple[str, str, Benchmark]] = []
     cats = [] if problems else data["categories"]
     for path, cat in _valid_items(Category, cats, join(where, "categories"), problems):
         if cat["name"] in categories or cat["name"] == AVERAGE:
@@ -105,16 +106,43 @@ def load_gauntlet(source: str | dict[str, Any], task_keys: set[str], where: str 
             if not 0 <= bench.random_baseline < 1:
                 problems.append(f"{bpath}.random_baseline: must be in [0, 1), got {bench.random_baseline}")
             if bench.key not in task_keys:
-                problems.append(f"{bpath}: {bench.key} is not among the ICL tasks evaluated "
-                                f"({', '.join(sorted(task_keys)) or 'none'}); add it or remove it")
+                missing.append((bpath, cat["name"], bench))
             benches.append(bench)
         categories[cat["name"]] = benches
+    problems += _missing_problems(missing, task_keys, where)
     for name, members in (data.get("averages") or {}).items() if not problems else ():
         problems += [f"{where}.averages.{name}: unknown category {c!r}" for c in members
                      if c not in categories]
     if problems:
         raise ConfigError(problems, source=origin)
     return Gauntlet(GauntletConfig(**data), categories)
+
+
+def _missing_problems(missing: list[tuple[str, str, Benchmark]], task_keys: set[str],
+                      where: str) -> list[str]:
+    """One problem per benchmark that is no task of icl_tasks (one for them all past 3),
+    naming the task and the three fixes: add the task (or the shot count), drop the benchmark,
+    or evaluate without the gauntlet."""
+    evaluated = ", ".join(sorted(task_keys)) or "none"
+    without = f"or evaluate without the gauntlet: {where}=null"
+    if len(missing) > 3:
+        names = ", ".join(b.key for _, _, b in missing)
+        return [f"{where}: {len(missing)} benchmarks are not among the ICL tasks evaluated "
+                f"({evaluated}): {names}; add those tasks to icl_tasks, remove them from the "
+                f"gauntlet's categories, {without}"]
+    out = []
+    for path, category, b in missing:
+        shots = sorted(int(k.rsplit("/", 1)[1].split("-")[0]) for k in task_keys
+                       if k.rsplit("/", 1)[0] == b.name)
+        if shots:
+            add = (f"task {b.name!r} is evaluated at {', '.join(map(str, shots))} shots: add "
+                   f"{b.num_fewshot} to its num_fewshot")
+        else:
+            add = f"add task {b.name!r} (num_fewshot {b.num_fewshot}) to icl_tasks"
+        out.append(f"{path}: the gauntlet scores {b.key}, which is not among the ICL tasks "
+                   f"evaluated ({evaluated}); {add}, remove this benchmark from category "
+                   f"{category!r}, {without}")
+    return out
 
 
 def _weight(mode: str, n: int) -> float:

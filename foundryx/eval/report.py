@@ -77,14 +77,20 @@ def _baseline(results: EvalResults, key: str) -> str:
 
 
 def markdown_table(results: EvalResults) -> str:
-    head = ["result", "category", "examples", "random baseline", *results.models]
+    """The results table; its random-baseline column only when a task has one (the gauntlet's,
+    or the task type's: 1 / the number of choices for multiple choice and schema)."""
+    with_baseline = any(results.kinds[k] == "task" and k in results.baselines for k in results.kinds)
+    head = ["result", "category", "examples", *(["random baseline"] if with_baseline else []),
+            *results.models]
     lines = ["| " + " | ".join(head) + " |",
              "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for key in results.keys():
         kind = results.kinds[key]
         name = ("  " if kind in ("category", "metric") else "") + key
         cells = [name, results.category_of(key) if kind == "task" else "",
-                 str(results.examples.get(key, "")), _baseline(results, key)]
+                 str(results.examples.get(key, ""))]
+        if with_baseline:
+            cells.append(_baseline(results, key))
         lines.append("| " + " | ".join(cells + [results.cell(m, key) for m in results.models]) + " |")
     return "\n".join(lines)
 

@@ -105,6 +105,8 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     dump = dump_examples if dump_examples is not None else cfg.dump_examples
     ref_label, ref_file = _reference(loaded, compare_to)
     setup_logging(cfg.python_log_level)
+    for line in loaded.notes:
+        log.info("%s", line)
     device = with_host_collectives(get_device(pick_device(cfg.device)), dist.get_world_size())
     note = precision_note(device.name, cfg.precision)
     if note:

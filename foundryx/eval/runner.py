@@ -9,6 +9,8 @@ gather the rows (see :mod:`foundryx.eval.data`).
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ class TaskResult:
     outcomes: dict[int, bool] = field(default_factory=dict)  # example id -> correct
     dumped: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # more scores, e.g. acc_norm
+    random_baseline: float | None = None  # the accuracy of guessing, where the task type knows it
 
 
 def _row_records(task: PreparedTask, tokenizer: Any, batch: dict[str, Any], info: dict[str, Any],
@@ -140,13 +143,26 @@ def _scorer(model: Any, task: PreparedTask, metric: Any) -> Any:
     return scoring_forward(generation_model(model))
 
 
+def progress_bar_here() -> bool:
+    """Whether a progress bar can redraw in place: stderr (where tqdm writes) is a terminal.
+    Piped or redirected, its carriage returns would leave the bar's last state on the line the
+    results table starts on, so each task gets one log line when it is done instead."""
+    return sys.stderr.isatty()
+
+
 def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size: int, device: Any,
-                  precision: str = "fp32", dump: int = 0, progress: bool = True) -> TaskResult:
-    """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task."""
+                  precision: str = "fp32", dump: int = 0, progress: bool | None = None) -> TaskResult:
+    """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task; ``progress``
+    (the config's ``progress_bar``): None: a bar on a terminal, else a line when the task is
+    done (see :func:`progress_bar_here`); True/False: always/never a bar."""
     from composer.core.precision import get_precision_context
     from composer.utils import dist
 
     rank, world = dist.get_global_rank(), dist.get_world_size()
+    here = progress_bar_here()
+    bar = rank == 0 and (progress is True or (progress is None and here))
+    line = rank == 0 and progress is None and not here
+    started = time.perf_counter()
     metric = device.module_to_device(registry.metrics.get(task.metric)())
     loader = build_dataloader(task, tokenizer, task.cfg.batch_size or batch_size, rank, world)
     rows: list[dict[str, Any]] = []
@@ -154,7 +170,7 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
     generate = _generator(model, task, tokenizer, world)
     score = _scorer(model, task, metric)
     with torch.inference_mode():
-        for batch in tqdm(loader, desc=task.key, disable=not progress or rank != 0, leave=False):
+        for batch in tqdm(loader, desc=task.key, disable=not bar, leave=False):
             batch = device.batch_to_device(batch)
             with get_precision_context(precision):
                 if generate is not None:
@@ -179,8 +195,13 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
         cats = {task.categories[c]: s for c, s in sorted(by_category.items())}
     if world > 1 and dump:
         rows = [r for part in dist.all_gather_object(rows) for r in part]
-    return TaskResult(task.key, macro_average(by_category), len(task.examples), cats, outcomes,
-                      _group_records(task, rows, outcomes) if dump else [], more)
+    score = macro_average(by_category)
+    if line:
+        log.info("%s: %d examples, score %.4f (%.1f s)", task.key, len(task.examples), score,
+                 time.perf_counter() - started)
+    baseline = task.task_type.random_baseline([len(ex.rows) for ex in task.examples])
+    return TaskResult(task.key, score, len(task.examples), cats, outcomes,
+                      _group_records(task, rows, outcomes) if dump else [], more, baseline)
 
 
 def read_tasks(loaded: LoadedEvalConfig) -> dict[str, list[Example]]:
@@ -234,6 +255,8 @@ def add_model_results(results: EvalResults, label: str, task_results: list[TaskR
     """Record one model's task, category and gauntlet scores."""
     for r in task_results:
         results.add(label, r.key, r.score, "task", r.examples)
+        if r.random_baseline is not None:  # the gauntlet's stated baseline, if any, wins below
+            results.baselines[r.key] = r.random_baseline
         for name, score in r.categories.items():
             results.add(label, f"{r.key}/{name}", score, "category")
         for name, score in r.metrics.items():

@@ -126,6 +126,40 @@ def _entry_problems(entry: Any, path: str) -> list[str]:
     return problems
 
 
+SCORINGS = ("llmfoundry", "lm_eval")
+
+
+def with_scoring(tasks: list[ICLTaskConfig], scoring: str) -> tuple[list[ICLTaskConfig], str]:
+    """``(tasks, what was done)``: every task scored by ``scoring`` (``foundryx eval --scoring``)
+    where it can be: ``lm_eval`` goes on multiple_choice and schema tasks without
+    has_categories, the others keep their scoring and the line says which and why. ConfigError
+    when no task can take it."""
+    if scoring not in SCORINGS:
+        raise ConfigError([f"--scoring: {scoring!r}; use one of {', '.join(SCORINGS)}"])
+    out, scored, kept = [], [], []
+    for t in tasks:
+        why = None
+        if scoring == "lm_eval" and t.icl_task_type not in LM_EVAL_TYPES:
+            why = t.icl_task_type
+        elif scoring == "lm_eval" and t.has_categories:
+            why = "has_categories"
+        if why is None:
+            out.append(dataclasses.replace(t, scoring=scoring))
+            scored.append(t.label)
+        else:
+            out.append(t)
+            kept.append(f"{t.label} ({why})")
+    rule = (f"lm_eval is for {' and '.join(LM_EVAL_TYPES)} tasks without has_categories"
+            if scoring == "lm_eval" else "")
+    if tasks and len(kept) == len(tasks):
+        raise ConfigError([f"--scoring {scoring}: no task of icl_tasks can take it ({rule}); the "
+                           f"tasks are {', '.join(kept)}. Leave --scoring out"])
+    line = f"--scoring {scoring}: {', '.join(scored)} scored with {scoring}"
+    if kept:
+        line += f"; {', '.join(kept)} as set in the config ({rule})"
+    return out, line
+
+
 def _read_task_file(path: Path) -> tuple[list[Any], str | None]:
     """``(entries, data_root)`` of a task file."""
     problems: list[str] = []

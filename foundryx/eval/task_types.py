@@ -77,6 +77,11 @@ class ICLTaskType:
         """Accepted answers of a generation example."""
         return ()
 
+    def random_baseline(self, options: list[int]) -> float | None:
+        """The accuracy of guessing on examples with ``options`` scored rows each; None where
+        guessing has no known accuracy (language modeling, generation)."""
+        return None
+
     # lm-eval-harness's multiple_choice output type (scoring: lm_eval)
     def lm_eval_text(self, text: str) -> str:
         c = self.cfg
@@ -131,9 +136,17 @@ class LanguageModeling(ICLTaskType):
         return [(self.context(ex["context"], first), ex["continuation"])]
 
 
+def _one_of(options: list[int]) -> float | None:
+    """The expected accuracy of a uniform guess among each example's options."""
+    return sum(1 / n for n in options) / len(options) if options and min(options) > 0 else None
+
+
 class MultipleChoice(ICLTaskType):
     fields = {"query": str, "choices": list, "gold": int}
     metric = "icl_mc_accuracy"
+
+    def random_baseline(self, options):
+        return _one_of(options)
 
     def problems(self, ex):
         return super().problems(ex) or _strings_problem(ex, "choices") or _gold_problem(ex, "choices")
@@ -162,6 +175,9 @@ class MultipleChoice(ICLTaskType):
 class Schema(ICLTaskType):
     fields = {"context_options": list, "continuation": str, "gold": int}
     metric = "icl_mc_accuracy"
+
+    def random_baseline(self, options):
+        return _one_of(options)
 
     def problems(self, ex):
         return (super().problems(ex) or _strings_problem(ex, "context_options")

@@ -8,15 +8,11 @@ from pathlib import Path
 import yaml
 
 from foundryx.errors import ReportError
-from foundryx.report.plots import PLOTS, SIZE, Plot, icl_scores
+from foundryx.report.plots import PLOTS, SIZE, Plot, fmt_number, icl_scores
 from foundryx.report.run import RunFolder, read_run_folder
 from foundryx.runtime import write_together
 
-__all__ = ["SIZE", "make_report", "read_run_folder"]
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+__all__ = ["SIZE", "fmt_number", "make_report", "read_run_folder"]
 
 
 def final_numbers(run: RunFolder) -> list[tuple[str, str]]:
@@ -33,11 +29,12 @@ def final_numbers(run: RunFolder) -> list[tuple[str, str]]:
             v = sum(s.values[-10:]) / len(s.values[-10:])
         else:  # max
             v = max(s.values)
-        rows.append((f"{label} ({key}, {how})", _fmt(v * scale)))
+        rows.append((f"{label} ({key}, {how})", fmt_number(v * scale)))
 
     add("batches", "time/batch")
     add("tokens", "time/token")
     add("training time, s", "time/train", scale=3600.0)  # Composer logs hours
+    add("train loss", "loss/train/total", "loss/train*", how="last")  # the console's final loss
     add("train loss", "loss/train/total", "loss/train*", how="mean of the last 10")
     for key in run.matching(r"^metrics/eval/"):
         add("eval", key)
@@ -65,12 +62,20 @@ def _icl_table(run: RunFolder) -> list[str]:
     return lines + [""]
 
 
+LOSS_NOTE = ("Train loss, last: the loss of the last batch, the one the console's final line "
+             "prints (`done: ... loss FIRST -> LAST`). Mean of the last 10: the same loss "
+             "averaged over the last 10 batches, less noisy; the two differ by the batch-to-batch "
+             "noise.")
+
+
 def render(run: RunFolder, plots: list[Plot]) -> str:
     lines = [f"# Run report: {run.name}", "", f"Run folder: `{run.path}` (metrics: "
              f"`{run.metrics_file.name}`, {sum(len(s.values) for s in run.series.values())} "
              "values)", "", "## Final numbers", "", "| what | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in final_numbers(run)] + [""]
     found = run.find("loss/train/total", "loss/train*")
+    if found is not None:
+        lines += [LOSS_NOTE, ""]
     if found is not None and found[1].restarts:
         lines += [f"The metrics file holds {found[1].restarts + 1} runs appended one after "
                   "another (restarts, resumes): for each batch, the values logged last are "
@@ -81,6 +86,8 @@ def render(run: RunFolder, plots: list[Plot]) -> str:
             lines.append(f"- {p.title}: not plotted: {p.skipped}")
         else:
             lines += [f"### {p.title}", "", f"![{p.title}]({p.name}.png)", ""]
+            if p.note:
+                lines += [p.note, ""]
     lines += [""] + _icl_table(run)
     lines += ["## Environment", ""]
     if run.environment:
