@@ -59,17 +59,14 @@ def test_recipe_passes_dry_run(recipe, folders, quickstart_data, capsys, monkeyp
             f"variables.model_path={folders[RECIPES[recipe]]}",
             f"variables.data_root={quickstart_data}", "variables.max_seq_len=128"]
     text = (ROOT / "yamls" / "finetune" / f"{recipe}.yaml").read_text()
-    if "\ndevice: gpu" in text and not torch.cuda.is_available():
-        # a GPU recipe on a machine without one: the dry run says so (exit 2); on the CPU
-        # (device and precision swapped) the rest of the recipe passes
-        assert main(args) == 2
-        err = capsys.readouterr().err
-        assert "device: 'gpu' cannot run here" in err and "1 problem" in err, err
-        args += ["device=cpu", "precision=fp32"]
     code = main(args)
     out, err = capsys.readouterr()
     assert code == 0, err
     assert "peft_config" in out and "target_modules" in out
+    if "\ndevice: gpu" in text and not torch.cuda.is_available():
+        # a GPU recipe checked on a machine without one (a cluster's login node): the dry run
+        # checks it for the machine it will run on and notes what this one could not run
+        assert "note: this machine could not run it as it is (device: 'gpu' cannot run here" in out
 
 
 @pytest.mark.slow
