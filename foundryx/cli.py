@@ -288,8 +288,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. max_duration=20ba")
     t.add_argument("--dry-run", action="store_true", help="print the resolved config, the derived "
                    "numbers and the plan, then the problems (exit 2 when there are any)")
-    t.add_argument("--help-config", nargs="?", const=True, metavar="REGISTRY.NAME",
-                   help="list every config key with its doc; with REGISTRY.NAME (e.g. "
+    t.add_argument("--help-config", nargs="?", const=True, metavar="SECTION|REGISTRY.NAME",
+                   help="list every config key with its doc; with a SECTION (e.g. parallelism, "
+                   "parallelism.tp, frozen_base), its keys; with REGISTRY.NAME (e.g. "
                    "algorithms.ema, or a bare name), that component's options")
     t.set_defaults(fn=cmd_train)
 

@@ -65,6 +65,22 @@ KNOWN_IMPORT_LOGS: tuple[tuple[str, Known], ...] = (
 )
 
 
+# Log lines that third-party code writes while a run goes on, filtered the same way (a filter
+# on the named logger, from `import foundryx` on; forked and spawned dataloader workers too,
+# as they import foundryx or inherit the filter).
+KNOWN_LOGS: tuple[tuple[str, Known], ...] = (
+    ("streaming.base.dataset",
+     Known(r"The `replication` arg has been set to \d+ and training is resuming from sample \d+\. "
+           r"Make sure you are accounting for sample replication", UserWarning,
+           "under parallelism.tp foundryx sets dataset.replication to tp (the ranks of a "
+           "tensor-parallel group read the same batches), and streaming says this at the start "
+           "of every epoch of every loader with replication, resumed or not. foundryx accounts "
+           "for it: each rank of a group counts 1/tp of the batch, so the sample count a "
+           "checkpoint resumes from is the unique samples read (foundryx/data/text.py; "
+           "tests/test_icl_tp.py checks a tp 2 checkpoint's data position against FSDP's)")),
+)
+
+
 class _DropKnownImportLogs(logging.Filter):
     def __init__(self, patterns: list[str]):
         super().__init__()
@@ -75,14 +91,15 @@ class _DropKnownImportLogs(logging.Filter):
 
 
 def install_import_filters() -> None:
-    """Drop the :data:`KNOWN_IMPORT_LOGS` lines (not when ``FOUNDRYX_ALL_WARNINGS=1``)."""
+    """Drop the :data:`KNOWN_IMPORT_LOGS` and :data:`KNOWN_LOGS` lines (not when
+    ``FOUNDRYX_ALL_WARNINGS=1``)."""
     if os.environ.get("FOUNDRYX_ALL_WARNINGS") == "1":
         return
-    for name in {n for n, _ in KNOWN_IMPORT_LOGS}:
+    logs = KNOWN_IMPORT_LOGS + KNOWN_LOGS
+    for name in {n for n, _ in logs}:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropKnownImportLogs) for f in logger.filters):
-            logger.addFilter(_DropKnownImportLogs([k.message for n, k in KNOWN_IMPORT_LOGS
-                                                   if n == name]))
+            logger.addFilter(_DropKnownImportLogs([k.message for n, k in logs if n == name]))
 
 
 class _DropKnownPrints(logging.Filter):

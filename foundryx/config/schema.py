@@ -34,8 +34,8 @@ MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]
 
 @dataclass
 class ParallelismConfig:
-    """``parallelism``: FSDP2 sharding over several processes (see docs/distributed.md);
-    null: none (several processes then train with Composer's DDP)."""
+    """``parallelism``: FSDP2 sharding and tensor parallelism (``tp``) over several processes
+    (see docs/distributed.md); null: none (several processes then train with Composer's DDP)."""
 
     sharding_strategy: Literal["FULL_SHARD", "HYBRID_SHARD"] = doc(
         "FULL_SHARD: shard over all ranks; HYBRID_SHARD: shard within a node, replicate across",
@@ -173,7 +173,8 @@ class TrainConfig:
     precision: Precision = doc("numeric precision of training", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("cpu or gpu; default: gpu when available", default=None)
     parallelism: ParallelismConfig | None = doc(
-        "FSDP2 sharding over several processes; none: DDP (several processes) or plain", default=None
+        "FSDP2 sharding and tensor parallelism (tp) over several processes; none: DDP "
+        "(several processes) or plain", default=None
     )
     node: NodeConfig | None = doc(
         "the machine the run is written for (GPU kind and count, host memory): what `foundryx "

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
+from packaging.version import Version
 from torch import nn
 
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
@@ -174,11 +175,28 @@ def init_device(value: str) -> str:
     return value
 
 
+def stored_dtype(hf_config: Any) -> Any:
+    """The weights' dtype as the config records it. transformers >= 4.56 calls the attribute
+    ``dtype`` (``torch_dtype`` is a property there that warns it is deprecated), older ones
+    ``torch_dtype``; read from the instance, so neither warns."""
+    own = vars(hf_config)
+    return own.get("dtype", own.get("torch_dtype"))
+
+
+def dtype_argument() -> str:
+    """The keyword ``from_pretrained``/``from_config`` take the weights' dtype as: ``dtype`` on
+    transformers >= 4.56 (where ``torch_dtype`` warns that it is deprecated), else
+    ``torch_dtype``."""
+    import transformers  # heavy: imported where used, as _build_model does
+
+    return "dtype" if Version(transformers.__version__).release >= (4, 56) else "torch_dtype"
+
+
 def weights_dtype_note(hf_config: Any) -> None:
     """The one dtype rule, said once when the checkpoint's differs: every rank builds float32
     parameters (the checkpoint's values converted exactly, shard by shard when loaded on
     meta): trainable weights need float32, and torch 2.7's FSDP2 needs one dtype per unit."""
-    stored = getattr(hf_config, "torch_dtype", None)
+    stored = stored_dtype(hf_config)
     stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
     if stored is not None and stored != torch.float32:
         log.info("hf_causal_lm: the weights are stored as %s; the model holds float32 parameters "
@@ -207,7 +225,7 @@ def _build_model(hf_config: Any, source: tuple[str, bool] | None, pretrained: bo
                  trust_remote_code: bool, attn_implementation: str | None, init_device: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code, "torch_dtype": torch.float32}
+    kw: dict[str, Any] = {"trust_remote_code": trust_remote_code, dtype_argument(): torch.float32}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     if pretrained:

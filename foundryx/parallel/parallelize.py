@@ -178,7 +178,10 @@ def parallelize(
         check_composer_contract(model)
         shape = "x".join(map(str, (replicate, shard) + ((tp,) if tp > 1 else ())))
         summary.insert(0, f"FSDP2 {parallelism.sharding_strategy} over {dp_mesh.size()} ranks "
-                          f"(mesh {shape}, {len(block_list)} blocks as units)")
+                          f"(mesh {shape}, {len(block_list)} blocks as units)"
+                       if dp_mesh.size() > 1 else  # tp = world size: one data-parallel rank
+                       f"FSDP2 on 1 data-parallel rank, nothing sharded (mesh {shape}, "
+                       f"{len(block_list)} blocks as units)")
     elif parallelism is not None:
         log.info("parallelism is set but this is one process: no sharding (activation "
                  "checkpointing and compile still apply)")

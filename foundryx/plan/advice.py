@@ -52,12 +52,15 @@ Candidate = tuple[str, str, str, Setup | None]
 def _candidates(c: Census, s: Setup, capacity: int) -> list[Candidate]:
     """(change, overrides, cost, new setup or None when it does not apply), cheapest first."""
     world = s.world_size
+    dp = world // max(s.tp, 1)  # under TP, FSDP2 shards over the data-parallel ranks only
     all_linear = SUGGESTED_LORA_RANK * sum(o + i for o, i in c.linears.values())
     out: list[Candidate] = [
-        (f"shard weights, gradients and optimizer state over all {world} devices (FSDP2)",
+        (f"shard weights, gradients and optimizer state over all {world} devices (FSDP2)"
+         if s.tp <= 1 else f"shard weights, gradients and optimizer state over all {dp} "
+         f"data-parallel ranks (FSDP2, x TP {s.tp})",
          "parallelism.sharding_strategy=FULL_SHARD", "more communication, no more compute",
-         replace(s, zero_stage=3, shard_degree=world)
-         if world > 1 and (s.zero_stage < 3 or s.shard_degree < world) else None),
+         replace(s, zero_stage=3, shard_degree=dp)
+         if dp > 1 and (s.zero_stage < 3 or s.shard_degree < dp) else None),
     ]
     # the largest smaller microbatch that fits and divides the per-device batch (as the
     # config requires)

@@ -209,7 +209,7 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
     hp = host_plan(c, s, planned.host, host.memory, host.node, host.read_rate)
     return Plan(
         census=c, setup=s, device=device, capacity=capacity, terms=t,
-        by_sharding=by_stage(c, s, max(s.shard_degree, s.world_size)),
+        by_sharding=by_stage(c, s, _data_parallel(s)),
         suggestions=[] if fits else suggestions(c, s, capacity),
         largest_microbatch=largest_microbatch(c, s, capacity),
         flops_per_token=fpt, peak_flops=peak, mfu=mfu,
@@ -330,6 +330,17 @@ def _secs(x: float | None) -> str:
     return "-" if x is None else f"{x:,.2f} s"
 
 
+def _amount(n: float) -> str:
+    """Bytes in GB, or in MB when under 0.1 GB (a small model's TP traffic is not 0.0 GB)."""
+    return _gb(n) if n >= 1e8 else f"{n / 1e6:,.1f} MB"
+
+
+def _data_parallel(s: Setup) -> int:
+    """The ranks one copy of the weights can be sharded over: the world size over the TP
+    degree (a TP group holds one copy between its ranks)."""
+    return max(s.shard_degree, s.world_size // max(s.tp, 1), 1)
+
+
 def render_comm(p: Plan) -> list[str]:
     """A step's communication per device, and the TP verdict: all-gather bound, or a TP
     degree that makes the run fit."""
@@ -338,15 +349,17 @@ def render_comm(p: Plan) -> list[str]:
         return []
     lines = ["", f"communication per step, per device ({s.grad_accum} microbatch(es)):"]
     if c.tp_payload:
-        lines.append(f"  {'tensor parallel':<22} {_gb(c.tp_payload):>14}   TP {s.tp}: "
+        when = (f"{_secs(c.tp_s)} within the node (exposed)" if c.tp_s is not None else
+                f"no time estimate (no link rate for {p.device} devices)")
+        lines.append(f"  {'tensor parallel':<22} {_amount(c.tp_payload):>14}   TP {s.tp}: "
                      f"{'all-gather + reduce-scatter' if s.sequence_parallel else 'all-reduce'}"
-                     f" of tokens x d_model, 4 per layer (+2 recomputed); {_gb(c.tp_sent)} sent, "
-                     f"{_secs(c.tp_s)} within the node (exposed)")
+                     f" of tokens x d_model, 4 per layer (+2 recomputed); "
+                     f"{_amount(c.tp_sent)} sent, {when}")
     if c.fsdp_gather:
-        lines.append(f"  {'FSDP all-gather':<22} {_gb(c.fsdp_gather):>14}   weights received "
+        lines.append(f"  {'FSDP all-gather':<22} {_amount(c.fsdp_gather):>14}   weights received "
                      f"(forward{' and backward' if s.reshard_after_forward else ''}), "
                      f"{c.fsdp_link}")
-        lines.append(f"  {'FSDP reduce-scatter':<22} {_gb(c.fsdp_reduce):>14}   gradients sent; "
+        lines.append(f"  {'FSDP reduce-scatter':<22} {_amount(c.fsdp_reduce):>14}   gradients sent; "
                      f"with the all-gathers {_secs(c.fsdp_s)} (overlapped with compute)")
     if c.compute_s is not None:
         lines.append(f"  {'compute':<22} {_secs(c.compute_s):>14}   at {p.mfu:.0%} MFU")
@@ -406,8 +419,9 @@ def render(p: Plan) -> str:
     sharding = (f"FSDP2 over {s.shard_degree}" if s.zero_stage >= 3 and s.shard_degree > 1
                 else "replicated" if s.world_size > s.tp else "one device")
     if s.tp > 1:
-        sharding += (f" x TP {s.tp}" if s.world_size > s.tp else f", TP {s.tp}") + \
-            (" (sequence parallel)" if s.sequence_parallel else " (no sequence parallel)")
+        sp = "(sequence parallel)" if s.sequence_parallel else "(no sequence parallel)"
+        sharding = (f"{sharding} x TP {s.tp} {sp}" if s.world_size > s.tp else
+                    f"tensor parallel over {s.tp} devices {sp}, no sharding")
     trainable = s.lora_params or c.total
     lines = [
         f"foundryx plan: {count(c.total)} parameters ({count(trainable)} trainable), "
@@ -430,8 +444,13 @@ def render(p: Plan) -> str:
     lines += ["", ("FITS" if p.fits else "DOES NOT FIT") + ": " +
               ", ".join(f"{what} {'fits' if ok else 'does not'}" for what, ok in
                         (("device memory", p.device_fits), ("host memory", p.host_fits)))]
-    lines += ["", f"  by sharding over {max(s.shard_degree, s.world_size)} (ZeRO stage): " +
-              ", ".join(f"{k} {_gib(v)}" for k, v in p.by_sharding.items())]
+    dp = _data_parallel(s)
+    if s.tp > 1 and dp == 1:  # one TP group: one copy of the weights, split, none to shard
+        lines += ["", f"  by sharding: nothing to shard over (TP {s.tp} splits the layers over "
+                  f"all {s.world_size} devices; FSDP2 shards over world size / tp = 1 rank)"]
+    else:
+        lines += ["", f"  by sharding over {dp}{' data-parallel ranks' if s.tp > 1 else ''} "
+                  "(ZeRO stage): " + ", ".join(f"{k} {_gib(v)}" for k, v in p.by_sharding.items())]
     if p.suggestions:
         lines += ["", "To make it fit on the device (cheapest first):"]
         for i, sug in enumerate(p.suggestions, 1):
