@@ -45,7 +45,7 @@ def test_a_run_that_cannot_start_keeps_the_previous_record(quickstart_data, tmp_
 
     r = foundryx(tmp_path, *train, f"load_path={tmp_path / 'no-such-checkpoint'}")
     assert r.returncode == 2, r.stderr[-3000:]
-    assert "no such checkpoint folder" in r.stderr and "Traceback" not in r.stderr
+    assert "load_path: " in r.stderr and "does not exist" in r.stderr and "Traceback" not in r.stderr
     assert contents(run) == before  # run.json byte for byte, metrics, checkpoint
 
     r = foundryx(tmp_path, "report", "runs/quickstart")
