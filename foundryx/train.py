@@ -130,11 +130,11 @@ def train(loaded: LoadedConfig):
     if derived.world_size > 1 and not dist.is_initialized():
         dist.initialize_dist(device, timeout=cfg.dist_timeout)
     reproducibility.seed_all(cfg.seed)
-    log.info("derived numbers:\n%s", derived.table())
     precision, autocast = composer_precision(cfg.precision, picked)
 
     tokenizer = builders.build_tokenizer(cfg)
-    model = builders.build_model(cfg, tokenizer)
+    model = builders.build_model(cfg, tokenizer)  # a LoRA target that matches nothing: said here
+    log.info("derived numbers:\n%s", derived.table())  # after the model's own problems
     algorithms = builders.build_named("algorithms", cfg.algorithms)
     check_algorithms(algorithms, model)  # surgery that does not apply: refused before any write
     model = builders.build_parallelism(cfg, model)  # FSDP2 etc., before the optimizer sees it
