@@ -35,8 +35,9 @@ from foundryx.models.peft.frozen_base import storage_on_rank
 from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
 from foundryx.plan.node import machine
-from foundryx.plan.planner import plan_here, render
+from foundryx.plan.planner import plan_here
 from foundryx.plan.prelaunch import check_fits, host_problem
+from foundryx.plan.render import render
 from foundryx.run_summary import RunFacts, summary
 from foundryx.runtime import pick_device, setup_logging, with_host_collectives
 

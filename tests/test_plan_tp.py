@@ -15,7 +15,8 @@ import pytest
 from foundryx.cli import main
 from foundryx.plan.census import NotPlannable, build_meta, take_census
 from foundryx.plan.memory import Setup, kv_divisor, kv_weight_divisor, terms, tp_params
-from foundryx.plan.planner import make_plan, render
+from foundryx.plan.planner import make_plan
+from foundryx.plan.render import render
 from foundryx.plan.settings import tp_settings
 from foundryx.plan.tp import at_tp, communication, tp_collectives, tp_degrees
 

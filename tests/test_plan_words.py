@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from foundryx.cli import main
-from foundryx.plan.planner import count
+from foundryx.plan.render import count
 
 ROOT = Path(__file__).parents[1]
 

@@ -50,7 +50,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         precheck(args.config, args.overrides, world_size=world,
                  component_sections=("model", "optimizer"))
     # torch + transformers: only for a plan
-    from foundryx.plan.planner import make_plan, render, render_tp_table
+    from foundryx.plan.planner import make_plan
+    from foundryx.plan.render import render, render_tp_table
 
     plan = make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,
                      gpu_memory=args.gpu_memory, mfu=args.mfu, host_memory=args.host_memory,
