@@ -92,7 +92,9 @@ def test_eval_config_problems_are_reported_together(tmp_path):
     assert "models[1]: give exactly one of checkpoint (with run_config) and hf" in text
     assert "models[1].label: 'm' is used twice" in text
     assert "setup.quickstart_fact: unknown step (did you mean 'quickstart_facts'?)" in text
-    assert "eval_gauntlet.categories[0].benchmarks[0]: t/5-shot is not among the ICL tasks evaluated (t/0-shot)" in text
+    assert ("eval_gauntlet.categories[0].benchmarks[0]: the gauntlet scores t/5-shot, which is not "
+            "among the ICL tasks evaluated (t/0-shot); task 't' is evaluated at 0 shots: add 5 to "
+            "its num_fewshot") in text
 
 
 def test_run_config_checks_its_icl_tasks_up_front(tmp_path, quickstart_data, capsys):
