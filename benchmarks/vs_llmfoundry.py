@@ -2,7 +2,7 @@
 
     python benchmarks/vs_llmfoundry.py [--rounds 3] [--batches 200] [--no-compile]
             [--cpu-matmul auto|onednn|blas] [--warm-cache] [--foundryx-ref REF ...]
-            [--profile] [--out benchmarks/RESULTS.md]
+            [--skip-checkout] [--profile] [--out benchmarks/RESULTS.md]
 
 Installs LLM Foundry 0.22 with the same torch and Composer in its own venv (once, under
 ``--venv``, default ``~/.cache/foundryx-bench/llmfoundry``), trains a byte-level BPE (8192)
