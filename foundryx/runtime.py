@@ -104,8 +104,11 @@ def with_host_collectives(device: Any, world_size: int) -> Any:
         return device
     import torch.distributed as tdist  # here, not at the top: the CLI loads this without torch
 
-    missing = [name for name, there in ((backend, tdist.is_nccl_available() if backend == "nccl" else True),
-                                        (HOST_BACKEND, tdist.is_gloo_available())) if not there]
+    missing = []
+    if backend == "nccl" and not tdist.is_nccl_available():
+        missing.append(backend)
+    if not tdist.is_gloo_available():
+        missing.append(HOST_BACKEND)
     if missing:
         raise ConfigError([f"device: this torch build has no {' and no '.join(missing)} backend, "
                            f"which a {world_size}-process GPU run needs ({mixed}: {backend} for GPU "
