@@ -18,7 +18,7 @@ RESUME := --resume-retries 20
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(RETRY) $(PY) -m pip install -q --upgrade pip
-	$(RETRY) $(PY) -m pip install -q $(RESUME) -c constraints.txt -e ".[dev]"
+	$(RETRY) $(PY) -m pip install -q $(RESUME) -c constraints.txt -e ".[dev,pinned]"
 	@# The build leaves foundryx.egg-info here; on sys.path (cwd) it would shadow the installed
 	@# metadata and hide entry points added later. The editable install does not need it.
 	rm -rf foundryx.egg-info
@@ -27,40 +27,34 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # ---------------------------------------------------------------------------------------
-# The modern leg: foundryx on a current torch, in its own venv. Composer 0.32.1 pins
-# torch < 2.7.1, so it is installed with --no-deps and its other requirements are listed here
-# (from its METADATA). foundryx itself goes in with --no-deps too, then its requirements less
-# Composer: pip would otherwise resolve Composer's pins again and bring torch 2.7 back.
-# constraints-modern.txt pins every package (written by `make lock-modern`).
+# The modern leg: foundryx on today's stack (torch 2.15, transformers 5), in its own venv.
+# Composer 0.32.1 and mosaicml-streaming 0.13 are frozen upstream with caps foundryx does not
+# share (torch < 2.7.1, transformers < 5, numpy < 2.2): foundryx's own requirements list theirs
+# less those caps (pyproject.toml), so the two go in with --no-deps, exactly as a user adds
+# them to an environment they already have (README, "Installing").
+# constraints-modern.txt pins every package (written by `make lock-modern`: the newest releases).
+# PIP_CONSTRAINT=/dev/null: a machine-wide pip constraint (this VM caps torch at 2.14.1 through
+# /etc/xdg/pip) must not hold the modern leg back; the constraints file named here still applies.
 # ---------------------------------------------------------------------------------------
 MODERN_VENV ?= .venv-modern
 MODERN_PY := $(MODERN_VENV)/bin/python
 MODERN_STAMP := $(MODERN_VENV)/.foundryx-installed
-MODERN_TORCH := torch==2.14.1 torchvision==0.29.1
-COMPOSER := mosaicml==0.32.1
-COMPOSER_REQUIREMENTS := "pyyaml>=6.0,<7" "tqdm>=4.62.3,<5" "torchmetrics>=1.0,<1.7.5" \
-	"torch_optimizer>=0.3.0,<0.4" "requests>=2.26.0,<3" "numpy>=1.21.5,<2.3.0" "psutil>=5.8.0,<8" \
-	"coolname>=1.1.0,<3" "tabulate==0.9.0" "py-cpuinfo>=8.0.0,<10" "packaging>=21.3.0,<25.1" \
-	"importlib-metadata>=5.0.0,<9" "mosaicml-cli>=0.5.25,<0.8" "pillow>=10.3.0,<12"
-# foundryx's requirements (with the dev extra) but Composer, one a line, from its installed metadata
-FOUNDRYX_REQUIREMENTS := import importlib.metadata as m; from packaging.requirements import Requirement; \
-	reqs = [Requirement(r) for r in m.requires("foundryx")]; \
-	print(*[str(r).split(";")[0] for r in reqs if r.name != "mosaicml" and (not r.marker or r.marker.evaluate({"extra": "dev"}))], sep="\n")
+MODERN_TORCH := torch==2.15.0
+FROZEN := mosaicml==0.32.1 mosaicml-streaming==0.13.0
+MODERN_PIP = env PIP_CONSTRAINT=/dev/null $(1)/bin/python -m pip install -q $(RESUME)
 
 # $(call modern_install,VENV,CONSTRAINTS)
 define modern_install
 	$(PYTHON) -m venv $(1)
 	$(RETRY) $(1)/bin/python -m pip install -q --upgrade pip
-	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) $(MODERN_TORCH) $(COMPOSER_REQUIREMENTS)
-	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) --no-deps $(COMPOSER)
-	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) --no-deps -e ".[dev]"
+	$(RETRY) $(MODERN_PIP) -c $(2) $(MODERN_TORCH) -e ".[dev]"
 	rm -rf foundryx.egg-info
-	$(1)/bin/python -c '$(FOUNDRYX_REQUIREMENTS)' > $(1)/foundryx-requirements.txt
-	$(RETRY) $(1)/bin/python -m pip install -q $(RESUME) -c $(2) $(MODERN_TORCH) -r $(1)/foundryx-requirements.txt
-	rm -rf foundryx.egg-info
-	@# the only broken requirements must be Composer's torch and torchvision pins
-	! $(1)/bin/python -m pip check | grep -v -E '^mosaicml [^ ]+ has requirement (torch|torchvision)[<>=]'
-	$(1)/bin/python -c 'import composer, torch, torchvision; print("installed: torch", torch.__version__, "torchvision", torchvision.__version__, "composer", composer.__version__)'
+	$(RETRY) $(MODERN_PIP) -c $(2) --no-deps $(FROZEN)
+	@# the only broken requirements must be the frozen packages' caps (and streaming's Azure and
+	@# OCI clients: foundryx[object-stores])
+	! $(1)/bin/python -m pip check | grep -v -E '^mosaicml(-streaming)? [^ ]+ has requirement (torch|torchvision|transformers|numpy|packaging|pillow|tabulate|importlib-metadata)[<>=]' \
+	  | grep -v -E '^mosaicml-streaming [^ ]+ requires (oci|azure-[a-z-]+), which is not installed'
+	$(1)/bin/python -c 'import composer, streaming, torch, transformers; print("installed: torch", torch.__version__, "transformers", transformers.__version__, "composer", composer.__version__, "streaming", streaming.__version__)'
 endef
 
 $(MODERN_STAMP): pyproject.toml constraints-modern.txt
@@ -69,17 +63,16 @@ $(MODERN_STAMP): pyproject.toml constraints-modern.txt
 
 install-modern: $(MODERN_STAMP)
 
-# Rewrites constraints-modern.txt: the modern install in a scratch venv, constrained by
-# constraints.txt less the torch stack (so the two legs differ in torch, torchvision, triton and
-# the CUDA libraries, and in what those force), then pip freeze without foundryx.
+# Rewrites constraints-modern.txt: the modern install in a scratch venv with nothing held back
+# (the newest release of every package that foundryx's ranges and $(MODERN_TORCH) admit), then
+# pip freeze without foundryx. Run it when torch or transformers releases, then make test-modern.
 LOCK_VENV := .venv-modern-lock
 lock-modern:
 	rm -rf $(LOCK_VENV)
-	mkdir -p $(LOCK_VENV)
-	grep -v -E '^(torch|torchvision|triton|nvidia-[a-z0-9-]+)==' constraints.txt > $(LOCK_VENV)/seed.txt
-	$(call modern_install,$(LOCK_VENV),$(LOCK_VENV)/seed.txt)
-	( echo "# The modern leg (make install-modern): torch 2.14.1 with Composer 0.32.1 installed"; \
-	  echo "# --no-deps. Written by make lock-modern: do not edit by hand."; \
+	$(call modern_install,$(LOCK_VENV),/dev/null)
+	( echo "# The modern leg (make install-modern): $(MODERN_TORCH), the newest releases foundryx"; \
+	  echo "# admits, Composer and streaming installed --no-deps. Written by make lock-modern: do not"; \
+	  echo "# edit by hand."; \
 	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v -E '^(pip|foundryx)==' \
 	) > constraints-modern.txt
 	rm -rf $(LOCK_VENV)

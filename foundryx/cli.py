@@ -36,6 +36,7 @@ from foundryx.eval.config import load_eval_config, run_config_icl_problems
 from foundryx.eval.task_config import SCORINGS
 from foundryx.plan.command import add_parser as add_plan_parser
 from foundryx.runtime import setup_logging
+from foundryx.stack import frozen_missing
 
 
 def _is_rank_zero() -> bool:
@@ -405,6 +406,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(list(sys.argv[1:] if argv is None else argv))
     known_warnings.install(preimport=False)  # every subcommand: see docs/operations.md
+    problem = frozen_missing() if args.command != "doctor" else None
+    if problem:
+        print(f"foundryx: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return args.fn(args)
     except FoundryxError as e:

@@ -62,6 +62,10 @@ KNOWN_IMPORT_LOGS: tuple[tuple[str, Known], ...] = (
                       "only its NF4 tensor subclass (pure Python, tested on torch 2.7 and 2.14). "
                       "transformers imports torchao whenever it is installed, so every run "
                       "would print it")),
+    ("torch.utils._pytree", Known(r"<enum '\w+'> is an Enum subclass and is now natively supported "
+                                  r"by torch\.compile", UserWarning,
+                                  "torchao (0.18) registers its enums as pytree constants, which "
+                                  "torch 2.15 deprecates, at import; foundryx compiles none of them")),
 )
 
 

@@ -47,6 +47,7 @@ class LookupLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: LookupConfig):
         super().__init__(config)
         self.table = nn.Parameter(torch.zeros(config.vocab_size, config.vocab_size))
+        self.post_init()
 
     def forward(self, input_ids, attention_mask=None, **kwargs):
         return CausalLMOutputWithPast(logits=self.table[input_ids])

@@ -90,8 +90,9 @@ def test_pickle_checkpoint_is_refused_with_the_conversion(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = tmp_path / "bin"
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **HF_CONFIGS["llama"])) \
-        .save_pretrained(folder, safe_serialization=False)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **HF_CONFIGS["llama"]))
+    model.config.save_pretrained(folder)  # a pickled checkpoint, as transformers 4 wrote them
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
     msg = check(str(folder))
     assert "pytorch_model.bin" in msg and "no safetensors" in msg
     assert "save_pretrained(" in msg and "safe_serialization=True" in msg
@@ -207,9 +208,8 @@ def test_nf4_on_load_equals_torchao_bit_for_bit():
     decision boundary) picks torchao's level for every bfloat16 / float16 value in [-1, 1],
     for float32 values a rounding either side of each boundary, NaN and the ends; and a
     weight with a zero block and a zero row gives torchao's NF4Tensor exactly."""
-    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
-
     import foundryx.loading.quantize as quantize
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, to_nf4
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -42,7 +42,7 @@ def test_every_boundary_value_gets_torchaos_code(dtype):
     """Blocks of 1.0 (the absmax: each value divides by it exactly) and 63 test values: the
     kernel's code for each is torchao's nearest level, for every bfloat16 value in [-1, 1] and
     every float32 value of the buckets that hold a boundary (15 x 65536)."""
-    from torchao.dtypes.nf4tensor import NF4Tensor
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor
 
     v = _values(dtype)
     v = torch.cat([v, v[: (-len(v)) % 63]])  # a whole number of blocks of 63
@@ -62,7 +62,7 @@ def test_loader_nf4_equals_torchao(stored, dtype):
     """The loader's NF4 of a weight stored in any dtype equals torchao's to_nf4 of the weight
     in the model's dtype, part for part; a block of zeros, an infinity or a NaN sends the slice
     to the torch-op encoder, which gives torchao's bytes too."""
-    from torchao.dtypes.nf4tensor import to_nf4
+    from foundryx.models.peft.torchao_nf4 import to_nf4
 
     torch.manual_seed(0)
     w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(stored)
@@ -83,7 +83,7 @@ def test_loader_nf4_equals_torchao(stored, dtype):
 
 
 def test_without_a_compiler_the_loader_says_so_once_and_encodes_with_torch(tmp_path, monkeypatch, caplog):
-    from torchao.dtypes.nf4tensor import to_nf4
+    from foundryx.models.peft.torchao_nf4 import to_nf4
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("FOUNDRYX_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -176,7 +176,7 @@ def test_float16_weights_get_torchaos_nf4_without_the_type(built_without_float16
     normal, up to 65504), then every one in [-1, 1] in blocks led by 1.0 (each value's own code
     at every decision boundary): codes and block maxima are torchao's for the weight in the NF4
     dtype."""
-    from torchao.dtypes.nf4tensor import get_block_absmax, to_nf4
+    from foundryx.models.peft.torchao_nf4 import get_block_absmax, to_nf4
 
     monkeypatch.setattr(nf4_cpu, "_lib", {"lib": built_without_float16})
     x = _every_float16()

@@ -39,7 +39,7 @@ def test_the_device_path_gives_torchaos_nf4(stored, dtype, monkeypatch):
     """Block maxima and codes of the device path, over many chunks, equal torchao's to_nf4 of
     the weight in the NF4 dtype and, bit for bit, the CPU path's; and the NF4 tensor built from
     them equals torchao's, part for part."""
-    from torchao.dtypes.nf4tensor import get_block_absmax, to_nf4
+    from foundryx.models.peft.torchao_nf4 import get_block_absmax, to_nf4
 
     monkeypatch.setattr(quantize, "DEVICE_CHUNK", 64 * 24)  # 22 chunks, the last one short
     w = _weight(stored)
@@ -60,7 +60,7 @@ def test_a_weight_of_zeros_is_recoded_a_chunk_at_a_time(monkeypatch):
     """Every block odd (a weight of zeros, as a zero-initialized checkpoint tensor gives): torchao's
     codes, its search run on at most a chunk of blocks at a time (16 differences a value: on
     the whole weight at once it would hold 64 bytes a weight)."""
-    from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, to_nf4
 
     monkeypatch.setattr(quantize, "DEVICE_CHUNK", 64 * 8)
     w = torch.zeros(16, 256, dtype=torch.bfloat16)

@@ -120,8 +120,9 @@ def test_suggestions_replan_to_what_they_promise(tmp_path):
         assert again.fits
     mb = tight.largest_microbatch
     assert 0 < mb < 8
-    assert make_plan(path, [f"device_train_microbatch_size={mb}"], gpu="h100",
-                     gpu_memory=memory).fits
+    # (a batch that the microbatch divides: the config check comes first)
+    assert make_plan(path, [f"global_train_batch_size={8 * mb}", f"device_train_microbatch_size={mb}"],
+                     gpu="h100", gpu_memory=memory).fits
     assert not make_plan(path, [f"global_train_batch_size={8 * (mb + 1)}",
                                 f"device_train_microbatch_size={mb + 1}"],
                          gpu="h100", gpu_memory=memory).fits

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from foundryx.cli import main
+from foundryx.hf_compat import TRANSFORMERS_5
 from foundryx.plan.census import NotPlannable, build_meta, take_census
 from foundryx.plan.memory import Setup, kv_divisor, kv_weight_divisor, terms, tp_params
 from foundryx.plan.planner import make_plan
@@ -83,8 +84,10 @@ def test_activations_with_and_without_sequence_parallel(census):
         return terms(census, _setup(**kw))["activations"]
 
     b, q, layers = 1, 64, 2
-    tp1 = 384 + 128 + 96 + 64 + 512  # 1184
-    inner2 = (32 + 2 * 16) + (32 + 16) + 32 + 256  # 400: k, v are 16 wide per rank
+    # transformers 5's Llama keeps no separate rotated q and k (d + kv) for the backward
+    rotated, rotated2 = (0, 0) if TRANSFORMERS_5 else (96, 32 + 16)
+    tp1 = 384 + 128 + rotated + 64 + 512  # 1184 (1088 on transformers 5)
+    inner2 = (32 + 2 * 16) + rotated2 + 32 + 256  # 400 (352): k, v are 16 wide per rank
     no_sp2 = 384 + inner2  # residual whole
     sp2 = 384 / 2 + 2 * 64 + inner2  # residual halved, the gathered norm outputs kept whole
     outside = 4 * 64 * 4  # embedding output and the final norm's three tensors
@@ -202,6 +205,9 @@ def _doc_section() -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(TRANSFORMERS_5, reason="docs/distributed.md quotes the planner on the pinned "
+                    "stack (transformers 4.57); 5.x's Llama keeps no separate rotated q and k, so "
+                    "its measured activation term, and the table, are smaller")
 def test_405b_table_in_the_docs_is_what_the_planner_prints(capsys):
     """The command in docs/distributed.md, run as written; its table is the doc's; at 16k
     tokens the 405B recipe does not fit on 8 H100s without TP and --search proposes it."""

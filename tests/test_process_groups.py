@@ -71,11 +71,11 @@ def _host_collectives(which: str) -> list[float]:
     weight's host rows gathered whole to be cut for tensor parallelism."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
-    from torchao.dtypes.nf4tensor import to_nf4
 
     from foundryx.loading.quantize import nf4
     from foundryx.models.peft.offload import Offloaded
     from foundryx.models.peft.rowwise import RowScaledTensor
+    from foundryx.models.peft.torchao_nf4 import to_nf4
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-from transformers.modeling_utils import no_init_weights
 
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.checkpoint.layout import MANIFEST, resolve_checkpoint
@@ -37,6 +36,7 @@ from foundryx.checkpoint.weights import fit_weights, load_model_weights
 from foundryx.config.components import build_component, component_problems
 from foundryx.config.load import precheck_sections
 from foundryx.errors import CheckpointError, ConfigError, FoundryxError
+from foundryx.hf_compat import no_init_weights
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
 from foundryx.loading import wants_pretrained

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from foundryx.eval.generate import forward_params, generation_model
+from foundryx.eval.generate import generation_model
 from foundryx.eval.kv_cache import new_cache
+from foundryx.hf_compat import cache_argument
 
 AUTO_CAP = 32  # rows: past this a CPU's decoding step grows about as fast as its rows
 
@@ -28,7 +29,7 @@ def kv_row_bytes(model: Any, tokens: int) -> int | None:
     cfg = getattr(hf, "config", None)
     layers = getattr(cfg, "num_hidden_layers", None)
     heads = getattr(cfg, "num_attention_heads", None)
-    caches = "past_key_values" in forward_params(hf) and new_cache(hf) is not None
+    caches = cache_argument(hf) is not None and new_cache(hf) is not None
     if cfg is None or not caches or not layers or not heads:
         return None
     kv = getattr(cfg, "num_key_value_heads", None) or heads

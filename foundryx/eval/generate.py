@@ -24,6 +24,7 @@ import torch
 
 from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.plain_causal import plain_causal
+from foundryx.hf_compat import cache_argument, output_cache
 
 # generation config fields that add logits processors or stopping rules to greedy decoding,
 # with the value that adds none (transformers.GenerationConfig's defaults)
@@ -96,16 +97,29 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     ids = input_ids
     kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
     cache = new_cache(hf, capacity=ids.shape[1] + max_new_tokens)
-    if cache is not None:
-        kwargs["past_key_values"] = cache
-    if "logits_to_keep" in forward_params(hf):
+    past = cache_argument(hf)  # its name: "cache" (transformers 5) or "past_key_values"
+    if cache is not None and past is not None:
+        kwargs[past] = cache
+    params = forward_params(hf)
+    if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
-    kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
-    steps = _DirectSteps(hf, cache, attention_mask, max_new_tokens)
+    # transformers 4 steps by cache_position; 5 keeps position_ids from the prompt's mask
+    # (generate's _prepare_position_ids_for_generation) and slices the new token's inputs
+    positions_v5 = "cache_position" not in params and past == "cache"
+    if positions_v5:
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).masked_fill(
+            attention_mask == 0, 0)
+    else:
+        kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
+    steps = _DirectSteps(hf, cache, attention_mask, max_new_tokens, past, positions_v5)
     nxt = ids[:, -1]  # each step's new tokens (the first step's input is the prompt)
     for step in range(max_new_tokens):
         if step and steps.on:
             inputs = steps.inputs(nxt, kwargs)
+        elif positions_v5:
+            inputs = hf.prepare_inputs_for_generation(
+                ids, next_sequence_length=1 if step else None, is_first_iteration=not step,
+                **kwargs)
         else:
             inputs = hf.prepare_inputs_for_generation(ids, **kwargs)
         outputs = hf(**inputs, return_dict=True)
@@ -122,10 +136,14 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
             ids = torch.cat([ids, nxt[:, None]], dim=-1)
             kwargs["attention_mask"] = torch.cat(
                 [kwargs["attention_mask"], kwargs["attention_mask"].new_ones((ids.shape[0], 1))], dim=-1)
-        kwargs["cache_position"] = kwargs["cache_position"][-1:] + 1
-        past = getattr(outputs, "past_key_values", None)
-        if past is not None:
-            kwargs["past_key_values"] = past
+            if positions_v5:
+                pos = kwargs["position_ids"]
+                kwargs["position_ids"] = torch.cat([pos, pos[:, -1:] + 1], dim=-1)
+        if not positions_v5:
+            kwargs["cache_position"] = kwargs["cache_position"][-1:] + 1
+        returned = output_cache(outputs)
+        if returned is not None and past is not None:
+            kwargs[past] = returned
         if finished:  # the finished rows leave the batch
             keep = torch.tensor([i for i in range(len(cpu_next)) if i not in set(finished)],
                                 device=ids.device)
@@ -135,8 +153,10 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
             if not steps.on:
                 ids = ids.index_select(0, keep)
                 kwargs["attention_mask"] = kwargs["attention_mask"].index_select(0, keep)
-            if "past_key_values" in kwargs:
-                kwargs["past_key_values"] = _select(kwargs["past_key_values"], keep)
+                if positions_v5:
+                    kwargs["position_ids"] = kwargs["position_ids"].index_select(0, keep)
+            if past in kwargs:
+                kwargs[past] = _select(kwargs[past], keep)
     return out
 
 
@@ -152,10 +172,14 @@ class _DirectSteps:
     On where the cache is foundryx's (:class:`GrowingLayer`: full attention, no sliding window)
     and the model is :func:`~foundryx.eval.plain_causal.plain_causal`."""
 
-    def __init__(self, hf: Any, cache: Any, attention_mask: torch.Tensor, max_new_tokens: int):
-        self.on = (cache is not None and bool(getattr(cache, "layers", None))
+    def __init__(self, hf: Any, cache: Any, attention_mask: torch.Tensor, max_new_tokens: int,
+                 past: str | None, positions_v5: bool = False):
+        # past: the name of the cache argument; positions_v5: transformers 5 (no cache_position)
+        self.past, self.positions_v5 = past, positions_v5
+        needs = {"position_ids"} if positions_v5 else {"position_ids", "cache_position"}
+        self.on = (cache is not None and past is not None and bool(getattr(cache, "layers", None))
                    and all(type(layer) is GrowingLayer for layer in cache.layers)
-                   and plain_causal(hf) and {"position_ids", "cache_position"} <= forward_params(hf))
+                   and plain_causal(hf) and needs <= forward_params(hf))
         if not self.on:
             return
         self.length = attention_mask.shape[1]
@@ -171,14 +195,16 @@ class _DirectSteps:
         self.mask = mask
 
     def inputs(self, nxt: torch.Tensor, kwargs: dict[str, Any]) -> dict[str, Any]:
-        cache = kwargs["past_key_values"]
+        cache = kwargs[self.past]
         if self.mask is None:
             self._build_mask(cache.layers[0].keys.dtype)
         self.positions = self.positions + 1
         self.length += 1
         out = {"input_ids": nxt[:, None], "position_ids": self.positions[:, None],
-               "attention_mask": self.mask[..., :self.length], "past_key_values": cache,
-               "cache_position": kwargs["cache_position"], "use_cache": True}
+               "attention_mask": self.mask[..., :self.length], self.past: cache,
+               "use_cache": True}
+        if not self.positions_v5:
+            out["cache_position"] = kwargs["cache_position"]
         if "logits_to_keep" in kwargs:
             out["logits_to_keep"] = kwargs["logits_to_keep"]
         return out

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-from foundryx.eval.generate import generation_model
+from foundryx.eval.generate import forward_params, generation_model
 from foundryx.eval.kv_cache import new_cache
+from foundryx.hf_compat import cache_argument, crop_cache
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,17 @@ def _step_inputs(hf: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, sta
     ids = torch.cat([ids, ids.new_full((n, fill), pad)], dim=1)
     mask = torch.cat([mask, mask.new_ones((n, fill))], dim=1)
     kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": cache is not None}
-    if cache is not None:
-        kwargs.update(past_key_values=cache,
+    past = cache_argument(hf) or "past_key_values"
+    if "cache_position" not in forward_params(hf) and past == "cache":
+        # transformers 5: positions from the mask (as generate makes them), the new tokens
+        # sliced by next_sequence_length
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        kwargs.update(is_first_iteration=start == 0,
+                      next_sequence_length=ids.shape[1] - start if cache is not None else None)
+        if cache is not None:
+            kwargs[past] = cache
+    elif cache is not None:
+        kwargs.update({past: cache},
                       cache_position=torch.arange(start, ids.shape[1], device=ids.device))
     return hf.prepare_inputs_for_generation(ids, **kwargs), real - 1
 
@@ -81,7 +91,7 @@ def sequence_parallel_generate(hf: Any, input_ids: torch.Tensor, *, multiple: in
             cache = None  # a model that keeps no cache (MPT's generation): the whole prefix
         if cache is not None:  # keep only the real tokens' keys and values
             start = ids.shape[1]
-            cache.crop(start)
+            crop_cache(cache, start)
         ids = torch.cat([ids, nxt[:, None]], dim=1)
         mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
         if eos:

@@ -6,11 +6,14 @@ decoding step: a quarter of the CPU time of a gsm8k batch (32 rows of 1,000 toke
 :class:`GrowingLayer` holds the same keys and values in a buffer of the prompt's tokens plus
 the new ones (doubled if ever outgrown) and hands attention a view of the filled part: the
 same tensors, no copy. Transformers without ``DynamicLayer`` (before 4.54) keep their own
-cache.
+cache. The layer interface differs between 4.x and 5.x (``lazy_initialization`` takes the
+values too in 5.x; ``crop`` takes a final length in 4.x and a count of tokens to remove in
+5.x): :class:`GrowingLayer` follows the installed one.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -19,6 +22,12 @@ try:
     from transformers.cache_utils import DynamicLayer
 except ImportError:  # transformers < 4.54: caches without layer objects
     DynamicLayer = None
+
+# 5.x: lazy_initialization(keys, values), crop(tokens_to_remove); 4.x: (keys), crop(max_length)
+_INIT_TAKES_VALUES = DynamicLayer is not None and len(
+    inspect.signature(DynamicLayer.lazy_initialization).parameters) == 3
+_CROP_REMOVES = DynamicLayer is not None and "tokens_to_remove" in inspect.signature(
+    DynamicLayer.crop).parameters
 
 
 class GrowingLayer(DynamicLayer or object):
@@ -32,10 +41,13 @@ class GrowingLayer(DynamicLayer or object):
         self.keys, self.values = self._k[..., :self.length, :], self._v[..., :self.length, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.length + key_states.shape[-2]
         if not self.is_initialized:
-            self.lazy_initialization(key_states)
+            if _INIT_TAKES_VALUES:
+                self.lazy_initialization(key_states, value_states)
+            else:
+                self.lazy_initialization(key_states)
             self._k = key_states.new_empty((*key_states.shape[:2], max(self.capacity, n), key_states.shape[3]))
             self._v = value_states.new_empty((*value_states.shape[:2], self._k.shape[2], value_states.shape[3]))
         if n > self._k.shape[-2]:  # outgrown: twice the length, the filled part copied once
@@ -56,8 +68,9 @@ class GrowingLayer(DynamicLayer or object):
             self._views()
 
     def crop(self, max_length: int) -> None:
-        if max_length < 0:
-            max_length = self.length + max_length
+        # 4.x: the length to keep (negative: tokens to remove); 5.x: tokens to remove (<= 0)
+        if max_length < 0 or _CROP_REMOVES:
+            max_length = self.length - abs(max_length)
         if self.length > max_length:
             self.length = max_length
             self._views()

@@ -118,7 +118,9 @@ def rowwise(rows: torch.Tensor, kind: str, dtype: torch.dtype) -> RowScaledTenso
 
 
 def _nf4_lut(dtype: torch.dtype) -> torch.Tensor:
-    from torchao.dtypes.nf4tensor import to_nf4  # torchao is a heavy import, needed only here
+    from foundryx.models.peft.torchao_nf4 import (
+        to_nf4,  # torchao is a heavy import, needed only here
+    )
 
     return to_nf4(torch.zeros(64, dtype=dtype), 64, 1).nf4
 
@@ -142,7 +144,7 @@ def _nearest(scaled: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
     lower index wins, as argmin's first. That holds for ``|value| <= 1``, every value of a
     block scaled by its absmax; NaN (a block of zeros scaled by its absmax 0) and anything
     beyond go through torchao's own search."""
-    from torchao.dtypes.nf4tensor import NF4Tensor
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor
 
     codes = _searched(scaled, lut)
     odd = ~(scaled.abs() <= 1)  # NaN, or beyond the levels (never a scaled block's value)
@@ -354,7 +356,7 @@ def _recode(blocks: torch.Tensor, odd: torch.Tensor, absmax: torch.Tensor, packe
     two-level search cannot place, and the same as that search for every other value), at
     most ``step`` blocks at a time (the search holds 16 differences per value: a weight of
     zeros is all odd blocks). No host sync: ``odd`` is a device tensor of known length."""
-    from torchao.dtypes.nf4tensor import NF4Tensor
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor
 
     for i in range(0, odd.numel(), step):
         which = odd[i:i + step]
@@ -371,7 +373,7 @@ def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
     mean from the block maxima of every rank of ``group`` (None: this rank holds the whole
     weight), taken once per row range, in row order (ranks that hold the same rows, replicas
     or a tensor-parallel group, send them alike)."""
-    from torchao.dtypes.nf4tensor import SubclassTensorArgs
+    from foundryx.models.peft.torchao_nf4 import SubclassTensorArgs
 
     block, scaler_block = like.block_size, like.scaler_block_size
     absmax, data, size = rows if isinstance(rows, Encoded) else nf4_encode(rows, block, dtype)

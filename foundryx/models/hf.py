@@ -231,7 +231,7 @@ def _build_model(hf_config: Any, source: tuple[str, bool] | None, pretrained: bo
     if pretrained:
         weights_dtype_note(hf_config)
     if init_device == "meta":
-        from transformers.integrations.accelerate import init_empty_weights
+        from accelerate import init_empty_weights  # (peft's requirement) heavy: only here
 
         # parameters on meta; buffers (rotary frequencies, computed, not stored) built for real
         with init_empty_weights(include_buffers=False):

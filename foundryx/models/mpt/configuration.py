@@ -40,6 +40,9 @@ class MPTConfig(PretrainedConfig):
         # As in LLM Foundry: a learned position table only when neither ALiBi nor RoPE is on.
         if self.learned_pos_emb is None:
             self.learned_pos_emb = not (options.attn_config.alibi or options.attn_config.rope)
+        # transformers 5 no longer gives every config the special token ids (4.x did: None)
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            kwargs.setdefault(key, None)
         super().__init__(tie_word_embeddings=options.tie_word_embeddings, **kwargs)
 
     # -- typed views of the sub-configs -------------------------------------------------

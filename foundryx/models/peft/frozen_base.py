@@ -51,7 +51,9 @@ NF4_SCALER_BLOCKS = (256, 128, 64, 32, 16, 8, 4, 2, 1)  # QLoRA's is 256
 
 
 def _nf4_tensor_type() -> type:
-    from torchao.dtypes.nf4tensor import NF4Tensor  # torchao is a heavy import, needed only here
+    from foundryx.models.peft.torchao_nf4 import (
+        NF4Tensor,  # torchao is a heavy import, needed only here
+    )
 
     return NF4Tensor
 
@@ -109,7 +111,7 @@ def to_nf4(weight: torch.Tensor, name: str, tp: int = 1) -> torch.Tensor:
     tensor parallelism (``tp`` > 1) also one that makes each rank's columns of a row whole
     groups of scalers, so that TP's row and column parts are NF4 tensors of their own
     (:mod:`foundryx.models.peft.parts`)."""
-    from torchao.dtypes.nf4tensor import to_nf4 as torchao_to_nf4  # heavy import, only here
+    from foundryx.models.peft.torchao_nf4 import to_nf4 as torchao_to_nf4  # heavy import, only here
 
     blocks, rem = divmod(weight.numel(), NF4_BLOCK)
     world = process_world_size()

@@ -62,7 +62,10 @@ def _gather_rows(local: torch.Tensor, rows: int, world: int, group: object = Non
             sc = torch.cat([sc, sc.new_zeros(per - n)])
         return RowScaledTensor(_all_gather(q, world, group)[:rows],
                                _all_gather(sc, world, group)[:rows], dtype=local.dtype)
-    from torchao.dtypes.nf4tensor import NF4Tensor, SubclassTensorArgs  # heavy import, only here
+    from foundryx.models.peft.torchao_nf4 import (  # heavy import, only here
+        NF4Tensor,
+        SubclassTensorArgs,
+    )
 
     whole = torch.Size((rows, *local.shape[1:]))  # NF4: every rank holds equal parts
     meta = SubclassTensorArgs(whole, (whole[1], 1), 0, local.dtype, local.device, False)

@@ -27,7 +27,7 @@ from foundryx.models.peft.rowwise import RowScaledTensor
 @functools.cache
 def nf4_part_type() -> type:
     """:class:`NF4Part`'s class, made on first use (torchao is a heavy import)."""
-    from torchao.dtypes.nf4tensor import NF4Tensor, construct_nf4_args
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, construct_nf4_args
 
     class NF4Part(NF4Tensor):
         """torchao's ``NF4Tensor`` as a tensor-parallel part: the same bytes and ops (their
@@ -97,7 +97,7 @@ def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
     """The NF4 tensor of ``t[rows][:, columns[0]:columns[1]]`` (rows: a slice or an index
     tensor; None: all), its bytes copied from ``t``'s. Raises ValueError where the blocks do
     not allow it (:func:`part_problem`)."""
-    from torchao.dtypes.nf4tensor import SubclassTensorArgs  # heavy import, only here
+    from foundryx.models.peft.torchao_nf4 import SubclassTensorArgs  # heavy import, only here
 
     problem = part_problem(t, columns)
     if problem is not None:
