@@ -97,7 +97,13 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
         parts.append(f"no plan: {e}")
     except ConfigError as e:  # building the model: e.g. LoRA target_modules that match nothing
         parts.append("no plan: the model cannot be built; see the problems below")
-        problems += e.problems
+        # the options check may have said it already, under another path: one line each,
+        # under the longer (fuller) path
+        best: dict[str, str] = {}
+        for p in [*problems, *e.problems]:
+            said = p.split(": ", 1)[-1]
+            best[said] = max(best.get(said, ""), p, key=len)
+        problems[:] = list(dict.fromkeys(best[p.split(": ", 1)[-1]] for p in [*problems, *e.problems]))
     except FoundryxError as e:  # a hub name not cached, ...: the run would stop there too
         parts.append("no plan: the model cannot be built; see the problems below")
         problems.append(f"model: {e}")

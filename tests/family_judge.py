@@ -1,6 +1,7 @@
 """The judge of the model-family tests, run as its own process with plain transformers + peft
 (never foundryx), possibly of the other torch leg: for each ``(base, adapter)`` folder pair, load
-the base and the adapter as a Hugging Face user does and report what they hold and give.
+the base, the adapter and its tokenizer as a Hugging Face user does and report what they hold
+and give.
 
     python family_judge.py CASES.json IDS.pt OUT.pt
 """
@@ -12,7 +13,7 @@ import torch
 import transformers
 from peft import PeftModel
 from peft.utils import get_peft_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main(cases_path: str, ids_path: str, out: str) -> None:
@@ -28,6 +29,7 @@ def main(cases_path: str, ids_path: str, out: str) -> None:
         result[name] = {"class": type(model.get_base_model()).__name__,
                         "adapter": {k: v.float() for k, v in get_peft_model_state_dict(model).items()},
                         "finite": bool(torch.isfinite(after).all()),
+                        "tokens": AutoTokenizer.from_pretrained(adapter)("the king")["input_ids"],
                         "changed": float((after - before).abs().max())}
     assert not any(n.startswith("foundryx") for n in sys.modules), "imported foundryx"
     torch.save(result, out)

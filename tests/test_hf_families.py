@@ -35,9 +35,13 @@ def _other_leg_python() -> tuple[str, str]:
     return (str(other), "other leg") if other.is_file() else (sys.executable, "this leg")
 
 
-def _train_and_export(folders: dict[str, str], out: str) -> dict:
+def _train_and_export(folders: dict[str, str], out: str, tokenizer_folder: str) -> dict:
+    from transformers import AutoTokenizer
+
     from foundryx.export.lora import options_of, write_adapter
     from foundryx.parallel import dist
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
 
     results: dict = {}
     for name, folder in folders.items():
@@ -48,17 +52,19 @@ def _train_and_export(folders: dict[str, str], out: str) -> dict:
             adapters = {k.removeprefix("model."): getattr(p, "full_tensor", lambda p=p: p)()
                         .detach().float() for k, p in model.named_parameters() if "lora_" in k}
             if dist.rank() == 0:
-                write_adapter(model.model, options_of(model.model), None,
+                write_adapter(model.model, options_of(model.model), tokenizer,
                               f"{out}/{name}-{frozen}", fmt="hf", base=folder, weights=adapters)
             results[f"{name}-{frozen}"] = {"losses": losses, "adapters": adapters}
     return results
 
 
-def test_families_load_shard_by_shard_train_and_export_for_plain_peft(tmp_path):
+def test_families_load_shard_by_shard_train_and_export_for_plain_peft(tmp_path, tiny_tokenizer):
     folders = {name: save_family(name, tmp_path / name) for name in FAMILIES}
+    tiny_tokenizer.save_pretrained(tmp_path / "tokenizer")
     assert all((tmp_path / name / "model.safetensors.index.json").is_file() for name in FAMILIES)
     out = tmp_path / "adapters"
-    results = run_distributed(_train_and_export, args=(folders, str(out)), timeout=900)
+    results = run_distributed(_train_and_export, args=(folders, str(out), str(tmp_path / "tokenizer")),
+                              timeout=900)
     for case, run in results[0].items():
         losses = run["losses"]
         assert all(map(torch.isfinite, map(torch.tensor, losses))), (case, losses)
@@ -80,6 +86,7 @@ def test_families_load_shard_by_shard_train_and_export_for_plain_peft(tmp_path):
         got = said[case]
         assert got["finite"] and got["changed"] > 0, (case, got)
         assert got["class"] == CLASSES[FAMILIES[case.split("-")[0]][0]], (case, got["class"])
+        assert got["tokens"] == tiny_tokenizer("the king")["input_ids"], case  # its tokenizer
         # every trained adapter weight, under PEFT's names, as trained
         mine = {k.replace(".default.", "."): v for k, v in run["adapters"].items()}
         theirs = {k.removeprefix("base_model.model."): v for k, v in got["adapter"].items()}

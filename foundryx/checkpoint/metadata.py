@@ -20,6 +20,7 @@ from typing import Any
 from foundryx.checkpoint.layout import MANIFEST, resolve_checkpoint, write_json_atomic
 from foundryx.checkpoint.remote import fetch, is_remote
 from foundryx.errors import CheckpointError
+from foundryx.hf_compat import portable_tokenizer_config
 
 METADATA_DIR = "hf"  # inside a checkpoint folder: config.json and tokenizer files
 COMPONENTS = "components.json"  # inside a checkpoint folder: the model and tokenizer sections
@@ -108,19 +109,22 @@ def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
     inputs the model takes (``model_input_names``: ``input_ids``, ``attention_mask``) without
     :data:`UNUSED_INPUTS`: a tokenizer made with ``PreTrainedTokenizerFast`` (the quickstart's)
     returns ``token_type_ids`` by default, which ``model.generate(**tok(text,
-    return_tensors="pt"))`` refuses. The tokenizer object itself is left as it is."""
+    return_tensors="pt"))`` refuses; and a tokenizer class that transformers 4 and 5 both load
+    (:func:`foundryx.hf_compat.portable_tokenizer_config`). The tokenizer object itself is left
+    as it is."""
     tokenizer.save_pretrained(folder)
     path = Path(folder) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return
     names = list(getattr(tokenizer, "model_input_names", None) or [])
     kept = [name for name in names if name not in UNUSED_INPUTS]
-    if not path.is_file() or not kept:
-        return
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if config.get("model_input_names") == kept:
-        return
-    config["model_input_names"] = kept  # what AutoTokenizer.from_pretrained passes to __init__
-    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
-                    encoding="utf-8")
+    before = json.loads(path.read_text(encoding="utf-8"))
+    config = portable_tokenizer_config(before)  # a class transformers 4 and 5 both load
+    if kept:
+        config["model_input_names"] = kept  # what AutoTokenizer.from_pretrained passes to __init__
+    if config != before:
+        path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
+                        encoding="utf-8")
 
 
 def metadata_folder(checkpoint: str | Path) -> Path | None:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from foundryx.config.types import option
 from foundryx.errors import DataError
+from foundryx.hf_compat import newer_transformers_hint, portable_tokenizer_config
 from foundryx.hub import looks_like_path
 
 if TYPE_CHECKING:
@@ -58,6 +60,9 @@ def train_bpe_tokenizer(
         name_or_path=str(out_dir),
     )
     fast.save_pretrained(str(out_dir))
+    config = Path(out_dir) / "tokenizer_config.json"  # a class transformers 4 and 5 both load
+    config.write_text(json.dumps(portable_tokenizer_config(json.loads(config.read_text())),
+                                 indent=2, sort_keys=True) + "\n")
     return fast
 
 
@@ -88,9 +93,10 @@ def build_hf_tokenizer(path: str, **kwargs) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path, **kwargs)
     except (OSError, ValueError) as e:
         where = "local folder" if local.is_dir() else "hub name (offline, or no such tokenizer?)"
+        newer = newer_transformers_hint(e, local) if local.is_dir() else None
         raise DataError(
             f"could not load tokenizer {path!r} as a {where}: "
-            f"{type(e).__name__}: {str(e).rstrip('.')}. {_FIX}"
+            f"{type(e).__name__}: {str(e).rstrip('.')}. {newer + '.' if newer else _FIX}"
         ) from e
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

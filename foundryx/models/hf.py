@@ -27,6 +27,7 @@ from torch import nn
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
+from foundryx.hf_compat import newer_transformers_hint
 from foundryx.hub import looks_like_path, resolve_source
 from foundryx.models.composer_base import CausalLMBase
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
@@ -158,9 +159,10 @@ def build_config(
         hf_config = AutoConfig.from_pretrained(
             source[0], local_files_only=source[1], trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError) as e:
+        newer = newer_transformers_hint(e, source[0]) if Path(source[0]).is_dir() else None
         raise ConfigError([f"model.pretrained_model_name_or_path: cannot load the config of "
-                           f"{path!r}: {_first_line(e)}"]) from None
+                           f"{path!r}: {_first_line(e)}" + (f"; {newer}" if newer else "")]) from None
     return apply_overrides(hf_config, overrides, "model.config_overrides"), source
 
 
