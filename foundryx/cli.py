@@ -424,10 +424,22 @@ def run(argv: list[str] | None = None) -> NoReturn:
     interpreter's final garbage collection, which walks every object torch, transformers and
     Composer made and takes ~3 s of a 2-core machine's time per process (measured: ``import
     composer`` then exit, 13.0 s; with the objects frozen first, 10.3 s). atexit handlers and
-    every module's cleanup still run; only cyclic garbage is left to the operating system."""
+    every module's cleanup still run; only cyclic garbage is left to the operating system (not in
+a process that loaded Triton's nanobind extension: :func:`_nanobind_extension_loaded`)."""
     code = main(argv)
-    gc.freeze()
+    if not _nanobind_extension_loaded():
+        gc.freeze()
     sys.exit(code)
+
+
+def _nanobind_extension_loaded() -> bool:
+    """Whether Triton's nanobind-built extension is loaded (Triton >= 3.9, torch 2.15): nanobind
+    reports every object of its types still alive when the interpreter ends ("nanobind: leaked
+    514 functions!", ~100 lines on stderr), which frozen objects are, so such a process exits
+    with the ordinary final collection (its ~3 s) instead."""
+    ext = sys.modules.get("triton._C.libtriton")
+    context = getattr(getattr(ext, "ir", None), "context", None)
+    return context is not None and type(context).__name__.startswith("nb_type")
 
 
 if __name__ == "__main__":

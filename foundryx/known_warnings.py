@@ -59,7 +59,7 @@ KNOWN_IMPORT_LOGS: tuple[tuple[str, Known], ...] = (
     ("torchao", Known(r"Skipping import of cpp extensions due to incompatible torch version",
                       UserWarning,
                       "torchao's compiled kernels are built for one torch release; foundryx uses "
-                      "only its NF4 tensor subclass (pure Python, tested on torch 2.7 and 2.14). "
+                      "only its NF4 tensor subclass (pure Python, tested on torch 2.7 and 2.15). "
                       "transformers imports torchao whenever it is installed, so every run "
                       "would print it")),
     ("torch.utils._pytree", Known(r"<enum '\w+'> is an Enum subclass and is now natively supported "

@@ -1,5 +1,5 @@
 """foundryx doctor: each known-bad combination, injected as facts, is flagged with its fix and
-exit code 1; the tested torch 2.14 + Composer --no-deps leg is said to be tested, not broken."""
+exit code 1; the tested torch 2.15 + Composer --no-deps leg is said to be tested, not broken."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_a_good_machine_has_nothing_known_bad():
 
 @pytest.mark.parametrize("torch_version, verdict", [
     ("2.7.0+cu126", "within Composer 0.32.1's pin"),
-    ("2.14.1+cu130", "outside Composer 0.32.1's pin (torch<2.7.1,>=2.6.0): a known, tested combination"),
+    ("2.15.0+cu132", "outside Composer 0.32.1's pin (torch<2.7.1,>=2.6.0): a known, tested combination"),
     ("2.9.0+cu128", "BAD"),
 ])
 def test_composer_torch_pin(torch_version, verdict):
@@ -52,8 +52,8 @@ def test_composer_torch_pin(torch_version, verdict):
 def test_flash_attn_built_for_another_torch():
     error = ("ImportError: .../flash_attn_2_cuda.cpython-311-x86_64-linux-gnu.so: undefined "
              "symbol: _ZN3c104cuda9SetDeviceEi")
-    (msg,) = bad(dataclasses.replace(GOOD, torch="2.14.1+cu130", flash_attn_error=error))
-    assert "flash-attn 2.7.4 was built for another torch than the installed 2.14.1+cu130" in msg
+    (msg,) = bad(dataclasses.replace(GOOD, torch="2.15.0+cu132", flash_attn_error=error))
+    assert "flash-attn 2.7.4 was built for another torch than the installed 2.15.0+cu132" in msg
     assert "pip install --no-build-isolation --no-cache-dir --force-reinstall flash-attn==2.7.4" in msg
 
 

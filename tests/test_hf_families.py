@@ -92,3 +92,43 @@ def test_families_load_shard_by_shard_train_and_export_for_plain_peft(tmp_path, 
         theirs = {k.removeprefix("base_model.model."): v for k, v in got["adapter"].items()}
         assert sorted(mine) == sorted(theirs), (case, sorted(set(mine) ^ set(theirs))[:6])
         assert all(torch.equal(mine[k], theirs[k]) for k in mine), case
+
+
+def _tp_against_fsdp(families: list[str]) -> dict:
+    """Per family: the losses of the whole model and of LoRA at tp 2 and at FSDP2 shard 2
+    (test_tp.py's steps, batches and AdamW), and the refusals of the families without a plan."""
+    import test_tp
+
+    from foundryx.parallel.tp import plan_problems
+
+    out: dict = {}
+    for name in families:
+        model_type, config = FAMILIES[name]
+        test_tp.LLAMA = {**config, "model_type": model_type, "vocab_size": 64,
+                         "max_position_embeddings": test_tp.SEQ, "tie_word_embeddings": False}
+        model = test_tp._build("llama", "full")
+        out[("problems", name)] = plan_problems(model, 2)
+        if out[("problems", name)]:
+            continue
+        for variant in ("full", "lora"):
+            for mesh, (shard, tp) in {"fsdp": (2, 1), "tp": (1, 2)}.items():
+                out[(name, variant, mesh)] = test_tp._losses("llama", shard, tp, variant,
+                                                             steps=range(8))
+    return out
+
+
+def test_tensor_parallel_plans_of_the_families_give_fsdps_losses_or_say_why_not():
+    import test_tp
+
+    results = run_distributed(_tp_against_fsdp, args=(list(FAMILIES),), timeout=900)
+    for r in results:
+        for name, (model_type, _) in FAMILIES.items():
+            problems = r[("problems", name)]
+            if model_type in ("olmo2", "phi3"):  # refused, with the reason, at config time
+                assert len(problems) == 1 and "no tensor-parallel plan" in problems[0], problems
+                assert ("q_norm" in problems[0]) == (model_type == "olmo2"), problems
+                continue
+            assert problems == [], (name, problems)
+            for variant in ("full", "lora"):
+                got, want = r[(name, variant, "tp")], r[(name, variant, "fsdp")]
+                assert test_tp._close(got, want), (name, variant, got, want)

@@ -427,7 +427,7 @@ def test_a_model_without_a_plan_lists_those_with_one():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
     (problem,) = plan_problems(model, 2)
     assert "declares no tensor-parallel plan" in problem and "mpt_causal_lm" in problem
-    assert "Llama, Mistral or Qwen2" in problem
+    assert "Llama, Mistral/Ministral, Qwen2, Qwen3 or Gemma 3" in problem
 
 
 def test_tp_data_and_checkpoint_problems_are_said_up_front():
@@ -467,7 +467,7 @@ def test_an_operator_torch_cannot_split_names_the_torch_versions_tested():
                               "strategy registered.")
     problem = missing_op_error(err, 2).problems[0]
     assert problem.startswith("parallelism.tp: 2: torch ") and "aten._fused_rms_norm.default" in problem
-    assert "tested on torch 2.7.0 and 2.14.1" in problem and "or tp: 1" in problem
+    assert "tested on torch 2.7.0 and 2.15.0" in problem and "or tp: 1" in problem
     assert missing_op_error(err, 1) is None  # not a tensor-parallel run: torch's own error
     assert missing_op_error(NotImplementedError("something else"), 2) is None
 

@@ -13,9 +13,9 @@ from packaging.version import InvalidVersion, Version
 from foundryx.doctor.facts import Facts
 
 # torch releases foundryx is tested on with Composer 0.32.1 (README, "Installing on a current
-# torch"): 2.7.0 within Composer's pin, 2.14.1 outside it with Composer installed --no-deps.
+# stack"): 2.7.0 within Composer's pin, 2.15.0 outside it with Composer installed --no-deps.
 TESTED_TORCH = {"2.7.0": "make install, constraints.txt",
-                "2.14.1": "make install-modern, constraints-modern.txt; Composer --no-deps"}
+                "2.15.0": "make install-modern, constraints-modern.txt; Composer --no-deps"}
 MIN_SHM = 1 << 30  # below 1 GiB, dataloader workers die with "bus error" on ordinary batches
 MIN_OPEN_FILES = 4096  # streaming keeps shard files and locks open per worker
 GIB = 1 << 30

@@ -34,6 +34,10 @@ The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner
   vocabulary rows: the model's loss and logits take such a weight (MPT's fused loss runs
   vocabulary-parallel on it); calling the module would fail loudly (a DTensor weight).
 - ``sequence_parallel``: a norm run on the rank's sequence shard (weights replicated).
+- ``head_norm``: a norm over each head's features on a rank's own heads (Qwen3's and Gemma 3's
+  q/k norms): weights replicated, their gradient summed over the TP ranks (head_norm.py).
+- ``sequence_parallel_local``: as ``sequence_parallel``, its output a plain tensor (a norm whose
+  output is added to the residual, as Gemma 3's post-attention and post-MLP norms are).
 - ``sequence_parallel_start``: a block whose full-sequence input becomes the rank's shard.
 - ``sequence_parallel_end``: a final norm on the shard, its output gathered back whole.
 - ``gather_sequence`` / ``gather_sequence(<kwarg>)``: a module (attention, MLP) whose first
@@ -58,6 +62,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from foundryx.errors import ConfigError
+from foundryx.parallel.head_norm import HeadNorm
 from foundryx.parallel.loss_parallel import SplitLogits, loss_parallel, whole_logits
 from foundryx.parallel.materialize import TP_ROWS_ATTR as ROWS_ATTR
 from foundryx.parallel.tp_kv import (
@@ -74,7 +79,8 @@ KV_REPLICATED = "kv_replicated"  # a k or v projection replicated over the TP ra
 PLAN_HOOK = "foundryx_tp_plan"  # HF models have a tp_plan of their own
 # The models that declare a plan (said when a model without one asks for tp).
 MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
-                     "hf_causal_lm with a Llama, Mistral or Qwen2 model")
+                     "hf_causal_lm with a Llama, Mistral/Ministral, Qwen2, Qwen3 or Gemma 3 "
+                     "model")
 
 
 def find_plan(model: nn.Module) -> tuple[str, nn.Module, dict[str, Any]] | None:
@@ -222,6 +228,10 @@ def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
         return [rowwise(output_layouts=Shard(1))]
     if style == "sequence_parallel":
         return [SequenceParallel()]
+    if style == "sequence_parallel_local":
+        return [SequenceParallel(use_local_output=True)]
+    if style == "head_norm":
+        return [HeadNorm()]
     if style == "sequence_parallel_start":
         return [PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                    use_local_output=True)]
@@ -409,7 +419,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, model_name: str
     return touched
 
 
-TESTED_TORCH = ("2.7.0", "2.14.1")  # the two legs of make test; tests/test_tp.py runs on both
+TESTED_TORCH = ("2.7.0", "2.15.0")  # the two legs of make test; tests/test_tp.py runs on both
 _MISSING_OP = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
 
 
