@@ -119,7 +119,7 @@ def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
     names = list(getattr(tokenizer, "model_input_names", None) or [])
     kept = [name for name in names if name not in UNUSED_INPUTS]
     before = json.loads(path.read_text(encoding="utf-8"))
-    config = portable_tokenizer_config(before)  # a class transformers 4 and 5 both load
+    config = dict(portable_tokenizer_config(before))  # a class transformers 4 and 5 both load
     if kept:
         config["model_input_names"] = kept  # what AutoTokenizer.from_pretrained passes to __init__
     if config != before:
