@@ -14,7 +14,8 @@ from foundryx.algorithms.gradient_clipping import total_norm
 from foundryx.config.schema import ParallelismConfig
 from foundryx.errors import ConfigError
 from foundryx.parallel.fsdp import mesh_dims
-from foundryx.parallel.tp import interleaved_rows, plan_problems
+from foundryx.parallel.tp import plan_problems
+from foundryx.parallel.tp_styles import interleaved_rows
 
 STEPS = 20  # AdamW steps per run (issue 24 asks for 20)
 RESUME_AT = 16  # the step the checkpoint is saved before, and resumed from
@@ -182,7 +183,7 @@ def _int8_weights(kind: str, shard: int, tp: int) -> dict[str, Any]:
 
     from foundryx.models.peft.frozen_base import LowPrecisionLinear
     from foundryx.models.peft.rowwise import RowScaledTensor
-    from foundryx.parallel.tp import _cut
+    from foundryx.parallel.tp_styles import _cut
 
     model, _ = _setup(kind, shard, tp, "lora+int8")
     local = [getattr(p, "_local_tensor", p) for p in model.parameters()]

@@ -217,13 +217,14 @@ def test_torchs_handler_firing_late_is_still_one_message(monkeypatch):
 def test_cli_prints_a_run_error_on_every_rank(monkeypatch, capsys):
     """A RunError is known only to the rank that saw it; a FoundryxError is rank 0's to say."""
     from foundryx import cli
+    from foundryx.cli import train_command
 
     monkeypatch.setenv("RANK", "1")
     for error, code, printed in ((RunError("worker gone"), 1, True), (FoundryxError("bad"), 2, False)):
         def cmd_train(args, error=error):
             raise error
 
-        monkeypatch.setattr(cli, "cmd_train", cmd_train)
+        monkeypatch.setattr(train_command, "cmd_train", cmd_train)
         assert cli.main(["train", "x.yaml"]) == code
         err = capsys.readouterr().err
         assert (f"foundryx: error: {error}" in err) is printed, err

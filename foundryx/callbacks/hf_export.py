@@ -33,7 +33,7 @@ from foundryx.export.core import (
 )
 from foundryx.export.lora import options_of, write_adapter
 from foundryx.models.peft.adapters import has_lora
-from foundryx.parallel.tp import unpermute_full_state
+from foundryx.parallel.tp_fused import unpermute_full_state
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from foundryx.checkpoint.trainer_state import set_rng_state
 from foundryx.checkpoint.weights import load_model_weights, match_prefix
 from foundryx.errors import CheckpointError
 from foundryx.models.peft.adapters import base_key, is_adapter_key
-from foundryx.parallel.tp import permute_full_state
+from foundryx.parallel.tp_fused import permute_full_state
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundryx.parallel.tp import fused_row_orders
+from foundryx.parallel.tp_fused import fused_row_orders
 
 
 def _reordered(t: Any, index: torch.Tensor) -> Any:

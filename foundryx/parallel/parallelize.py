@@ -29,7 +29,8 @@ from foundryx.parallel.fsdp import (
     sum_only_reductions,
 )
 from foundryx.parallel.policy import blocks, checkpoint_targets
-from foundryx.parallel.tp import apply_tensor_parallel, permute_full_state, plan_problems
+from foundryx.parallel.tp import apply_tensor_parallel, plan_problems
+from foundryx.parallel.tp_fused import permute_full_state
 from foundryx.parallel.wrappers import (
     checkpoint_activations,
     compile_forward,
