@@ -12,6 +12,7 @@ from foundryx import registry
 from foundryx.checkpoint.callback import Checkpointer
 from foundryx.checkpoint.remote import is_remote
 from foundryx.checkpoint.remote_callback import RemoteCheckpointer
+from foundryx.checkpoint.run_shape import run_shape
 from foundryx.config import TrainConfig
 from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     build_component,
@@ -214,5 +215,13 @@ def build_checkpointer(cfg: TrainConfig, run_name: str | None) -> Any:
         keep=cfg.save_num_checkpoints_to_keep, overwrite=cfg.save_overwrite,
         autoresume=resolve_autoresume(cfg), load_path=cfg.load_path,
         load_weights_only=cfg.load_weights_only, run_name=run_name,
-        model_section=cfg.model, tokenizer_section=cfg.tokenizer,
+        model_section=cfg.model, tokenizer_section=cfg.tokenizer, run=_run_shape(cfg),
     )
+
+
+def _run_shape(cfg: TrainConfig) -> dict[str, Any]:
+    """What a resume of this run must keep (foundryx/checkpoint/run_shape.py)."""
+    frozen = cfg.model.get("frozen_base") if isinstance(cfg.model, dict) else None
+    dataset = cfg.train_loader.get("dataset") if isinstance(cfg.train_loader, dict) else None
+    return run_shape(cfg.global_train_batch_size, cfg.max_seq_len,
+                     frozen.get("dtype") if isinstance(frozen, dict) else None, dataset)

@@ -8,8 +8,16 @@ Imports nothing of foundryx (nor transformers until a function needs it): any pa
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
+import json
+import re
+from pathlib import Path
 
 from packaging.version import Version
+
+__all__ = ["TRANSFORMERS_5", "TRANSFORMERS_VERSION", "cache_argument", "crop_cache",
+           "newer_transformers_hint", "no_init_weights", "output_cache",
+           "portable_tokenizer_config", "written_by_newer"]
 
 # from the installed metadata: importing this module does not import transformers (heavy)
 TRANSFORMERS_VERSION = Version(importlib.metadata.version("transformers"))
@@ -25,16 +33,10 @@ def no_init_weights():
         from transformers.modeling_utils import no_init_weights as skip
     return skip()
 
-__all__ = ["TRANSFORMERS_5", "TRANSFORMERS_VERSION", "cache_argument", "crop_cache",
-           "newer_transformers_hint", "no_init_weights", "output_cache",
-           "portable_tokenizer_config", "written_by_newer"]
-
 
 def cache_argument(hf) -> str | None:
     """The name under which ``hf.forward`` takes its KV cache: ``cache`` (transformers 5.x),
     ``past_key_values`` (4.x), or None (a model that keeps none)."""
-    import inspect
-
     names = inspect.signature(hf.forward).parameters
     return next((n for n in ("cache", "past_key_values") if n in names), None)
 
@@ -47,8 +49,6 @@ def output_cache(outputs):
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` positions of a KV cache (``Cache.crop`` takes the length to
     keep in 4.x and the number of tokens to remove, as a negative count, in 5.x)."""
-    import inspect
-
     if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
         cache.crop(-(cache.get_seq_length() - length))
     else:
@@ -74,9 +74,6 @@ def written_by_newer(*files) -> str | None:
     """When a config.json or tokenizer_config.json among ``files`` records a newer
     transformers than the installed one: "FILE was written by transformers V; this environment
     has W", else None (files that are missing or record no version are skipped)."""
-    import json
-    from pathlib import Path
-
     for file in map(Path, files):
         try:
             written = json.loads(file.read_text(encoding="utf-8")).get("transformers_version")
@@ -99,9 +96,6 @@ def newer_transformers_hint(error: BaseException, folder) -> str | None:
     """Why a config or tokenizer in ``folder`` did not load, when the cause is the installed
     transformers being older than the one that wrote it (a model type or tokenizer class it
     does not know): the versions and the fix, else None."""
-    import re
-    from pathlib import Path
-
     folder = Path(folder)
     newer = written_by_newer(folder / "config.json", folder / "tokenizer_config.json")
     if newer:

@@ -15,7 +15,8 @@ from foundryx.checkpoint import load as loader
 from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
 from foundryx.checkpoint.lock import SaveFolderLock
 from foundryx.checkpoint.lora import base_record, check_base, read_base
-from foundryx.checkpoint.metadata import record_of
+from foundryx.checkpoint.metadata import read_components, record_of
+from foundryx.checkpoint.run_shape import check_resume
 from foundryx.checkpoint.save import save
 from foundryx.checkpoint.trainer_state import set_rng_state
 from foundryx.checkpoint.weights import load_model_weights, match_prefix
@@ -52,6 +53,7 @@ class Checkpointer(Callback):
         run_name: str | None = None,
         model_section: dict[str, Any] | None = None,
         tokenizer_section: dict[str, Any] | None = None,
+        run: dict[str, Any] | None = None,
     ):
         self.save_folder = Path(save_folder) if save_folder else None
         self.should_save = create_interval_scheduler(save_interval)
@@ -59,6 +61,9 @@ class Checkpointer(Callback):
         self.load_path, self.load_weights_only, self.run_name = load_path, load_weights_only, run_name
         self.components = (record_of(model_section, tokenizer_section)
                            if model_section is not None else None)
+        self.run = run  # what a resume must keep (run_shape.py), recorded with the components
+        if self.components is not None and run is not None:
+            self.components["run"] = run
         self.replace: set[str] = set()
         self.loaded: Path | None = None
         self._rng: dict[str, Any] | None = None
@@ -87,6 +92,7 @@ class Checkpointer(Callback):
             if self.autoresume:
                 found = self._newest_intact()
                 if found is not None:
+                    self._check_resume(found)
                     self._load_lora_base(state, found)
                     self._rng = loader.load(state, found, base=self._base)
                     self.loaded, self._last_saved = found, int(state.timestamp.batch)
@@ -97,6 +103,12 @@ class Checkpointer(Callback):
                 self._check_reuse(self.save_folder)
         if self.load_path:
             self._load_path(state, self.load_path)
+
+    def _check_resume(self, folder: Path) -> None:
+        """Before a resume loads anything: the run that saved ``folder`` and this one agree on
+        what a resume must keep (run_shape.py)."""
+        record = read_components(folder)
+        check_resume(folder, record[0].get("run") if record else None, self.run)
 
     def _load_lora_base(self, state: State, found: Path) -> None:
         """Before resuming an adapter-only checkpoint whose base came from ``load_path``: check
@@ -172,6 +184,8 @@ class Checkpointer(Callback):
                 f"{saved['source']}; continue it with autoresume in its own save_folder (and that "
                 "load_path), or export its adapter (foundryx export) and start from it with "
                 f"model.pretrained_lora_id_or_path and load_path: {saved['source']}")
+        if not self.load_weights_only:
+            self._check_resume(folder)
         self._rng = loader.load(state, folder, weights_only=self.load_weights_only, base=self._base)
         self.loaded = folder
 
