@@ -1,0 +1,74 @@
+"""Plots of the RESULTS.md tables a reader takes as curves, drawn from the tables themselves.
+
+    python benchmarks/plot_results.py   # writes benchmarks/images/loading-grid.png
+
+The shard-on-read grid (section "Loading"): per frozen-base dtype, the measured peak host
+memory per rank (VmHWM) and the planner's figure against the number of ranks, and the load's
+speed against `cat`'s, at offload 0, 0.5 and 1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).parent
+GRID_HEADER = "| ranks | frozen base | offload | above base per rank"
+
+
+def grid_rows(text: str) -> list[dict[str, str]]:
+    """The rows of every table in ``text`` whose header is the grid's."""
+    rows, header = [], None
+    for line in text.splitlines():
+        if line.startswith(GRID_HEADER):
+            header = [c.strip() for c in line.strip("|").split("|")]
+        elif header and line.startswith("|") and not line.startswith("|---"):
+            rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
+        elif not line.startswith("|"):
+            header = None
+    return rows
+
+
+def main() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = grid_rows((HERE / "RESULTS.md").read_text())
+    by = defaultdict(list)
+    for r in rows:
+        by[(r["frozen base"], float(r["offload"]))].append(r)
+    fig, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {"bf16": "C0", "fp8": "C1", "int8": "C2", "nf4": "C3"}
+    for (dtype, offload), rs in sorted(by.items()):
+        rs.sort(key=lambda r: int(r["ranks"]))
+        ranks = [int(r["ranks"]) for r in rs]
+        if offload == 0:
+            mem.plot(ranks, [float(r["VmHWM (GiB)"]) for r in rs], "o-", color=colors[dtype],
+                     label=f"{dtype} measured")
+            mem.plot(ranks, [float(r["planned (GiB)"]) for r in rs], "x--", color=colors[dtype],
+                     label=f"{dtype} planned")
+        style = {0.0: "o-", 0.5: "s:", 1.0: "^--"}[offload]
+        speed.plot(ranks, [float(r["load / cat"]) for r in rs], style, color=colors[dtype],
+                   label=f"{dtype}, offload {offload:g}")
+    mem.set(xlabel="ranks", ylabel="peak host memory per rank (GiB)", xticks=[1, 2, 4],
+            title="load peak per rank (offload 0): measured vs planned")
+    speed.axhline(0.8, color="grey", lw=0.8)
+    speed.text(1, 0.82, "target 0.8x cat", color="grey", fontsize=8)
+    speed.set(xlabel="ranks", ylabel="load speed / cat speed", xticks=[1, 2, 4],
+              title="load throughput against reading the files (cat)")
+    mem.legend(fontsize=7, ncol=2)
+    speed.legend(fontsize=6, ncol=2)
+    for ax in (mem, speed):
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"shard-on-read grid: {len(rows)} rows (0.75B Llama, bf16 safetensors, CPU ranks)")
+    fig.tight_layout()
+    out = HERE / "images" / "loading-grid.png"
+    out.parent.mkdir(exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out} ({len(rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
