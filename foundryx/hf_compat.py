@@ -15,7 +15,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-__all__ = ["TRANSFORMERS_5", "TRANSFORMERS_VERSION", "cache_argument", "crop_cache",
+__all__ = ["TRANSFORMERS_5", "TRANSFORMERS_VERSION", "cache_argument", "crop_cache", "crop_removes",
            "newer_transformers_hint", "no_init_weights", "output_cache",
            "portable_tokenizer_config", "written_by_newer"]
 
@@ -46,10 +46,15 @@ def output_cache(outputs):
     return getattr(outputs, "cache", None) or getattr(outputs, "past_key_values", None)
 
 
+def crop_removes(crop) -> bool:
+    """Whether a cache's (or cache layer's) ``crop`` takes the number of tokens to remove, as a
+    negative count (5.x), rather than the length to keep (4.x)."""
+    return "tokens_to_remove" in inspect.signature(crop).parameters
+
+
 def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of a KV cache (``Cache.crop`` takes the length to
-    keep in 4.x and the number of tokens to remove, as a negative count, in 5.x)."""
-    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+    """Keep the first ``length`` positions of a KV cache (see :func:`crop_removes`)."""
+    if crop_removes(cache.crop):
         cache.crop(-(cache.get_seq_length() - length))
     else:
         cache.crop(length)

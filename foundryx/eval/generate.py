@@ -103,15 +103,12 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     params = forward_params(hf)
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
-    # transformers 4 steps by cache_position; 5 keeps position_ids from the prompt's mask
-    # (generate's _prepare_position_ids_for_generation) and slices the new token's inputs
-    positions_v5 = "cache_position" not in params and past == "cache"
+    positions_v5 = steps_by_position_ids(params, past)
     if positions_v5:
-        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).masked_fill(
-            attention_mask == 0, 0)
+        kwargs["position_ids"] = mask_positions(attention_mask)
     else:
         kwargs["cache_position"] = torch.arange(ids.shape[1], device=ids.device)
-    steps = _DirectSteps(hf, cache, attention_mask, max_new_tokens, past, positions_v5)
+    steps = _DirectSteps(hf, cache, attention_mask, max_new_tokens, past, positions_v5, params)
     nxt = ids[:, -1]  # each step's new tokens (the first step's input is the prompt)
     for step in range(max_new_tokens):
         if step and steps.on:
@@ -173,13 +170,14 @@ class _DirectSteps:
     and the model is :func:`~foundryx.eval.plain_causal.plain_causal`."""
 
     def __init__(self, hf: Any, cache: Any, attention_mask: torch.Tensor, max_new_tokens: int,
-                 past: str | None, positions_v5: bool = False):
-        # past: the name of the cache argument; positions_v5: transformers 5 (no cache_position)
+                 past: str | None, positions_v5: bool, params: set[str]):
+        # past: the name of the cache argument; positions_v5: transformers 5 (no cache_position);
+        # params: the names hf.forward takes
         self.past, self.positions_v5 = past, positions_v5
         needs = {"position_ids"} if positions_v5 else {"position_ids", "cache_position"}
         self.on = (cache is not None and past is not None and bool(getattr(cache, "layers", None))
                    and all(type(layer) is GrowingLayer for layer in cache.layers)
-                   and plain_causal(hf) and needs <= forward_params(hf))
+                   and plain_causal(hf) and needs <= params)
         if not self.on:
             return
         self.length = attention_mask.shape[1]
@@ -215,6 +213,19 @@ class _DirectSteps:
             self._prompt_mask = self._prompt_mask.index_select(0, keep)
             if self.mask is not None:
                 self.mask = self.mask.index_select(0, keep)
+
+
+def steps_by_position_ids(params: set[str], past: str | None) -> bool:
+    """Whether a model whose forward takes ``params`` steps as transformers 5's ``generate``
+    does: position_ids kept from the prompt's mask (:func:`mask_positions`) and the new tokens
+    sliced by ``next_sequence_length``; else transformers 4's ``cache_position``."""
+    return "cache_position" not in params and past == "cache"
+
+
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position from a 2D attention mask, padding at 0 (transformers 5's
+    ``_prepare_position_ids_for_generation``)."""
+    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
 def forward_params(hf: Any) -> set[str]:

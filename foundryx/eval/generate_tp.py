@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from foundryx.eval.generate import forward_params, generation_model
+from foundryx.eval.generate import (
+    forward_params,
+    generation_model,
+    mask_positions,
+    steps_by_position_ids,
+)
 from foundryx.eval.kv_cache import new_cache
 from foundryx.hf_compat import cache_argument, crop_cache
 
@@ -33,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 def _step_inputs(hf: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, start: int,
-                 pad: int, multiple: int) -> tuple[dict[str, Any], int]:
+                 pad: int, multiple: int, past: str, positions_v5: bool
+                 ) -> tuple[dict[str, Any], int]:
     """The forward's keyword arguments for the real tokens ``ids[:, start:]`` (all of ``ids``
     without a cache) right-padded to a multiple, and the index of the last real one in them."""
     real = ids.shape[1] - start
@@ -42,11 +48,8 @@ def _step_inputs(hf: Any, ids: torch.Tensor, mask: torch.Tensor, cache: Any, sta
     ids = torch.cat([ids, ids.new_full((n, fill), pad)], dim=1)
     mask = torch.cat([mask, mask.new_ones((n, fill))], dim=1)
     kwargs: dict[str, Any] = {"attention_mask": mask, "use_cache": cache is not None}
-    past = cache_argument(hf) or "past_key_values"
-    if "cache_position" not in forward_params(hf) and past == "cache":
-        # transformers 5: positions from the mask (as generate makes them), the new tokens
-        # sliced by next_sequence_length
-        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    if positions_v5:  # transformers 5: the new tokens sliced by next_sequence_length
+        kwargs["position_ids"] = mask_positions(mask)
         kwargs.update(is_first_iteration=start == 0,
                       next_sequence_length=ids.shape[1] - start if cache is not None else None)
         if cache is not None:
@@ -80,10 +83,13 @@ def sequence_parallel_generate(hf: Any, input_ids: torch.Tensor, *, multiple: in
     ids = torch.cat([input_ids.new_full((n, lead), pad), input_ids], dim=1)
     mask = torch.cat([mask.new_zeros((n, lead)), mask], dim=1)
     cache = new_cache(hf)
+    past = cache_argument(hf) or "past_key_values"
+    positions_v5 = steps_by_position_ids(forward_params(hf), past)
     done = torch.zeros(n, dtype=torch.bool, device=ids.device)
     start = 0  # the first position the cache does not hold
     for _ in range(max_new_tokens):
-        inputs, last = _step_inputs(hf, ids, mask, cache, start, pad, multiple)
+        inputs, last = _step_inputs(hf, ids, mask, cache, start, pad, multiple, past,
+                                    positions_v5)
         logits = hf(**inputs, return_dict=True).logits
         nxt = logits[:, last, :].float().argmax(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad), nxt)

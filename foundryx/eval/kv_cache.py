@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from foundryx.hf_compat import crop_removes
+
 try:
     from transformers.cache_utils import DynamicLayer
 except ImportError:  # transformers < 4.54: caches without layer objects
@@ -26,8 +28,7 @@ except ImportError:  # transformers < 4.54: caches without layer objects
 # 5.x: lazy_initialization(keys, values), crop(tokens_to_remove); 4.x: (keys), crop(max_length)
 _INIT_TAKES_VALUES = DynamicLayer is not None and len(
     inspect.signature(DynamicLayer.lazy_initialization).parameters) == 3
-_CROP_REMOVES = DynamicLayer is not None and "tokens_to_remove" in inspect.signature(
-    DynamicLayer.crop).parameters
+_CROP_REMOVES = DynamicLayer is not None and crop_removes(DynamicLayer.crop)
 
 
 class GrowingLayer(DynamicLayer or object):
