@@ -23,7 +23,7 @@ from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.load import read_resolved
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
-from foundryx.data.workers import worker_death_error
+from foundryx.data.workers import unraisable_deaths_kept_quiet, worker_death_error
 from foundryx.devices import machine_from_torch, run_problems
 from foundryx.doctor.facts import environment
 from foundryx.errors import ConfigError, FoundryxError
@@ -277,23 +277,27 @@ def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: A
     killed meanwhile (the OOM killer, ``kill -9``) becomes one RunError (exit code 1) naming
     the loader, the worker, the signal and the batch reached, instead of torch's traceback
     (see foundryx.data.workers); every other error propagates unchanged."""
-    try:
-        if eval_first:
-            trainer.eval()
-        trainer.fit()
-    except NotImplementedError as e:  # an operator this torch cannot run under tensor parallelism
-        error = missing_op_error(e, builders.tp_degree(cfg.parallelism))
-        if error is None:
-            raise
-        raise error from e
-    except (RuntimeError, ConnectionError, EOFError) as e:  # see foundryx.data.workers
-        def translate(err: BaseException) -> Any:
-            return worker_death_error(err, trainer.state, save_folder=cfg.save_folder,
-                                      autoresume=bool(checkpointer and checkpointer.autoresume))
+    with unraisable_deaths_kept_quiet() as kept:
         try:
-            error = translate(e)
-        except RuntimeError as late:  # torch's SIGCHLD handler fired as translation began
-            error = translate(late)
-        if error is None:
-            raise
-        raise error from e
+            if eval_first:
+                trainer.eval()
+            trainer.fit()
+        except NotImplementedError as e:  # an operator this torch cannot run under TP
+            error = missing_op_error(e, builders.tp_degree(cfg.parallelism))
+            if error is None:
+                raise
+            raise error from e
+        except (RuntimeError, ConnectionError, EOFError) as e:  # see foundryx.data.workers
+            def translate(err: BaseException) -> Any:
+                return worker_death_error(
+                    err, trainer.state, save_folder=cfg.save_folder,
+                    autoresume=bool(checkpointer and checkpointer.autoresume))
+            try:
+                error = translate(e)
+            except RuntimeError as late:  # torch's SIGCHLD handler fired as translation began
+                error = translate(late)
+            if error is None and kept:  # the death came first, raised inside a finalizer
+                error = translate(kept[0])
+            if error is None:
+                raise
+            raise error from e

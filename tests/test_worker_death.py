@@ -259,3 +259,34 @@ if __name__ == "__main__":
     from foundryx.cli import run
 
     run(["train", "yamls/quickstart.yaml", *sys.argv[1:]])
+
+
+def test_a_death_raised_inside_a_finalizer_prints_no_traceback(monkeypatch):
+    """torch's SIGCHLD handler can fire while the garbage collector runs a ``__del__`` (CI saw
+    it in tempfile's): Python prints "Exception ignored in" with the handler's traceback. During
+    a run that traceback is kept back; any other finalizer error still reaches the hook that
+    prints it (Python's own; here a recording stand-in, since pytest replaces Python's)."""
+    import gc
+
+    from foundryx.data.workers import unraisable_deaths_kept_quiet
+
+    class Finalizer:
+        def __init__(self, text):
+            self.text = text
+
+        def __del__(self):
+            raise RuntimeError(self.text)
+
+    printed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: printed.append(str(u.exc_value)))
+    death = "DataLoader worker (pid 4321) is killed by signal: Killed. "
+    with unraisable_deaths_kept_quiet() as kept:
+        Finalizer(death)
+        Finalizer("an unrelated bug")
+        gc.collect()
+    assert printed == ["an unrelated bug"]
+    assert [str(e) for e in kept] == [death]
+    assert parse_worker_death(kept[0]).pids == (4321,)
+    Finalizer(death)  # after the run: the hook that was there before
+    gc.collect()
+    assert printed == ["an unrelated bug", death]

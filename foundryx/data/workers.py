@@ -12,10 +12,13 @@ error gives ``None`` and propagates unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +152,34 @@ def _quiet_sigchld() -> None:
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def unraisable_deaths_kept_quiet() -> Iterator[list[BaseException]]:
+    """While the block runs, a worker death that torch's SIGCHLD handler raises inside a
+    finalizer (a ``__del__`` the garbage collector runs, e.g. ``tempfile``'s) is not printed.
+
+    Python cannot raise from a finalizer: it prints "Exception ignored in ..." with the
+    handler's traceback and goes on, and the main process hears of the death a moment later
+    from the loader (its liveness check), which :func:`worker_death_error` turns into the one
+    message. The traceback printed before it is noise; this hook keeps it out and yields the
+    errors it kept back (for a run that ends on another error meanwhile). Every other unraisable exception goes to the hook that was there.
+    """
+    kept: list[BaseException] = []
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        err = unraisable.exc_value
+        if err is not None and parse_worker_death(err) is not None:
+            kept.append(err)
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield kept
+    finally:
+        sys.unraisablehook = previous
 
 
 def worker_death_error(err: BaseException, state: Any, *, save_folder: str | None,
