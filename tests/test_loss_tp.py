@@ -1,5 +1,6 @@
 """The fused loss with its output projection split by vocabulary rows (tensor parallelism's
-vocabulary-parallel head), on 2 gloo processes against the whole loss in float64: the loss, the
+vocabulary-parallel head: the model's single-device loss and logits in the vocabulary-parallel
+forms of foundryx.parallel.vocab_rows), on 2 gloo processes against the whole loss in float64: the loss, the
 hidden states' gradient and the weight's gradient, and the whole logits read from a split
 weight."""
 
@@ -10,6 +11,7 @@ from distributed import run_distributed
 
 from foundryx.models.layers.head import output_logits
 from foundryx.models.layers.loss import linear_cross_entropy
+from foundryx.parallel.vocab_rows import gathered_logits, split_loss
 
 VOCAB, D = 67, 16  # 34 + 33 rows: a vocabulary the ranks do not split evenly
 
@@ -32,9 +34,9 @@ def _split_against_whole(scale: float | None) -> dict[str, float]:
         (h @ w.T * (scale or 1.0)).flatten(0, 1), labels.flatten(), ignore_index=-100)
     h_split = h.clone().requires_grad_()
     w_split = torch.nn.Parameter(distribute_tensor(w.clone(), mesh, [Shard(0)]))
-    got = linear_cross_entropy(h_split, w_split, labels, scale, chunk=16)
+    got = split_loss(linear_cross_entropy)(h_split, w_split, labels, scale, chunk=16)
     got.backward()
-    logits = output_logits(h, w_split.detach(), scale)
+    logits = gathered_logits(output_logits)(h, w_split.detach(), scale)
     return {
         "loss": (got - want).abs().item(),
         "reference": (want - reference).abs().item() / reference.item(),

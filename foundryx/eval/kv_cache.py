@@ -1,56 +1,68 @@
-"""The KV cache of foundryx's greedy generation: Hugging Face's ``DynamicCache`` whose plain
-layers keep their keys and values in place.
+"""The KV cache of foundryx's greedy generation, built on transformers' public cache API: a
+``Cache`` made from a list of layers, the full-attention ones :class:`GrowingLayer` s.
 
-``DynamicLayer`` concatenates each new token onto a new tensor, a copy of the whole cache per
-decoding step: a quarter of the CPU time of a gsm8k batch (32 rows of 1,000 tokens).
-:class:`GrowingLayer` holds the same keys and values in a buffer of the prompt's tokens plus
-the new ones (doubled if ever outgrown) and hands attention a view of the filled part: the
-same tensors, no copy. Transformers without ``DynamicLayer`` (before 4.54) keep their own
-cache. The layer interface differs between 4.x and 5.x (``lazy_initialization`` takes the
-values too in 5.x; ``crop`` takes a final length in 4.x and a count of tokens to remove in
-5.x): :class:`GrowingLayer` follows the installed one.
+A ``CacheLayerMixin`` is the documented base class of one layer's cache, and
+``Cache(layers=...)`` the documented way to assemble a cache from layers (both in 4.54+ and
+5.x). Transformers' own ``DynamicLayer`` concatenates each new token onto a new tensor, a copy
+of the whole cache per decoding step: a quarter of the CPU time of a gsm8k batch (32 rows of
+1,000 tokens). :class:`GrowingLayer` holds the same keys and values in a buffer of the prompt's
+tokens plus the new ones (doubled if ever outgrown) and hands attention a view of the filled
+part: the same tensors, no copy. Sliding-window and other layers stay as ``DynamicCache``
+makes them for the model's config. Transformers before 4.54 (no layer objects) keep their own
+cache.
+
+The mixin's abstract methods changed between 4.x and 5.x; :class:`GrowingLayer` implements
+both sets: ``lazy_initialization`` takes the values too in 5.x, ``get_mask_sizes`` the cache
+positions in 4.x and the query length in 5.x, the maximum length is ``get_max_cache_shape``
+in 4.x and ``get_max_length`` in 5.x, and ``crop`` takes the length to keep in 4.x and the
+(negative) count of tokens to remove in 5.x.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+except ImportError:  # transformers < 4.54: caches without layer objects
+    Cache = CacheLayerMixin = DynamicLayer = None
+
 from foundryx.hf_compat import crop_removes
 
-try:
-    from transformers.cache_utils import DynamicLayer
-except ImportError:  # transformers < 4.54: caches without layer objects
-    DynamicLayer = None
-
-# 5.x: lazy_initialization(keys, values), crop(tokens_to_remove); 4.x: (keys), crop(max_length)
-_INIT_TAKES_VALUES = DynamicLayer is not None and len(
-    inspect.signature(DynamicLayer.lazy_initialization).parameters) == 3
 _CROP_REMOVES = DynamicLayer is not None and crop_removes(DynamicLayer.crop)
 
 
-class GrowingLayer(DynamicLayer or object):
-    """A ``DynamicLayer`` whose keys and values live in a buffer of ``capacity`` positions."""
+class GrowingLayer(CacheLayerMixin or object):
+    """One full-attention layer's keys and values in a buffer of ``capacity`` positions."""
+
+    is_sliding = False
+    is_croppable = True
 
     def __init__(self, capacity: int):
         super().__init__()
         self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor,
+                            value_states: torch.Tensor | None = None) -> None:
+        values = key_states if value_states is None else value_states
+        self.dtype, self.device = key_states.dtype, key_states.device
+        shape = (*key_states.shape[:2], max(self.capacity, key_states.shape[-2]))
+        self._k = key_states.new_empty((*shape, key_states.shape[3]))
+        self._v = values.new_empty((*shape, values.shape[3]))
+        self.length = 0
+        self._views()
+        self.is_initialized = True
 
     def _views(self) -> None:
         self.keys, self.values = self._k[..., :self.length, :], self._v[..., :self.length, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.length + key_states.shape[-2]
         if not self.is_initialized:
-            if _INIT_TAKES_VALUES:
-                self.lazy_initialization(key_states, value_states)
-            else:
-                self.lazy_initialization(key_states)
-            self._k = key_states.new_empty((*key_states.shape[:2], max(self.capacity, n), key_states.shape[3]))
-            self._v = value_states.new_empty((*value_states.shape[:2], self._k.shape[2], value_states.shape[3]))
+            self.lazy_initialization(key_states, value_states)
+        n = self.length + key_states.shape[-2]
         if n > self._k.shape[-2]:  # outgrown: twice the length, the filled part copied once
             k, v = self._k, self._v
             self._k = k.new_empty((*k.shape[:2], 2 * n, k.shape[3]))
@@ -62,6 +74,23 @@ class GrowingLayer(DynamicLayer or object):
         self.length = n
         self._views()
         return self.keys, self.values
+
+    def get_seq_length(self, *args: Any) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query: torch.Tensor | int) -> tuple[int, int]:
+        # 4.x passes the cache positions of the query, 5.x its length
+        return self.length + (query if isinstance(query, int) else query.shape[0]), 0
+
+    def get_max_length(self) -> int:  # 5.x: no maximum
+        return -1
+
+    get_max_cache_shape = get_max_length  # 4.x's name
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
@@ -84,9 +113,9 @@ class GrowingLayer(DynamicLayer or object):
 
 
 def new_cache(hf: Any, capacity: int | None = None) -> Any:
-    """The cache ``generate`` would start with: a DynamicCache where the model supports one.
-    With ``capacity`` (the prompt's tokens + the new ones), its plain layers are
-    :class:`GrowingLayer` s; sliding-window and other layers stay as transformers made them."""
+    """The cache ``generate`` would start with: a ``DynamicCache`` for ``hf``'s config where
+    the model supports one. With ``capacity`` (the prompt's tokens + the new ones), a ``Cache``
+    of the same layers with each plain full-attention one a :class:`GrowingLayer`."""
     supports = getattr(hf, "_supports_default_dynamic_cache", None)
     if not (callable(supports) and supports()):
         return None
@@ -96,7 +125,7 @@ def new_cache(hf: Any, capacity: int | None = None) -> Any:
         cache = DynamicCache(config=hf.config)
     except TypeError:  # older transformers: no config argument
         cache = DynamicCache()
-    if capacity is not None and DynamicLayer is not None and getattr(cache, "layers", None):
-        cache.layers = [GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
-                        for layer in cache.layers]
-    return cache
+    if capacity is None or Cache is None or not getattr(cache, "layers", None):
+        return cache
+    return Cache(layers=[GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
+                         for layer in cache.layers])

@@ -11,12 +11,17 @@ A model (the ComposerModel or one of its direct children, as for the FSDP hooks 
                                                             # when fewer than tp (tp_kv.py)
      "vocab": {"size": 50368,                               # optional: the embedding and head
                "layers": {"<pattern>": "<style>", ...},     # split by vocabulary, when tp
-               "loss_parallel": "loss_function"}}           # divides its size (FSDP2 refuses an
-                                                            # uneven TP split); loss_parallel
+               "loss_parallel": "loss_function",            # divides its size (FSDP2 refuses an
+               "readers": {"loss": "fused_loss", ...}}}     # uneven TP split); loss_parallel
                                                             # (optional): the owner's attribute
                                                             # holding its loss callable, called
                                                             # as fn(logits=, labels=, ...), run
-                                                            # vocabulary-parallel on split logits
+                                                            # vocabulary-parallel on split logits;
+                                                            # readers (optional): the owner's
+                                                            # functions that read the split
+                                                            # weight, replaced by their
+                                                            # vocabulary-parallel forms
+                                                            # (vocab_rows.py)
 
 The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner):
 
@@ -31,8 +36,9 @@ The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner
   eval (metrics, ICL).
 - ``vocab_parallel_embedding``: an embedding split by vocabulary rows, its output summed whole.
 - ``vocab_rows``: a head whose weight the model reads (never calling the module) split by
-  vocabulary rows: the model's loss and logits take such a weight (MPT's fused loss runs
-  vocabulary-parallel on it); calling the module would fail loudly (a DTensor weight).
+  vocabulary rows: the plan's vocab ``readers`` (MPT's fused loss and logits) are replaced by
+  their vocabulary-parallel forms (vocab_rows.py); calling the module would fail loudly (a
+  DTensor weight).
 - ``sequence_parallel``: a norm run on the rank's sequence shard (weights replicated).
 - ``head_norm``: a norm over each head's features on a rank's own heads (Qwen3's and Gemma 3's
   q/k norms): weights replicated, their gradient summed over the TP ranks (head_norm.py).
@@ -45,7 +51,8 @@ The styles (torch.distributed.tensor.parallel underneath, in torchtitan's manner
 
 This module imports no model class: it matches names and applies styles. Its parts: the plan's
 checks (tp_plan.py), the styles (tp_styles.py), LoRA on split layers (tp_lora.py), offloaded
-layers (tp_offload.py), fused rows in full state dicts (tp_fused.py), kv heads (tp_kv.py).
+layers (tp_offload.py), fused rows in full state dicts (tp_fused.py), kv heads (tp_kv.py),
+readers of a vocabulary-split weight (vocab_rows.py).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ from foundryx.parallel.tp_lora import apply_lora
 from foundryx.parallel.tp_offload import KV_REPLICATED, offload_group, split_offloaded
 from foundryx.parallel.tp_plan import find_plan, missing_op_error, plan_problems
 from foundryx.parallel.tp_styles import _cut_params, _reorder_rows, _styles
+from foundryx.parallel.vocab_rows import READERS
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +87,11 @@ def _localise(module: nn.Module, attrs: list[str], tp: int) -> None:
 
 
 def _split_vocabulary(vocab: dict[str, Any] | None, layers: dict[str, str], tp: int,
-                      model_name: str) -> str | None:
+                      model_name: str, owner: nn.Module) -> str | None:
     """Add the plan's vocabulary-parallel styles to ``layers`` when ``tp`` divides the
-    vocabulary (FSDP2 cannot shard an uneven TP split), saying so when it does not; returns
-    the attribute of the loss to run vocabulary-parallel (None: none)."""
+    vocabulary (FSDP2 cannot shard an uneven TP split), saying so when it does not, and give
+    the model the vocabulary-parallel forms of the readers of the split weight it names
+    (vocab_rows.py); returns the attribute of the loss to run on split logits (None: none)."""
     if not vocab:
         return None
     if vocab["size"] % tp:
@@ -92,6 +101,8 @@ def _split_vocabulary(vocab: dict[str, Any] | None, layers: dict[str, str], tp: 
                  vocab["size"], tp)
         return None
     layers.update(vocab["layers"])
+    for kind, attr in vocab.get("readers", {}).items():
+        setattr(owner, attr, READERS[kind](getattr(owner, attr)))
     return vocab.get("loss_parallel")
 
 
@@ -119,7 +130,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
         log.info("parallelism.tp: %d: %s has %d kv heads, fewer than the TP ranks: k and v are "
                  "replicated over them, each rank using its q heads' kv head", tp, model_name,
                  kv["count"])
-    loss_attr = _split_vocabulary(plan.get("vocab"), layers, tp, model_name)
+    loss_attr = _split_vocabulary(plan.get("vocab"), layers, tp, model_name, owner)
     touched, split_logits = 0, False
     for name, module in list(model.named_modules()):
         if not name.startswith(prefix):

@@ -11,20 +11,21 @@ logits, their log-softmax and their gradient (three ``tokens x vocab`` fp32 tens
 gradients by the incoming one. The same idea as Liger-Kernel's fused linear cross entropy,
 written in plain PyTorch so it runs on every device.
 
-With ``weight`` split by vocabulary rows over ranks (tensor parallelism's vocabulary-parallel
-head, see :mod:`foundryx.models.layers.head`) the loss is vocabulary-parallel too: each rank
-projects onto its rows only, and per chunk the ranks all-reduce the rows' maxima, then their sums
-of exponentials with the target's logit (from the rank that holds it); the input's gradient is
-summed over the ranks once at the end. Each rank holds one chunk of its 1/N of the logits.
+The same function serves a vocabulary split by rows over ranks (tensor parallelism's
+vocabulary-parallel head) without knowing of ranks: ``weight`` is then this rank's rows, and
+``vocab`` (a :class:`VocabShard`, supplied from outside by
+``foundryx.parallel.vocab_rows``) says which rows they are and combines each chunk's row maxima
+and sums of exponentials (with the target's logit, from the rank that holds it) over the ranks,
+and the input's gradient once at the end. Each rank holds one chunk of its 1/N of the logits.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
-import torch.distributed as tdist
 
 from foundryx.kernels import cpu_matmul
-from foundryx.models.layers.head import vocab_split
 
 IGNORE_INDEX = -100
 # One chunk's fp32 logits: on a GPU large enough for full-speed matmuls; on a CPU small enough
@@ -32,6 +33,17 @@ IGNORE_INDEX = -100
 # training step than 64 MB for vocabulary 8192 on the 2-core benchmark VM, benchmarks/RESULTS.md)
 CHUNK_LOGIT_BYTES = 64 * 2**20
 CPU_CHUNK_LOGIT_BYTES = 16 * 2**20
+
+
+class VocabShard(Protocol):
+    """This rank's rows of a vocabulary split over ranks, and the reductions that combine the
+    ranks' partial results in place (a max and a sum over the ranks)."""
+
+    first: int  # the vocabulary row of this rank's first weight row
+
+    def max_(self, t: torch.Tensor) -> None: ...
+
+    def sum_(self, t: torch.Tensor) -> None: ...
 
 
 def chunk_tokens(vocab_size: int, device: str = "cuda") -> int:
@@ -47,23 +59,21 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     scale: float | None = None,
     chunk: int | None = None,
+    vocab: VocabShard | None = None,
 ) -> torch.Tensor:
     """Token-mean cross entropy of ``(h @ weight.T) * scale`` against ``labels`` (-100:
     ignored), ``h`` (..., d) and ``labels`` (...) already aligned (shift before calling).
     Under autocast the projection runs in the autocast dtype and the softmax in fp32, as the
-    unfused ``F.linear`` + ``F.cross_entropy`` would. ``weight`` may be split by vocabulary
-    rows (a DTensor, see the module's docstring); ``h`` and ``labels`` are then whole on
-    every rank, and so is the loss."""
-    split = vocab_split(weight)
-    if hasattr(weight, "to_local"):  # a DTensor: its local rows (autograd makes their gradient a DTensor again)
-        weight = weight.to_local()
+    unfused ``F.linear`` + ``F.cross_entropy`` would. With ``vocab``, ``weight`` is this
+    rank's rows of a vocabulary split (see the module's docstring); ``h`` and ``labels`` are
+    then whole on every rank, and so is the loss."""
     chunk = chunk or chunk_tokens(weight.shape[0], h.device.type)
-    return _LinearCrossEntropy.apply(h, weight, labels, scale, chunk, split)
+    return _LinearCrossEntropy.apply(h, weight, labels, scale, chunk, vocab)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, scale, chunk, split):  # noqa: D102
+    def forward(ctx, h, weight, labels, scale, chunk, vocab):  # noqa: D102
         device = h.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
         # the gradient of each input only if it needs one: under LoRA the (tied) output
@@ -84,7 +94,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # faults of each new allocation), and exp is taken once, for the loss and softmax
             buf = torch.empty((min(chunk, x_all.shape[0]), w.shape[0]), dtype=acc, device=h.device)
             mult = 1.0 if scale is None else scale
-            group, first = split if split is not None else (None, 0)
+            first = 0 if vocab is None else vocab.first
             rows = w.shape[0]
             for start in range(0, x_all.shape[0], chunk):
                 x, y = x_all[start:start + chunk], y_all[start:start + chunk]
@@ -103,13 +113,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 target = local.clamp(0, rows - 1).unsqueeze(1)
                 target_logit = logits.gather(1, target).squeeze(1) * here
                 row_max = logits.amax(dim=1, keepdim=True)
-                if group is not None:
-                    tdist.all_reduce(row_max, tdist.ReduceOp.MAX, group=group)
+                if vocab is not None:
+                    vocab.max_(row_max)
                 exp = logits.sub_(row_max).exp_()
                 norm = exp.sum(dim=1, keepdim=True)
-                if group is not None:  # every rank's sum of exponentials, and the target's logit
+                if vocab is not None:  # every rank's sum of exponentials, and the target's logit
                     both = torch.cat([norm, target_logit.unsqueeze(1)], dim=1)
-                    tdist.all_reduce(both, group=group)
+                    vocab.sum_(both)
                     norm, target_logit = both[:, :1], both[:, 1]
                 lse = (row_max + norm.log()).squeeze(1)
                 total += ((lse - target_logit) * valid).sum()
@@ -128,9 +138,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         grad_w.addmm_(g.T, x)
                     elif want_grad_w:
                         grad_w += (g.T @ x).to(acc)
-            if group is not None and want_grad_h:  # each rank's rows' share of it, summed
+            if vocab is not None and want_grad_h:  # each rank's rows' share of it, summed
                 summed = grad_x.to(acc)
-                tdist.all_reduce(summed, group=group)
+                vocab.sum_(summed)
                 grad_x.copy_(summed)
         loss = total / n_valid  # nan when every label is ignored, as F.cross_entropy gives
         if want_grad:

@@ -124,6 +124,12 @@ class MPTPreTrainedModel(PreTrainedModel):
                             "o": ("out_proj", None), "up": ("up_proj", None),
                             "down": ("down_proj", None), "gate": ("gate_proj", None)}
 
+    # the fused loss and the logits read the output projection's weight; tensor parallelism
+    # replaces both on the instance with their vocabulary-parallel forms (foundryx.parallel.tp,
+    # the plan's vocab "readers")
+    fused_loss = staticmethod(linear_cross_entropy)
+    project_logits = staticmethod(output_logits)
+
     def activation_checkpointing_fn(self, module: nn.Module) -> bool:
         return isinstance(module, MPTBlock)
 
@@ -136,12 +142,13 @@ class MPTPreTrainedModel(PreTrainedModel):
         unsupported = [what for what, on in (("ALiBi", a.alibi), ("qk_ln", a.qk_ln)) if on]
         prefix = "transformer." if self.base_model_prefix in dict(self.named_children()) else ""
         blocks = f"{prefix}blocks.*"
-        # the head is never called as a module: forward reads its weight (linear_cross_entropy,
-        # output_logits), so the plan only splits that weight's rows
+        # the head is never called as a module: forward reads its weight (fused_loss,
+        # project_logits), so the plan splits that weight's rows and names those two readers
         head = {"lm_head": "vocab_rows"} if getattr(self, "lm_head", None) is not None else {}
         return {
             "vocab": {"size": cfg.vocab_size,
-                      "layers": {f"{prefix}wte": "vocab_parallel_embedding", **head}},
+                      "layers": {f"{prefix}wte": "vocab_parallel_embedding", **head},
+                      "readers": {"loss": "fused_loss", "logits": "project_logits"}},
             "unsupported": (f"MPT with {' and '.join(unsupported)} has no tensor-parallel plan "
                             "yet" if unsupported else None),
             "layers": {
@@ -343,9 +350,9 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
             h = h[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else h[:, -logits_to_keep:]
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
         if labels is not None and not return_logits:
-            loss = linear_cross_entropy(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
+            loss = self.fused_loss(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
             return CausalLMOutputWithPast(loss=loss, logits=None)
-        logits = output_logits(h, weight, self.logit_scale)
+        logits = self.project_logits(h, weight, self.logit_scale)
         loss = causal_lm_loss(logits, labels) if labels is not None else None
         return CausalLMOutputWithPast(loss=loss, logits=logits)
 

@@ -35,7 +35,9 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import (
+    DTensor,  # a tensor-parallel weight keeps its placement when dequantized
+)
 
 from foundryx.errors import ConfigError
 from foundryx.models.peft.frozen_options import PATH, FrozenBaseOptions
