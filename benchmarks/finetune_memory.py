@@ -1,6 +1,7 @@
 """Per-rank peak memory and tokens/s of fine-tuning a 130M-parameter MPT on CPU: full
 fine-tuning vs LoRA vs LoRA over a bf16, int8, FP8 or NF4 frozen base (``model.frozen_base``)
-vs NF4 with ``offload_fraction: 0.5``, on 1 and 2 processes (FSDP2 over gloo), each
+vs NF4 with ``offload_fraction: 0.5`` (and the same offload by FSDP2's ``CPUOffloadPolicy``:
+the ``fsdp2offload`` rows), on 1 and 2 processes (FSDP2 over gloo), each
 configuration in a fresh process (``torchrun``), the order alternated between rounds.
 
     .venv/bin/python benchmarks/finetune_memory.py [--rounds 1] [--steps 3] [--procs 1 2] [--ac]
@@ -44,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-CONFIGS = {  # name: (peft?, frozen_base dtype, offload_fraction)
+CONFIGS = {  # name: (peft?, frozen_base dtype, offload_fraction; negative: by FSDP2 instead)
     "full": (False, None, 0.0),
     "lora": (True, None, 0.0),
     "lora-bf16": (True, "bf16", 0.0),
@@ -52,6 +53,11 @@ CONFIGS = {  # name: (peft?, frozen_base dtype, offload_fraction)
     "lora-fp8": (True, "fp8", 0.0),
     "lora-nf4": (True, "nf4", 0.0),
     "lora-nf4-offload0.5": (True, "nf4", 0.5),
+    # issue 40's experiment: the same layers offloaded by FSDP2's own CPUOffloadPolicy
+    # (fully_shard per offloaded layer) instead of foundryx's offload runtime
+    "lora-fp8-offload0.5": (True, "fp8", 0.5),
+    "lora-fp8-fsdp2offload0.5": (True, "fp8", -0.5),
+    "lora-nf4-fsdp2offload0.5": (True, "nf4", -0.5),
 }
 MODEL = {"d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 256, "vocab_size": 8192,
          "attn_config": {"rope": True}, "norm_type": "rmsnorm", "no_bias": True,
@@ -89,7 +95,17 @@ def build(name: str, sizes: dict, world: int) -> tuple:
     if peft:
         apply_lora(model, LoraOptions(target_modules="all-linear", r=16, lora_alpha=32))
     if dtype:
-        apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload))
+        apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=max(offload, 0)))
+    if offload < 0:  # FSDP2's offload of the layers foundryx's would offload (offload_layers)
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        from foundryx.models.peft.frozen_base import LowPrecisionLinear
+
+        layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
+        count = round(-offload * len(layers))
+        for i in range(count):
+            fully_shard(layers[(i * len(layers)) // count],
+                        offload_policy=CPUOffloadPolicy(pin_memory=False))
     # FULL: no casting, so each weight is all-gathered in its own dtype (a bf16 base in bf16)
     ac = ActivationCheckpointingConfig(enabled=os.environ.get("FINETUNE_MEMORY_AC") == "1")
     parallelize(model, ParallelismConfig(mixed_precision="FULL"), activation_checkpointing=ac,
@@ -131,16 +147,17 @@ def worker(name: str, steps: int) -> None:
     libc.malloc_trim(0)
     state = rss_mb("VmRSS") - before  # what the built, sharded model and optimizer hold
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    times = []
+    times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()
         loss = train_step(model, opt, batch)
         times.append(time.perf_counter() - start)
+        losses.append(loss.item())
     peak = rss_mb("VmHWM") - before
     timed = times[1:] or times
     result = {"config": name, "procs": world, "params": n_params,
               "ac": os.environ.get("FINETUNE_MEMORY_AC") == "1",
-              "peak_mb": round(peak, 1), "state_mb": round(state, 1), "loss": round(loss.item(), 4),
+              "peak_mb": round(peak, 1), "state_mb": round(state, 1), "loss": round(loss.item(), 4), "losses": losses,
               "tokens_per_s": round(world * BATCH * SEQ / (sum(timed) / len(timed)), 1)}
     if world > 1:
         everyone: list = [None] * world

@@ -43,7 +43,8 @@ def breaches(path: Path) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
             names = [a.name for a in node.names]
             dtensor_only = node.module == "torch.distributed.tensor" and names == ["DTensor"]
-            if not (dtensor_only and "#" in lines[node.lineno - 1]):
+            said = any("#" in line for line in lines[node.lineno - 1:node.end_lineno])
+            if not (dtensor_only and said):
                 found.append(f"{where} from {node.module} import {', '.join(names)}")
         elif isinstance(node, ast.Attribute):
             name = _dotted(node)
@@ -79,5 +80,6 @@ def test_the_check_sees_each_kind_of_breach(tmp_path, monkeypatch):
                  "torch.distributed.all_reduce", "torch.cuda.Stream"):
         assert what in kinds, (what, found)
     ok = tmp_path / "ok.py"
-    ok.write_text("from torch.distributed.tensor import DTensor  # a subclass must recognise one\n")
+    ok.write_text("from torch.distributed.tensor import DTensor  # a subclass must recognise one\n"
+                  "from torch.distributed.tensor import (\n    DTensor,  # so must this one\n)\n")
     assert breaches(ok) == []
