@@ -103,6 +103,9 @@ def test_batch_not_divisible_by_world_size(base, tmp_path):
     (p,) = problems_of(write(tmp_path, base), world_size=4)
     assert p.startswith("global_train_batch_size: 10 does not divide by the world size 4")
     assert "e.g. 12" in p
+    # a resume keeps the saved global batch: the process counts that can
+    assert p.endswith("start a number of processes that keeps it: 1, 2, 5, 10 (a resume must "
+                      "keep the saved global batch)"), p
 
 
 def test_microbatch_must_divide_device_batch(base, tmp_path):

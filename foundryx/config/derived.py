@@ -50,9 +50,11 @@ def derive(cfg: TrainConfig, world_size: int) -> tuple[Derived | None, list[str]
         up = -(-gbs // dp) * dp
         across = f"the {dp} data-parallel ranks (world size {world_size} / tp {tp})" if tp > 1 \
             else f"the world size {world_size}"
+        fits = [d * tp for d in range(1, gbs + 1) if gbs % d == 0][:8]
         return None, [
             f"global_train_batch_size: {gbs} does not divide by {across}; "
-            f"use a multiple of {dp} (e.g. {up}) or change the number of processes"
+            f"use a multiple of {dp} (e.g. {up}), or start a number of processes that keeps "
+            f"it: {', '.join(map(str, fits))} (a resume must keep the saved global batch)"
         ]
     device_bs = gbs // dp
     micro = device_bs if cfg.device_train_microbatch_size is None else cfg.device_train_microbatch_size
