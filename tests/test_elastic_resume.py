@@ -12,7 +12,8 @@ LoRA recipe once more in fp32 (see TOLERANCE).
 Each run goes through this file as the training script (as in tests/test_autoresume.py): its
 ``__main__`` records, at the start of every batch, a hash of each row the rank trains
 (``FOUNDRYX_TEST_SEEN``: one file per rank) and kills rank 0 at the end of batch 6
-(``FOUNDRYX_TEST_KILL``), two batches after the checkpoint at batch 4. The data position is
+(``FOUNDRYX_TEST_KILL``), two batches after the checkpoint at batch 4, or kills one rank or
+every rank inside the save of batch 8 (see IN_SAVE). The data position is
 mosaicml-streaming's: the order of an epoch depends on ``num_canonical_nodes`` (foundryx's text
 loader sets 1) and the seed, not on the number of ranks, and a checkpoint carries the global
 number of samples seen, so M ranks go on from the N ranks' position.
@@ -60,7 +61,7 @@ def command(kind: str, data: Path, llama: Path | None) -> list[str]:
             "variables.max_seq_len=32", *sizes, *RUN, *fp32]
 
 
-def train(kind: str, args: list[str], out: Path, run: str, nproc: int, kill: bool):
+def train(kind: str, args: list[str], out: Path, run: str, nproc: int, kill: str = ""):
     """One run in ``out`` (the recipe's relative paths land there) on ``nproc`` ranks, its
     rows in out/seen/<run> and its losses in out/<run>.jsonl."""
     import subprocess
@@ -70,7 +71,7 @@ def train(kind: str, args: list[str], out: Path, run: str, nproc: int, kill: boo
     script = [str(Path(__file__).resolve()), str(ROOT / "yamls" / RECIPES[kind]), *args,
               f"loggers.jsonl.path={out / run}.jsonl"]
     env = {**os.environ, "FOUNDRYX_TEST_SEEN": str(out / "seen" / run),
-           "FOUNDRYX_TEST_KILL": f"batch:{KILLED_AT}" if kill else "",
+           "FOUNDRYX_TEST_KILL": kill,
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                           os.environ.get("PYTHONPATH", "")])}
     if nproc > 1:
@@ -116,7 +117,7 @@ def references(quickstart_data, llama, tmp_path_factory) -> dict[str, Path]:
     def get(kind: str) -> Path:
         if kind not in made:
             out = tmp_path_factory.mktemp(f"reference-{kind}")
-            r = train(kind, command(kind, quickstart_data, llama), out, "ref", 2, kill=False)
+            r = train(kind, command(kind, quickstart_data, llama), out, "ref", 2)
             assert r.returncode == 0, said(r, out)
             made[kind] = out
         return made[kind]
@@ -124,16 +125,30 @@ def references(quickstart_data, llama, tmp_path_factory) -> dict[str, Path]:
     return get
 
 
-def _case(kind: str, n: int, m: int):
+KILL = f"batch:{KILLED_AT}"  # rank 0, at the end of batch 6
+# kills inside the save of batch 8 (tests/test_autoresume.py's moments), once the rank's shards
+# are written, before the manifest: rank 1 alone, or every rank. Either way the resume starts
+# from batch 4's checkpoint.
+IN_SAVE = {"one rank, shards written": "moment:shards:8:1",
+           "every rank, shards written": "moment:shards:8:all"}
+
+
+def _case(kind: str, n: int, m: int, kill: str = KILL, name: str = ""):
     marks = [pytest.mark.slow] + ([pytest.mark.modern_leg] if kind != "mpt" else [])
-    return pytest.param(kind, n, m, marks=marks, id=f"{kind}-{n}to{m}")
+    return pytest.param(kind, n, m, kill, marks=marks,
+                        id=f"{kind}-{n}to{m}" + (f"-killed-{name}" if name else ""))
 
 
-@pytest.mark.parametrize("kind,n,m", [_case(k, n, m) for k in RECIPES
-                                      for n, m in ((4, 2), (2, 4), (2, 1))
-                                      if not k.endswith("-fp32") or (n, m) == (4, 2)])
+CASES = [_case(k, n, m) for k in RECIPES for n, m in ((4, 2), (2, 4), (2, 1))
+         if not k.endswith("-fp32") or (n, m) == (4, 2)]
+CASES += [_case("mpt", 4, 2, IN_SAVE["one rank, shards written"], "in-save-one-rank"),
+          _case("lora-fp8-offload-fp32", 2, 4, IN_SAVE["every rank, shards written"],
+                "in-save-every-rank")]
+
+
+@pytest.mark.parametrize("kind,n,m,kill", CASES)
 def test_resume_on_another_number_of_ranks_sees_each_sample_once(
-        kind, n, m, references, quickstart_data, llama, tmp_path):
+        kind, n, m, kill, references, quickstart_data, llama, tmp_path):
     ref_out = references(kind)
     ref_rows, ref_losses = seen(ref_out, "ref"), losses(ref_out, "ref")
     assert sorted(ref_rows) == list(range(1, BATCHES + 1))
@@ -142,24 +157,25 @@ def test_resume_on_another_number_of_ranks_sees_each_sample_once(
     assert len(set(every)) == len(every), "the reference's samples are not all different"
 
     args = command(kind, quickstart_data, llama)
-    first = train(kind, args, tmp_path, "first", n, kill=True)
+    first = train(kind, args, tmp_path, "first", n, kill)
     assert first.returncode != 0, said(first, tmp_path)
-    if (kind, n, m) == ("mpt", 4, 2):  # 3 ranks cannot keep the global batch of 4: said, exit 2
+    if (kind, n, m, kill) == ("mpt", 4, 2, KILL):  # 3 ranks cannot keep the global batch of 4: said, exit 2
         saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-        odd = train(kind, args, tmp_path, "odd", 3, kill=False)
+        odd = train(kind, args, tmp_path, "odd", 3)
         assert odd.returncode == 2, said(odd, tmp_path)
         text = "".join(p.read_text() for p in (tmp_path / "logs-odd").glob("rank*.err"))
         assert "global_train_batch_size: 4 does not divide by the world size 3" in text, text
         assert "start a number of processes that keeps it: 1, 2, 4" in text, text
         assert "Traceback" not in text and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
-    second = train(kind, args, tmp_path, "second", m, kill=False)
+    second = train(kind, args, tmp_path, "second", m)
     assert second.returncode == 0, said(second, tmp_path)
     logs = second.stdout + second.stderr + "".join(
         p.read_text() for p in (tmp_path / "logs-second").glob("rank*.*"))
     assert f"saved with world size {n}, now {m}" in logs, logs[-4000:]
 
     before, after = seen(tmp_path, "first"), seen(tmp_path, "second")
-    assert sorted(before) == list(range(1, KILLED_AT + 1)), sorted(before)
+    last = KILLED_AT if kill == KILL else BATCHES  # the first run dies after this batch
+    assert sorted(before) == list(range(1, last + 1)), sorted(before)
     assert sorted(after) == list(range(SAVED_AT + 1, BATCHES + 1)), sorted(after)
     # what the resumed run trained: the first run's batches up to its checkpoint, then the second's
     trained = {**{b: rows for b, rows in before.items() if b <= SAVED_AT}, **after}
@@ -176,17 +192,33 @@ def test_resume_on_another_number_of_ranks_sees_each_sample_once(
     assert worst < TOLERANCE[kind], (worst, resumed, ref_losses)
 
 
+@pytest.mark.slow
+def test_a_finished_run_started_again_says_so_and_exits_0(references, quickstart_data, llama):
+    """The job is resubmitted after its last checkpoint (the run had finished, or was killed
+    after its final save): one line says there is nothing to train; no traceback, exit 0, the
+    checkpoints as they were."""
+    out = references("mpt")
+    before = sorted(p.name for p in (out / "ckpt").iterdir())
+    r = train("mpt", command("mpt", quickstart_data, llama), out, "again", 2)
+    text = "".join(p.read_text() for p in (out / "logs-again").glob("rank*.*"))
+    assert r.returncode == 0, said(r, out)
+    assert "nothing to train: the checkpoint this run resumed from is already at max_duration" \
+        in text and "Traceback" not in text, text[-4000:]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == before
+    assert not (out / "seen" / "again").exists()  # not one batch trained
+
+
 def install_seen(folder: Path) -> None:
     """Record each batch's rows on this rank (a hash of each row's token ids) at its start."""
     from composer import Callback, Trainer
 
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{os.environ.get('RANK', '0')}.jsonl"
 
     class Seen(Callback):
         def batch_start(self, state, logger):  # noqa: ANN001
             rows = [hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16]
                     for row in state.batch["input_ids"]]
+            folder.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 f.write(json.dumps({"batch": int(state.timestamp.batch) + 1, "rows": rows}) + "\n")
 
@@ -203,8 +235,11 @@ def install_seen(folder: Path) -> None:
 if __name__ == "__main__":
     from test_autoresume import install_fault
 
-    if os.environ.get("FOUNDRYX_TEST_KILL"):
-        install_fault(os.environ["FOUNDRYX_TEST_KILL"])
+    kill = os.environ.get("FOUNDRYX_TEST_KILL", "")
+    if kill.endswith(":all"):  # this moment on every rank: each kills itself there
+        kill = kill.removesuffix("all") + os.environ.get("RANK", "0")
+    if kill:
+        install_fault(kill)
     install_seen(Path(os.environ["FOUNDRYX_TEST_SEEN"]))
     from foundryx.cli import run
 

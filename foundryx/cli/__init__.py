@@ -15,6 +15,7 @@ on the line (:func:`split_overrides`), before or after the flags.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import importlib.metadata
 import platform
@@ -166,10 +167,25 @@ def run(argv: list[str] | None = None) -> NoReturn:
     composer`` then exit, 13.0 s; with the objects frozen first, 10.3 s). atexit handlers and
     every module's cleanup still run; only cyclic garbage is left to the operating system (not in
     a process that loaded Triton's nanobind extension: :func:`_nanobind_extension_loaded`)."""
+    atexit.register(_release_process_group)  # first in, so last out: after Composer's own
     code = main(argv)
     if not _nanobind_extension_loaded():
         gc.freeze()
     sys.exit(code)
+
+
+def _release_process_group() -> None:
+    """Destroy this rank's default process group, if it has one, as the interpreter ends (the
+    last atexit handler: Composer's, which may still use the group, run before it).
+    A rank that leaves with it alive (after an error every rank agreed on, say) can die in its
+    C++ teardown ("terminate called without an active exception", seen on a loaded CI machine
+    with gloo), which turns the agreed exit code 2 into an abort."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - exiting anyway; the exit code is what matters
+        pass
 
 
 def _nanobind_extension_loaded() -> bool:
