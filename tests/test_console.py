@@ -157,3 +157,31 @@ def test_known_warnings_are_filtered_and_others_are_not(monkeypatch, capsys, cap
         torch_log.warning("a warning that matters")
     assert [r.getMessage() for r in caplog.records] == ["a warning that matters"]
     assert all(k.reason for k in known_warnings.KNOWN + known_warnings.KNOWN_PRINTS)
+
+
+def _host_readings() -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from foundryx.callbacks.memory_monitor import host_per_rank
+
+    if dist.get_rank() == 1:  # rank 1 holds 256 MiB more, touched so it is resident
+        held = torch.ones(64 * 2**20)
+        held.add_(1)
+    return host_per_rank()
+
+
+def test_memory_monitor_logs_every_ranks_host_memory():
+    """Each rank's host RSS and peak reach rank 0's loggers, and the largest peak (what the
+    planner's host-memory-per-rank figure is compared with)."""
+    from distributed import run_distributed
+
+    results = run_distributed(_host_readings, world_size=2)
+    assert results[0] == results[1]  # every rank has every rank's readings
+    r = results[0]
+    assert set(r) == {"memory/host_rss_gib/rank0", "memory/host_rss_gib/rank1",
+                      "memory/host_peak_gib/rank0", "memory/host_peak_gib/rank1",
+                      "memory/host_peak_gib_max"}
+    assert r["memory/host_peak_gib/rank1"] - r["memory/host_peak_gib/rank0"] > 0.2, r
+    assert r["memory/host_peak_gib_max"] == r["memory/host_peak_gib/rank1"]
+    assert 0.01 < r["memory/host_rss_gib/rank0"] <= r["memory/host_peak_gib/rank0"] * 1.01

@@ -4,7 +4,10 @@ On a GPU (keys in GiB): ``memory/allocated_gib`` (tensors), ``memory/reserved_gi
 torch's caching allocator) and ``memory/peak_allocated_gib`` (the most allocated since the
 run started). On CPU: ``memory/rss_gib`` (resident set size) and ``memory/peak_rss_gib``
 (the most resident since the process started, from getrusage). Rank 0's numbers reach the
-loggers (Composer's loggers write on rank 0)::
+loggers (Composer's loggers write on rank 0). Host memory per rank, on any device:
+``memory/host_rss_gib/rank<r>`` and ``memory/host_peak_gib/rank<r>`` for every rank, and
+``memory/host_peak_gib_max``, the largest rank's peak: the figure ``foundryx plan`` gives as
+host memory per rank (one small all-gather of the ranks' readings per interval)::
 
     callbacks:
       memory_monitor:
@@ -45,6 +48,22 @@ def cpu_memory() -> dict[str, float]:
             "memory/peak_rss_gib": peak_bytes / GIB}
 
 
+def host_per_rank() -> dict[str, float]:
+    """Every rank's host RSS and peak RSS in GiB, and the largest peak (see the module's
+    docstring). A collective: every rank calls it at the same batch."""
+    from composer.utils import dist
+
+    mine = cpu_memory()
+    ranks = dist.all_gather_object((mine["memory/rss_gib"], mine["memory/peak_rss_gib"])) \
+        if dist.get_world_size() > 1 else [(mine["memory/rss_gib"], mine["memory/peak_rss_gib"])]
+    out = {}
+    for r, (rss, peak) in enumerate(ranks):
+        out[f"memory/host_rss_gib/rank{r}"] = rss
+        out[f"memory/host_peak_gib/rank{r}"] = peak
+    out["memory/host_peak_gib_max"] = max(peak for _, peak in ranks)
+    return out
+
+
 class MemoryMonitor(Callback):
     """A Composer callback (see the module docstring)."""
 
@@ -62,7 +81,7 @@ class MemoryMonitor(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if int(state.timestamp.batch) % self.interval == 0:
-            logger.log_metrics(self.read(state))
+            logger.log_metrics({**self.read(state), **host_per_rank()})
 
     @staticmethod
     def read(state: State) -> dict[str, float]:
