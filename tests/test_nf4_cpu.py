@@ -194,3 +194,26 @@ def test_float16_weights_get_torchaos_nf4_without_the_type(built_without_float16
     want = to_nf4(ref, 64, 1).quantized_data
     wrong = (packed != want).nonzero().squeeze(1)
     assert not len(wrong), (dtype, w[2 * wrong[:3]].tolist(), packed[wrong[:3]].tolist(), want[wrong[:3]].tolist())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_tensors_built_from_parts_are_torchaos_own(dtype):
+    """The one way foundryx builds an NF4 tensor from its parts (loading, TP cuts, offload
+    gathers) gives back, for to_nf4's own parts, a tensor equal to to_nf4's: shape, stride,
+    dtype, block sizes, every part, and the dequantized weight bit for bit. A torchao that
+    changes its subclass protocol fails here, on each leg's torchao."""
+    from foundryx.models.peft.parts import nf4_part
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts, nf4_parts, to_nf4
+
+    torch.manual_seed(0)
+    ref = to_nf4(torch.randn(96, 512).to(dtype), 64, 8)
+    mine = nf4_from_parts(NF4Tensor, ref.shape, dtype, ref.device, block_size=64,
+                          scaler_block_size=8, **nf4_parts(ref))
+    assert type(mine) is NF4Tensor and mine.shape == ref.shape and mine.stride() == ref.stride()
+    assert (mine.dtype, mine.block_size, mine.scaler_block_size, mine.n_blocks) == \
+        (ref.dtype, ref.block_size, ref.scaler_block_size, ref.n_blocks)
+    assert all(torch.equal(a, b) for a, b in zip(nf4_parts(mine).values(), nf4_parts(ref).values()))
+    assert torch.equal(mine.get_original_weight(), ref.get_original_weight())
+    rows = nf4_part(ref, rows=slice(32, 64))  # a part of it: rows 32..63, their bytes
+    assert rows.shape == (32, 512) and rows.n_blocks == 32 * 512 // 64
+    assert torch.equal(rows.get_original_weight(), ref.get_original_weight()[32:64])

@@ -373,7 +373,7 @@ def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
     mean from the block maxima of every rank of ``group`` (None: this rank holds the whole
     weight), taken once per row range, in row order (ranks that hold the same rows, replicas
     or a tensor-parallel group, send them alike)."""
-    from foundryx.models.peft.torchao_nf4 import SubclassTensorArgs
+    from foundryx.models.peft.torchao_nf4 import nf4_from_parts
 
     block, scaler_block = like.block_size, like.scaler_block_size
     absmax, data, size = rows if isinstance(rows, Encoded) else nf4_encode(rows, block, dtype)
@@ -394,8 +394,8 @@ def nf4(rows: torch.Tensor | Encoded, like: Any, dtype: torch.dtype,
     groups = centred.view(blocks // scaler_block, scaler_block)
     factor = 256 / (2 * groups.abs().max(dim=1).values)
     quantized_scalers = (groups * factor[:, None]).round().clamp(-128, 127).flatten().to(torch.int8)
-    lut = _nf4_lut(dtype).to(absmax.device)
-    contiguous = torch.empty(size, dtype=dtype, device="meta")
-    meta = SubclassTensorArgs(contiguous.size(), contiguous.stride(), 0, dtype, absmax.device, False)
-    return type(like)(meta, block, blocks, scaler_block, quantized_scalers, factor.contiguous(),
-                      mean, data, lut)
+    return nf4_from_parts(type(like), size, dtype, absmax.device, block_size=block,
+                          scaler_block_size=scaler_block, quantized_data=data,
+                          quantized_scalers=quantized_scalers,
+                          quantization_factor=factor.contiguous(), scaler_mean=mean,
+                          nf4=_nf4_lut(dtype).to(absmax.device))

@@ -62,17 +62,15 @@ def _gather_rows(local: torch.Tensor, rows: int, world: int, group: object = Non
             sc = torch.cat([sc, sc.new_zeros(per - n)])
         return RowScaledTensor(_all_gather(q, world, group)[:rows],
                                _all_gather(sc, world, group)[:rows], dtype=local.dtype)
-    from foundryx.models.peft.torchao_nf4 import (  # heavy import, only here
-        NF4Tensor,
-        SubclassTensorArgs,
-    )
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts  # heavy import
 
-    whole = torch.Size((rows, *local.shape[1:]))  # NF4: every rank holds equal parts
-    meta = SubclassTensorArgs(whole, (whole[1], 1), 0, local.dtype, local.device, False)
-    scalers = _all_gather(local.quantized_scalers, world, group)
-    return NF4Tensor(meta, local.block_size, scalers.numel(), local.scaler_block_size, scalers,
-                     _all_gather(local.quantization_factor, world, group), local.scaler_mean,
-                     _all_gather(local.quantized_data, world, group), local.nf4)
+    # NF4: every rank holds equal parts
+    return nf4_from_parts(NF4Tensor, (rows, *local.shape[1:]), local.dtype, local.device,
+                          block_size=local.block_size, scaler_block_size=local.scaler_block_size,
+                          quantized_data=_all_gather(local.quantized_data, world, group),
+                          quantized_scalers=_all_gather(local.quantized_scalers, world, group),
+                          quantization_factor=_all_gather(local.quantization_factor, world, group),
+                          scaler_mean=local.scaler_mean, nf4=local.nf4)
 
 
 class Offloaded:

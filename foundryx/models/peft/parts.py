@@ -27,7 +27,7 @@ from foundryx.models.peft.rowwise import RowScaledTensor
 @functools.cache
 def nf4_part_type() -> type:
     """:class:`NF4Part`'s class, made on first use (torchao is a heavy import)."""
-    from foundryx.models.peft.torchao_nf4 import NF4Tensor, construct_nf4_args
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts, nf4_parts
 
     class NF4Part(NF4Tensor):
         """torchao's ``NF4Tensor`` as a tensor-parallel part: the same bytes and ops (their
@@ -68,7 +68,10 @@ def nf4_part_type() -> type:
             return _as_part(full), kept
 
     def _as_part(t: Any) -> Any:
-        return t if isinstance(t, NF4Part) else NF4Part(*construct_nf4_args(t))
+        if isinstance(t, NF4Part):
+            return t
+        return nf4_from_parts(NF4Part, t.shape, t.dtype, t.device, block_size=t.block_size,
+                              scaler_block_size=t.scaler_block_size, **nf4_parts(t))
 
     return NF4Part
 
@@ -97,7 +100,7 @@ def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
     """The NF4 tensor of ``t[rows][:, columns[0]:columns[1]]`` (rows: a slice or an index
     tensor; None: all), its bytes copied from ``t``'s. Raises ValueError where the blocks do
     not allow it (:func:`part_problem`)."""
-    from foundryx.models.peft.torchao_nf4 import SubclassTensorArgs  # heavy import, only here
+    from foundryx.models.peft.torchao_nf4 import nf4_from_parts  # heavy import, only here
 
     problem = part_problem(t, columns)
     if problem is not None:
@@ -115,10 +118,11 @@ def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
         out.append(view.clone(memory_format=torch.contiguous_format).view(-1))  # its own bytes
     data, scalers, factors = out
     width = cols if columns is None else columns[1] - columns[0]
-    shape = torch.Size((data.numel() * 2 // width, width))
-    meta = SubclassTensorArgs(shape, (shape[1], 1), 0, t.dtype, t.device, False)
-    return nf4_part_type()(meta, t.block_size, scalers.numel(), t.scaler_block_size, scalers,
-                           factors, t.scaler_mean, data, t.nf4)
+    shape = (data.numel() * 2 // width, width)
+    return nf4_from_parts(nf4_part_type(), shape, t.dtype, t.device, block_size=t.block_size,
+                          scaler_block_size=t.scaler_block_size, quantized_data=data,
+                          quantized_scalers=scalers, quantization_factor=factors,
+                          scaler_mean=t.scaler_mean, nf4=t.nf4)
 
 
 def take_rows(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""Host memory per rank, step by step, over a long run (issue 38): does a run's RSS stay flat
+after its first steps?
+
+    python benchmarks/rss_steps.py [--steps 200] [--configs fp8-offload0.55 ...]
+            [--hidden 512] [--layers 4] [--out benchmarks/RESULTS.md]
+
+Each configuration is a real run on 2 CPU ranks (``composer -n 2 train.py RECIPE``), the
+shipped recipe with only model, data, sizes, device and precision overridden:
+``yamls/finetune/llama-3.1-405b-lora-fp8.yaml`` on a Llama of ``--hidden`` x ``--layers`` saved as
+bf16 safetensors (LoRA over an FP8, NF4 or bf16 base, offload 0.55 as shipped or 0), and the
+quickstart (``yamls/quickstart.yaml``, MPT pretraining). ``callbacks.memory_monitor`` logs every
+rank's host RSS after every batch (``memory/host_rss_gib/rank<r>``). Printed per configuration
+and rank: RSS at step 10 and at the end, the growth between them in % (the issue's target:
+at most 1%), and the peak; a plot of RSS against step, one line per rank, is written to
+benchmarks/images/rss-steps.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "yamls/finetune/llama-3.1-405b-lora-fp8.yaml"
+CONFIGS = {  # name: (recipe, overrides)
+    "fp8-offload0.55": (RECIPE, []),
+    "fp8-offload0": (RECIPE, ["model.frozen_base.offload_fraction=0"]),
+    "nf4-offload0.55": (RECIPE, ["model.frozen_base.dtype=nf4"]),
+    "bf16-offload0": (RECIPE, ["model.frozen_base.dtype=bf16", "model.frozen_base.offload_fraction=0"]),
+    "quickstart": ("yamls/quickstart.yaml", []),
+}
+FROM = 10  # growth is measured from this step on
+
+
+def llama(out: Path, tokenizer: Path, hidden: int, layers: int) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("llama", hidden_size=hidden, intermediate_size=3 * hidden,
+                               num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                               num_key_value_heads=max(1, hidden // 256),
+                               max_position_embeddings=512, vocab_size=1024)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out)
+    return out
+
+
+def run(name: str, model: Path, data: Path, out: Path, steps: int) -> list[dict]:
+    recipe, extra = CONFIGS[name]
+    common = [f"max_duration={steps}ba", "global_train_batch_size=2",
+              "device_train_microbatch_size=1", "device=cpu", "save_folder=null",
+              "eval_loader=null", "eval_interval=100000ba", "console_log_interval=50ba",
+              "callbacks.memory_monitor.interval=1", f"loggers.jsonl.path={out}/metrics.jsonl",
+              "progress_bar=false"]
+    if recipe == RECIPE:
+        args = [f"variables.model_path={model}", f"variables.data_root={data}",
+                "variables.max_seq_len=128", "precision=fp32", *common, *extra]
+    else:
+        args = [f"variables.data_root={data}", *common, *extra]
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", "--stderr",
+           str(out / "rank{rank}.err"), "--stdout", str(out / "rank{rank}.out"),
+           str(ROOT / "train.py"), str(ROOT / recipe), *args]
+    r = subprocess.run(cmd, cwd=out, capture_output=True, text=True, check=False)
+    if r.returncode:
+        err = "".join(p.read_text()[-3000:] for p in sorted(out.glob("rank*.err")))
+        raise SystemExit(f"{name} failed:\n{r.stderr[-2000:]}\n{err}")
+    from foundryx.loggers.jsonl import read_metrics
+
+    return [row for row in read_metrics(out / "metrics.jsonl") if "memory/host_rss_gib/rank0" in row]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    import torch
+
+    from foundryx.data.quickstart import prepare_quickstart
+
+    curves, table = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = prepare_quickstart(Path(tmp) / "qs", progress=False)
+        model = llama(Path(tmp) / "llama", data / "tokenizer", args.hidden, args.layers)
+        for name in args.configs:
+            rows = run(name, model, data, Path(tmp) / name, args.steps)
+            for rank in (0, 1):
+                rss = [row[f"memory/host_rss_gib/rank{rank}"] for row in rows]
+                peak = max(row[f"memory/host_peak_gib/rank{rank}"] for row in rows)
+                curves[(name, rank)] = rss
+                start, end = rss[FROM - 1], rss[-1]
+                growth = 100 * (max(rss[FROM - 1:]) - start) / start
+                table.append((name, rank, rss[0], start, end, growth, peak))
+                print(json.dumps({"config": name, "rank": rank, "rss_step1": rss[0],
+                                  f"rss_step{FROM}": start, "rss_end": end,
+                                  "growth_pct": round(growth, 2), "peak": peak,
+                                  "rss": [round(x, 4) for x in rss]}), flush=True)
+    _plot(curves, ROOT / "benchmarks" / "images" / "rss-steps.png")
+    cmd = f"python benchmarks/rss_steps.py --steps {args.steps} --hidden {args.hidden} --layers {args.layers}"
+    rows = "\n".join(f"| {n} | {r} | {a:.3f} | {b:.3f} | {c:.3f} | {g:+.2f}% | {p:.3f} |"
+                     for n, r, a, b, c, g, p in table)
+    text = (f"\n### Host RSS per rank over {args.steps} steps (issue 38)\n\n"
+            f"{datetime.date.today()}. {platform.machine()}, {os.cpu_count()} cores, torch "
+            f"{torch.__version__}. Command: `{cmd}`. 2 CPU ranks, global batch 2, microbatch 1, "
+            f"max_seq_len 128 (the quickstart: its own), fp32. Growth: the largest RSS after step "
+            f"{FROM} over the RSS at step {FROM}.\n\n| config | rank | RSS step 1 GiB | RSS step "
+            f"{FROM} GiB | RSS end GiB | growth after step {FROM} | peak GiB |\n"
+            f"|---|---:|---:|---:|---:|---:|---:|\n{rows}\n\n![RSS per step](images/rss-steps.png)\n")
+    print(text)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(text)
+
+
+def _plot(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for (name, rank), rss in curves.items():
+        ax.plot(range(1, len(rss) + 1), rss, label=f"{name} rank {rank}",
+                linestyle="-" if rank == 0 else "--")
+    ax.axvline(FROM, color="grey", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("host RSS per rank (GiB)")
+    ax.set_title("Host memory per rank over a run (2 CPU ranks)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
