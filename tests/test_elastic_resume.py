@@ -134,7 +134,8 @@ IN_SAVE = {"one rank, shards written": "moment:shards:8:1",
 
 
 def _case(kind: str, n: int, m: int, kill: str = KILL, name: str = ""):
-    marks = [pytest.mark.slow] + ([pytest.mark.modern_leg] if kind != "mpt" else [])
+    # the LoRA runs on the modern leg, the others on the pinned one (tests/conftest.py)
+    marks = [pytest.mark.slow] + ([pytest.mark.modern_leg] if kind.startswith("lora") else [])
     return pytest.param(kind, n, m, kill, marks=marks,
                         id=f"{kind}-{n}to{m}" + (f"-killed-{name}" if name else ""))
 
