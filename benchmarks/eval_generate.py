@@ -30,13 +30,33 @@ sys.path.insert(0, str(Path(__file__).parent))
 from eval_vs_llmfoundry import ROOT, SHARED, build_model, task_entries  # noqa: E402
 
 
-def main() -> None:
+def generation_setup(task: str, examples: int, batch_size: int, new_tokens: int,
+                     hidden: int) -> tuple:
+    """``(model, tokenizer, prepared task, batches, new tokens, HF model)`` of the generation
+    benchmarks (this one and benchmarks/kv_cache.py): eval_vs_llmfoundry.py's model, seeded;
+    ``task`` of eval/yamls/tasks.yaml at its first few-shot count, its first ``examples``;
+    the generation length capped at ``new_tokens``."""
     from composer.utils import reproducibility
 
     from foundryx.eval.data import build_dataloader, prepare_task
-    from foundryx.eval.generate import decode_generations, generation_model, greedy_generate
+    from foundryx.eval.generate import generation_model
     from foundryx.eval.models import EvalModelSpec, load_eval_model
     from foundryx.eval.task_config import ICLTaskConfig
+
+    reproducibility.seed_all(17)
+    folder = build_model(Path("/tmp/foundryx-eval-vs-llmfoundry"), hidden=hidden)
+    entry = next(t for t in task_entries(str(ROOT / "eval/yamls/tasks.yaml"), SHARED / "eval_data")
+                 if t["label"] == task)
+    model, tok = load_eval_model(EvalModelSpec(label="bench", hf=str(folder)))
+    prepared = prepare_task(ICLTaskConfig(**entry), tok, 2048, examples)[0]
+    new = min(prepared.max_new_tokens, new_tokens)
+    prepared.max_new_tokens = new
+    batches = list(build_dataloader(prepared, tok, batch_size))
+    return model, tok, prepared, batches, new, generation_model(model)
+
+
+def main() -> None:
+    from foundryx.eval.generate import decode_generations, greedy_generate
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="gsm8k")
@@ -47,17 +67,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    reproducibility.seed_all(17)
-    folder = build_model(Path("/tmp/foundryx-eval-vs-llmfoundry"), hidden=args.hidden)
-    entry = next(t for t in task_entries(str(ROOT / "eval/yamls/tasks.yaml"), SHARED / "eval_data")
-                 if t["label"] == args.task)
-    cfg = ICLTaskConfig(**entry)
-    model, tok = load_eval_model(EvalModelSpec(label="bench", hf=str(folder)))
-    prepared = prepare_task(cfg, tok, 2048, args.examples)[0]
-    new = min(prepared.max_new_tokens, args.new_tokens)
-    prepared.max_new_tokens = new
-    batches = list(build_dataloader(prepared, tok, args.batch_size))
-    hf = generation_model(model)
+    model, tok, prepared, batches, new, hf = generation_setup(
+        args.task, args.examples, args.batch_size, args.new_tokens, args.hidden)
 
     def composer_generate() -> list[str]:
         out = []

@@ -27,17 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from eval_vs_llmfoundry import ROOT, SHARED, build_model, task_entries  # noqa: E402
+from eval_generate import generation_setup  # noqa: E402
 
 
 def main() -> None:
     import transformers
-    from composer.utils import reproducibility
 
     from foundryx.eval import generate, kv_cache
-    from foundryx.eval.data import build_dataloader, prepare_task
-    from foundryx.eval.models import EvalModelSpec, load_eval_model
-    from foundryx.eval.task_config import ICLTaskConfig
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", default="gsm8k")
@@ -49,15 +45,8 @@ def main() -> None:
     ap.add_argument("--old", type=Path, help="another kv_cache.py to time beside this one")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    reproducibility.seed_all(17)
-    folder = build_model(Path("/tmp/foundryx-eval-vs-llmfoundry"), hidden=args.hidden)
-    entry = next(t for t in task_entries(str(ROOT / "eval/yamls/tasks.yaml"), SHARED / "eval_data")
-                 if t["label"] == args.task)
-    model, tok = load_eval_model(EvalModelSpec(label="bench", hf=str(folder)))
-    prepared = prepare_task(ICLTaskConfig(**entry), tok, 2048, args.examples)[0]
-    new = min(prepared.max_new_tokens, args.new_tokens)
-    batches = list(build_dataloader(prepared, tok, args.batch_size))
-    hf = generate.generation_model(model)
+    model, tok, prepared, batches, new, hf = generation_setup(
+        args.task, args.examples, args.batch_size, args.new_tokens, args.hidden)
 
     sides = {"foundryx": (kv_cache.new_cache, kv_cache.GrowingLayer),
              "DynamicCache": (lambda hf, capacity=None: kv_cache.new_cache(hf), kv_cache.GrowingLayer)}
