@@ -47,6 +47,20 @@ def test_a_missing_model_folder_is_planned_from_its_release_shape(tmp_path):
     assert shape_override(config, {"pretrained_model_name_or_path": "/models/Unknown-7B"}) == ([], None)
 
 
+def test_a_recipe_run_on_cpu_is_planned_for_cpu_not_its_node_gpu():
+    """``device=cpu`` (the recipes' CPU tests, a laptop run) is the machine: the recipe's
+    node.gpu does not turn the plan back into a GPU's (no GPU runtime in host memory)."""
+    from foundryx.plan.planner import make_plan
+
+    p = make_plan(ROOT / R405, ["variables.model_path=yamls/shapes/llama-3.1-405b", "device=cpu"],
+                  gpus=2)
+    assert p.device == "cpu", p.device
+    assert p.host.terms["gpu_runtime"] == 0 and p.host.terms["device_memory"] > 0
+    assert any("device: cpu (the config's device)" in n for n in p.notes), p.notes
+    gpu = make_plan(ROOT / R405, ["variables.model_path=yamls/shapes/llama-3.1-405b"], gpus=2)
+    assert gpu.device == "h100" and gpu.host.terms["gpu_runtime"] > 0  # without it: the node's
+
+
 @pytest.mark.slow
 def test_plan_of_a_large_recipe_is_for_its_node_without_flags():
     r = foundryx("plan", R70)

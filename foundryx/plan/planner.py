@@ -139,6 +139,9 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
         raise ConfigError([f"--tp: {tp} is not a degree; a divisor of --gpus, e.g. --tp 2"])
     notes: list[str] = []
     data, _ = read_resolved(Path(config), overrides)  # its problems: load_config's, below
+    by_config = gpu is None and str(data.get("device") or "").lower() == "cpu"
+    if by_config:  # the config runs on CPU: its node's GPU (a recipe's) is not the machine
+        gpu = "cpu"
     target = machine(data.get("node"), gpu, gpus, nodes, host_memory)
     gpu, gpus, nodes, host_memory = target.gpu, target.gpus, target.nodes, target.host_memory
     notes += [target.note] if target.note else []
@@ -151,7 +154,7 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     if (gpu or "").lower() == "cpu" or (loaded.cfg.device == "cpu" and gpu is None):
         # A CPU process: no CUDA / ROCm context and no caching allocator, so neither term.
         capacity = parse_memory(gpu_memory) if gpu_memory else _cpu_memory() // per_node
-        why = "--gpu cpu" if gpu else "the config's device"
+        why = "the config's device" if by_config or not gpu else "--gpu cpu"
         where = "--gpu-memory" if gpu_memory else "this machine's memory / processes per node"
         notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
                      f"{where}; no MFU on CPU")
