@@ -285,9 +285,12 @@ def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: A
         except ValueError as e:  # Composer: a resume at or past max_duration trains nothing
             if "No training would occur" not in str(e):
                 raise
-            log.info("foundryx: nothing to train: the checkpoint this run resumed from is "
-                     "already at max_duration %s (the run had finished); raise max_duration to "
-                     "train on", cfg.max_duration)
+            log.info("nothing to train: the checkpoint this run resumed from is already at "
+                     "max_duration %s (the run had finished); raise max_duration to train on",
+                     cfg.max_duration)
+            # every rank has loaded before any leaves: the first to exit would take the
+            # resume state streaming shares between them (its shared memory) with it
+            dist.barrier()
         except NotImplementedError as e:  # an operator this torch cannot run under TP
             error = missing_op_error(e, builders.tp_degree(cfg.parallelism))
             if error is None:
