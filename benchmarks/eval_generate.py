@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from eval_vs_llmfoundry import ROOT, SHARED, build_model, task_entries  # noqa: E402
+from report_out import emit  # noqa: E402
 
 
 def generation_setup(task: str, examples: int, batch_size: int, new_tokens: int,
@@ -114,10 +115,7 @@ def main() -> None:
             f"generate / foundryx | same text |\n|---|---|---:|---:|---:|---|\n{table}\n\n"
             f"Ratio: median {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max "
             f"{max(ratios):.2f}).\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

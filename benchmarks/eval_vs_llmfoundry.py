@@ -47,6 +47,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(Path(__file__).parent))
+from report_out import emit  # noqa: E402
 from vs_llmfoundry import ensure_llmfoundry  # noqa: E402  (the same pinned venv)
 
 VOCAB, MAX_LEN = 8192, 2048
@@ -370,10 +371,7 @@ def main() -> None:
             sys.exit("eval_vs_llmfoundry: not every task result has both sides yet; run again "
                      "(--partial: the table of those that have)")
         text = by_task_text(res, cmd)
-        print(text)
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(text)
+        emit(text, args.out)
         return
     cfgs = configs(args.work, model, entries, args.examples, args.batch_size,
                    args.generation_batch_size)
@@ -422,10 +420,7 @@ def main() -> None:
             f"(min {min(ratios):.2f}, max {max(ratios):.2f}).\n\nScores (round 1): {same} of "
             f"{compared} results identical.\n\n{table}\n\nfoundryx's time per task result "
             f"(round 1, slowest first): {where}.\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from eval_vs_llmfoundry import MAX_LEN, ROOT, SHARED, build_model, task_entries  # noqa: E402
+from report_out import emit  # noqa: E402
 
 LM_EVAL_RUN = """
 import json, sys, time
@@ -210,10 +211,7 @@ def main() -> None:
             f"{args.batch_size}. {same} of {len(names)} task results identical in acc and acc_norm "
             f"(printed to 10 digits). Time: foundryx {runs['foundryx']['eval_s']:.0f} s, lm_eval "
             f"{runs['lm_eval']['eval_s']:.0f} s.\n\n" + "\n".join(lines) + "\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from eval_generate import generation_setup  # noqa: E402
+from report_out import emit  # noqa: E402
 
 
 def main() -> None:
@@ -98,10 +99,7 @@ def main() -> None:
             f"(prompt widths {[int(b['input_ids'].shape[1]) for b in batches]}), {new} new tokens.\n\n"
             f"| round | first | {head} | same text |\n|---|---|" + "---:|" * (2 * len(names) - 1)
             + f"---|\n{table}\n\n{summary}.\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report_out import emit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 GIB = 2**30
@@ -93,10 +96,7 @@ def main() -> None:
             f"| recipe | planned GiB per rank | of which: load | train | measured peak GiB "
             f"(largest rank) | planned / measured | within 20% |\n"
             f"|---|---:|---:|---:|---:|---:|---|\n{table}\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report_out import emit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "yamls/finetune/llama-3.1-405b-lora-fp8.yaml"
 CONFIGS = {  # name: (recipe, overrides)
@@ -131,10 +134,7 @@ def main() -> None:
             f"step {FROM}'s reading.\n\n| config | rank | RSS step {FROM} GiB | RSS end GiB | "
             f"median | envelope | largest | peak GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
             f"{rows}\n\n![RSS per step](images/rss-steps.png)\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 def _plot(curves: dict, path: Path) -> None:

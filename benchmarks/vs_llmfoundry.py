@@ -49,6 +49,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report_out import emit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus" / "tinyshakespeare.txt"
 # LLM Foundry 0.22's requirements, pinned by hand: with its Composer extras (gcs, oci, mlflow,
@@ -348,10 +351,7 @@ def main() -> None:
     for side, tab in profiles.items():
         text += (f"\nProfile of {side}, batches {PROFILE_FIRST}-{PROFILE_FIRST + PROFILE_BATCHES - 1}:"
                  f"\n\n```\n{tab.strip()}\n```\n")
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write(text)
+    emit(text, args.out)
 
 
 if __name__ == "__main__":
