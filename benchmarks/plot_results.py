@@ -1,10 +1,13 @@
 """Plots of the RESULTS.md tables a reader takes as curves, drawn from the tables themselves.
 
-    python benchmarks/plot_results.py   # writes benchmarks/images/loading-grid.png
+    python benchmarks/plot_results.py   # writes benchmarks/images/loading-grid.png and
+                                        # benchmarks/images/planner-device.png
 
 The shard-on-read grid (section "Loading"): per frozen-base dtype, the measured peak host
 memory per rank (VmHWM) and the planner's figure against the number of ranks, and the load's
-speed against `cat`'s, at offload 0, 0.5 and 1.
+speed against `cat`'s, at offload 0, 0.5 and 1. The planner's device memory against the
+measured peaks on CPU (section "Planner accuracy"): planned against measured per case, with
+the line of equality and the 15% band.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 GRID_HEADER = "| ranks | frozen base | offload | above base per rank"
+DEVICE_HEADER = "| case | processes | measured peak (MiB) | planner (MiB) | error |"
 
 
-def grid_rows(text: str) -> list[dict[str, str]]:
-    """The rows of every table in ``text`` whose header is the grid's."""
+def grid_rows(text: str, start: str = GRID_HEADER) -> list[dict[str, str]]:
+    """The rows of every table in ``text`` whose header starts with ``start``."""
     rows, header = [], None
     for line in text.splitlines():
-        if line.startswith(GRID_HEADER):
+        if line.startswith(start):
             header = [c.strip() for c in line.strip("|").split("|")]
         elif header and line.startswith("|") and not line.startswith("|---"):
             rows.append(dict(zip(header, (c.strip() for c in line.strip("|").split("|")))))
@@ -66,6 +70,32 @@ def main() -> None:
     fig.tight_layout()
     out = HERE / "images" / "loading-grid.png"
     out.parent.mkdir(exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out} ({len(rows)} rows)")
+    plot_planner_device(plt)
+
+
+def plot_planner_device(plt) -> None:  # noqa: ANN001
+    """Planned against measured device memory per case (the planner-accuracy table)."""
+    rows = [r for r in grid_rows((HERE / "RESULTS.md").read_text(), DEVICE_HEADER)
+            if r["processes"] in ("1", "2")]
+    fig, ax = plt.subplots(figsize=(6, 5))
+    for procs, marker in (("1", "o"), ("2", "s")):
+        rs = [r for r in rows if r["processes"] == procs]
+        ax.scatter([float(r["measured peak (MiB)"]) for r in rs],
+                   [float(r["planner (MiB)"]) for r in rs], marker=marker,
+                   label=f"{procs} process{'es' if procs == '2' else ''}")
+    top = max(float(r["measured peak (MiB)"]) for r in rows) * 1.1
+    line = [0, top]
+    ax.plot(line, line, color="grey", lw=0.8, label="planned = measured")
+    ax.fill_between(line, [0.85 * x for x in line], [1.15 * x for x in line], color="grey",
+                    alpha=0.15, label="within 15%")
+    ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured peak (MiB)", ylabel="planned (MiB)",
+           title=f"planner's device memory vs CPU runs ({len(rows)} cases)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = HERE / "images" / "planner-device.png"
     fig.savefig(out, dpi=110)
     print(f"wrote {out} ({len(rows)} rows)")
 
