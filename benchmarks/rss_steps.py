@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.steps <= FROM:
+        ap.error(f"--steps must be more than {FROM} (growth is measured after step {FROM})")
     import torch
 
     from foundryx.data.quickstart import prepare_quickstart
