@@ -48,14 +48,15 @@ def cpu_memory() -> dict[str, float]:
             "memory/peak_rss_gib": peak_bytes / GIB}
 
 
-def host_per_rank() -> dict[str, float]:
+def host_per_rank(mine: dict[str, float] | None = None) -> dict[str, float]:
     """Every rank's host RSS and peak RSS in GiB, and the largest peak (see the module's
-    docstring). A collective: every rank calls it at the same batch."""
+    docstring), from each rank's :func:`cpu_memory` (``mine``: this rank's, when already read).
+    A collective: every rank calls it at the same batch."""
     from composer.utils import dist
 
-    mine = cpu_memory()
-    ranks = dist.all_gather_object((mine["memory/rss_gib"], mine["memory/peak_rss_gib"])) \
-        if dist.get_world_size() > 1 else [(mine["memory/rss_gib"], mine["memory/peak_rss_gib"])]
+    mine = mine or cpu_memory()
+    reading = (mine["memory/rss_gib"], mine["memory/peak_rss_gib"])
+    ranks = dist.all_gather_object(reading) if dist.get_world_size() > 1 else [reading]
     out = {}
     for r, (rss, peak) in enumerate(ranks):
         out[f"memory/host_rss_gib/rank{r}"] = rss
@@ -81,7 +82,9 @@ class MemoryMonitor(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if int(state.timestamp.batch) % self.interval == 0:
-            logger.log_metrics({**self.read(state), **host_per_rank()})
+            host = cpu_memory()  # read once: on CPU it is also the device's reading
+            device = gpu_memory() if state.device.name == "gpu" else host
+            logger.log_metrics({**device, **host_per_rank(host)})
 
     @staticmethod
     def read(state: State) -> dict[str, float]:

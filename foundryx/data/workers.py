@@ -163,7 +163,8 @@ def unraisable_deaths_kept_quiet() -> Iterator[list[BaseException]]:
     handler's traceback and goes on, and the main process hears of the death a moment later
     from the loader (its liveness check), which :func:`worker_death_error` turns into the one
     message. The traceback printed before it is noise; this hook keeps it out and yields the
-    errors it kept back (for a run that ends on another error meanwhile). Every other unraisable exception goes to the hook that was there.
+    errors it kept back (for a run that ends on another error meanwhile). Every other
+    unraisable exception goes to the hook that was there.
     """
     kept: list[BaseException] = []
     previous = sys.unraisablehook

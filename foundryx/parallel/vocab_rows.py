@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 class RowReductions:
@@ -48,9 +49,8 @@ def row_split(weight: torch.Tensor) -> RowReductions | None:
         raise ValueError(f"an output projection split as {weight.placements} over a {mesh.ndim}-D "
                          "mesh: only a split by vocabulary rows (Shard(0)) over one mesh "
                          "dimension is supported")
-    # Shard(0) cuts rows as torch.chunk does: ceil(rows / ranks) a rank, the last ones fewer
-    per_rank = -(-weight.shape[0] // mesh.size())
-    return RowReductions(mesh.get_group(), min(mesh.get_local_rank() * per_rank, weight.shape[0]))
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    return RowReductions(mesh.get_group(), int(offset[0]))
 
 
 def split_loss(fn: Any) -> Any:

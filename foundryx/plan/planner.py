@@ -151,10 +151,10 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     world = per_node * nodes
     loaded = load_config(config, [*(overrides or []), *shape], world_size=world,
                          component_sections=("model", "optimizer"))
-    if (gpu or "").lower() == "cpu" or (loaded.cfg.device == "cpu" and gpu is None):
+    if (gpu or "").lower() == "cpu":  # --gpu cpu, or the config's device (by_config)
         # A CPU process: no CUDA / ROCm context and no caching allocator, so neither term.
         capacity = parse_memory(gpu_memory) if gpu_memory else _cpu_memory() // per_node
-        why = "the config's device" if by_config or not gpu else "--gpu cpu"
+        why = "the config's device" if by_config else "--gpu cpu"
         where = "--gpu-memory" if gpu_memory else "this machine's memory / processes per node"
         notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
                      f"{where}; no MFU on CPU")
