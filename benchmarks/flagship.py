@@ -398,7 +398,8 @@ def main() -> int:
             "precision": a.precision or ("amp_bf16" if a.device == "cuda" else "fp32"),
             "seq": a.seq, "microbatch": a.microbatch, "steps": a.steps}
     rows, failed = [], 0
-    pairs = [(b, o) for b in csv(a.bases, str) for o in csv(a.offload, float)]
+    # every base without offload first: a run cut off by --time-limit loses offloaded rows
+    pairs = [(b, o) for o in csv(a.offload, float) for b in csv(a.bases, str)]
     for i, (base, offload) in enumerate(pairs):
         left = deadline - time.perf_counter() - 5
         if left < 10:

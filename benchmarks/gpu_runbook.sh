@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU run book v2 (issues 15, 36): the flagship path and every GPU number foundryx wants, from
-# ONE GPU, in one command, in at most 8 minutes.
+# ONE GPU, in one command, in at most 8 min 20 s.
 #
-#   bash benchmarks/gpu_runbook.sh [--out FILE] [--quick] [--wheels DIR] [--venv DIR] [--dry-run]
+#   bash benchmarks/gpu_runbook.sh [--out FILE] [--quick] [--only N,N] [--wheels DIR] [--venv DIR] [--dry-run]
 #   bash benchmarks/gpu_runbook.sh --wheel-list [--torch VERSION]   # the wheel folder's pins
 #   bash benchmarks/gpu_runbook.sh --install-only [--wheels DIR]    # step 1 alone, no GPU needed
 #
@@ -10,21 +10,22 @@
 # model's runs need at most 38 GiB of GPU memory and 12 GiB of host memory by `foundryx plan`,
 # and its files 16 GB of disk under ~/.cache/foundryx-bench), with the Python that has torch
 # and Triton (PYTHON=..., default python3). Steps, in order of value, each under its own time
-# limit (`timeout`; the limits add up to 480 s; RUNBOOK_LIMITS="60 230 35 60 45 50" sets them),
-# with the time each is expected to take on an H100 (estimates: no GPU has run this yet):
+# limit (`timeout`; the limits add up to 500 s; RUNBOOK_LIMITS="90 230 30 60 40 50" sets them;
+# --only 1,2,6 runs those steps alone), with the time each is expected to take on an H100
+# (estimates; the first H100 run, 2026-11-27, measured step 1 at 60 s and step 5 at 37 s):
 #   [1/6] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit);
-#         installs from the wheel folder when foundryx's dependencies do not import    60 s: ~15 s, ~35 s installing
+#         installs from the wheel folder when foundryx's dependencies do not import    90 s: ~15 s, ~60 s installing
 #   [2/6] the flagship path (benchmarks/flagship.py): a Llama-3.1-8B-shaped model, random bf16
 #         weights written once as 4 safetensors files (16 GB, kept for later runs), read shard
 #         by shard and LoRA-trained 3 steps (4096 tokens x 2) over a bf16, an FP8 and an NF4
 #         frozen base, offload 0 and 0.5: tokens/s, peak GPU and host memory against
 #         `foundryx plan`'s figures, load GB/s                                         230 s: ~30 s writing + 6 x ~30 s
 #   [3/6] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
-#         scores (benchmarks/gpu_runbook/icl.py)                                         35 s: ~20 s
+#         scores (benchmarks/gpu_runbook/icl.py)                                         30 s: ~26 s
 #   [4/6] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
 #         combination sweep left out: run pytest tests/test_triton_attention.py for it)    60 s: ~45 s
 #   [5/6] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
-#         128 (benchmarks/attention.py)                                                  45 s: ~30 s
+#         128 (benchmarks/attention.py)                                                  40 s: 37 s
 #   [6/6] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
 #         train_throughput.py gpu; the other settings and sizes: run it without --settings) 50 s: ~30 s
 # A failing or timed-out step records the tail of its output and the next step runs; the exit
@@ -67,15 +68,16 @@ HELPER=benchmarks/gpu_runbook/report.py
 ICL=benchmarks/gpu_runbook/icl.py
 FLAGSHIP=benchmarks/flagship.py
 WHEEL_NAMES=benchmarks/gpu_runbook/wheels.txt
-OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ARGS="$*"
+OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ONLY=1,2,3,4,5,6 ARGS="$*"
 VENV=${XDG_CACHE_HOME:-$HOME/.cache}/foundryx-bench/gpu-runbook-venv
-N=6 BUDGET=480
+N=6 BUDGET=500
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 abspath() { case $1 in /*) echo "$1" ;; *) echo "$HERE/$1" ;; esac; }
 wheel_list() { # the pins of wheels.txt's names from constraints.txt, and torchvision for --torch
   local name pin minor rest bad=0
   while read -r name; do
+    case $name in *==*) echo "$name"; continue ;; esac # pinned in wheels.txt itself
     pin=$(grep -i -m1 -E "^${name//./\\.}==" constraints.txt) ||
       { echo "wheel list: $name (benchmarks/gpu_runbook/wheels.txt) has no pin in constraints.txt" >&2; bad=1; continue; }
     echo "$pin"
@@ -90,11 +92,11 @@ wheel_list() { # the pins of wheels.txt's names from constraints.txt, and torchv
 }
 while [ $# -gt 0 ]; do
   case $1 in
-    --out | --wheels | --venv | --torch)
+    --out | --wheels | --venv | --torch | --only)
       [ $# -ge 2 ] || { echo "$1 needs a value (see --help)" >&2; exit 2; }
       case $1 in
         --out) OUT=$(abspath "$2") ;; --wheels) WHEELS=$(abspath "$2") ;;
-        --venv) VENV=$(abspath "$2") ;; --torch) TORCH=$2 ;;
+        --venv) VENV=$(abspath "$2") ;; --torch) TORCH=$2 ;; --only) ONLY=$2 ;;
       esac
       shift 2 ;;
     --quick) QUICK=1; shift ;;
@@ -106,10 +108,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "${LIST:-0}" = 1 ]; then wheel_list; exit; fi
+[[ $ONLY =~ ^[1-6](,[1-6])*$ ]] || { echo "--only $ONLY: step numbers 1-6, comma-separated" >&2; exit 2; }
 OUT=${OUT:-benchmarks/gpu-runbook-${HOSTNAME:-$(uname -n)}-$(date +%Y-%m-%d).md}
 if [ "$DRY" = 1 ]; then WORK="<tmp>"; else WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-runbook.XXXXXX") || exit 2; fi
 
-read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-60 230 35 60 45 50}"
+read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-90 230 30 60 40 50}"
 [ ${#LIMITS[@]} = $N ] || { echo "RUNBOOK_LIMITS: $N numbers of seconds, one per step" >&2; exit 2; }
 TOTAL=0; for l in "${LIMITS[@]}"; do TOTAL=$((TOTAL + l)); done
 TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 / 0.5"
@@ -124,7 +127,7 @@ if [ "$QUICK" = 1 ]; then
 else
   SHAPE=yamls/shapes/llama-3.1-8b STEPS=3 MODEL=1b TP_ARGS=(--batches 15 --warmup 5)
   ATTN_ARGS=(--seqs 4096 --head-dims 128 --no-mpt)
-  EST=("~15 s, ~35 s installing" "~3.5 min" "~20 s" "~45 s" "~30 s" "~30 s")
+  EST=("~15 s, ~60 s installing" "~3.5 min" "~26 s" "~45 s" "37 s" "~30 s")
 fi
 
 commands() { # the steps' commands, shared by the run and --dry-run; again once step 1 picks PYTHON
@@ -207,6 +210,9 @@ limited() { # a command under what is left of the step's limit: exit 124 when it
 install() { # $1: what is missing; makes the venv, installs the wheel folder, sets PYTHON
   local vpy=$VENV/bin/python pkgs=() sites=()
   shopt -s nullglob && pkgs=("$WHEELS"/*.whl "$WHEELS"/*.tar.gz "$WHEELS"/*.zip) && shopt -u nullglob
+  if "$PYTHON" -c "import torchvision" 2>/dev/null; then # the machine's, built for its torch
+    mapfile -t pkgs < <(printf '%s\n' "${pkgs[@]}" | grep -v -e '/torchvision-' -e '^$')
+  fi
   if [ ${#pkgs[@]} = 0 ]; then
     DEPS="**missing: $1; no wheel folder $WHEELS (see the head of benchmarks/gpu_runbook.sh)**"; return 1
   fi
@@ -313,6 +319,9 @@ step_throughput() {
 
 run_step() { # run_step N FUNCTION: runs it under its limit, appends its section to $OUT
   local n=$1 title=${TITLES[$1 - 1]} log="$WORK/step$1.log" body="$WORK/step$1.md" t0=$SECONDS rc status
+  if [[ ,$ONLY, != *,$n,* ]]; then
+    { echo; echo "### $n. $title: skipped (--only $ONLY)"; } >>"$OUT"; return
+  fi
   LIMIT=${LIMITS[$n - 1]} DEADLINE=$((SECONDS + LIMITS[$n - 1]))
   echo "[$n/$N] $title ... (limit $LIMIT s, ${EST[$n - 1]}; log: $log)" >&2
   : >"$body"

@@ -105,9 +105,16 @@ def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
     q = LowPrecisionLinear(layer, dtype, "w")
     dense = 4096 * 1024 * 4  # NF4 decodes in chunks of 4096 blocks: 2 MB over this
     assert peak_allocated(lambda: dequantize(q.weight, torch.float32)) <= 1.15 * dense
-    if dtype == "nf4":  # the same values as torchao's own decoding, bit for bit
-        for out in (torch.float32, torch.bfloat16):
-            assert torch.equal(dequantize(q.weight, out), q.weight.get_original_weight().to(out))
+    if dtype == "nf4":  # the same values as torchao's own decoding, bit for bit, in the CPU's
+        # chunks and in a GPU's (the whole layer in one chunk: 4M weights)
+        from foundryx.models.peft import frozen_base
+
+        for chunks in ({"cpu": 4096}, {"cpu": frozen_base.NF4_CHUNK_BLOCKS["gpu"]}):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(frozen_base, "NF4_CHUNK_BLOCKS", chunks)
+                for out in (torch.float32, torch.bfloat16):
+                    assert torch.equal(dequantize(q.weight, out),
+                                       q.weight.get_original_weight().to(out))
     # offloaded, the layer copies its low-precision bytes, not more: torchao's NF4 clone()
     # dequantizes and quantizes again (about 10x the dense weight, and slow)
     want = dequantize(q.weight, torch.float32)

@@ -29,8 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the run book's steps import: the tests, the benchmarks, `foundryx train` and `eval`.
-MODULES = ["torch", "triton", "torchvision", "composer", "transformers", "tokenizers", "peft",
-           "safetensors", "torchao", "omegaconf", "yaml", "tqdm", "pytest",
+MODULES = ["torch", "triton", "torchvision", "composer", "streaming", "transformers",
+           "tokenizers", "peft", "safetensors", "torchao", "omegaconf", "yaml", "tqdm", "pytest",
            "pytest_timeout"]  # fmt: skip
 # Distributions whose version pyproject.toml bounds and a GPU image may hold outside the bounds
 # (transformers 5 where foundryx is tested with 4.57): a version outside counts as missing.

@@ -75,25 +75,31 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return weight.to(dtype)  # NF4Tensor dequantizes on .to(dtype); bf16 casts
 
 
-NF4_CHUNK_BLOCKS = 4096  # blocks of 64 weights decoded at a time by nf4_dense
+# Blocks of 64 weights decoded at a time by nf4_dense. Each chunk costs about ten kernels and
+# a transient of about 15 bytes per weight. On a CPU a kernel costs little: small chunks keep
+# the transient at a few MB. On a GPU each launch costs microseconds: with the CPU's chunks an
+# 8B model's NF4 step ran 12 s instead of 1.4 s (the first H100 run, benchmarks/RESULTS.md),
+# so there a chunk is 2^24 weights (at most 4 per layer of an 8B model; about 140 MB).
+NF4_CHUNK_BLOCKS = {"cpu": 4096, "gpu": (1 << 24) // 64}
 
 
 def nf4_dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """torchao's NF4 dequantization (``NF4Tensor.get_original_weight().to(dtype)``, the same
-    values bit for bit) written into one preallocated ``dtype`` tensor a few thousand blocks
-    at a time. torchao's decodes the whole weight at once through int64 indices and several
-    full-size float intermediates: about 5x a float32 copy of the weight at its peak, the
-    transient peak of every NF4 layer, forward and backward."""
+    values bit for bit) written into one preallocated ``dtype`` tensor a chunk of blocks at a
+    time (NF4_CHUNK_BLOCKS). torchao's decodes the whole weight at once through int64 indices
+    and several full-size float intermediates: about 5x a float32 copy of the weight at its
+    peak, the transient peak of every NF4 layer, forward and backward."""
     blocks = weight.numel() // weight.block_size
+    step = NF4_CHUNK_BLOCKS["cpu" if weight.device.type == "cpu" else "gpu"]
     scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                         weight.scaler_block_size)  # one per block (small)
     packed = weight.quantized_data.view(blocks, weight.block_size // 2)  # two codes a byte
     out = torch.empty(blocks, weight.block_size // 2, 2, dtype=dtype, device=weight.device)
-    for start in range(0, blocks, NF4_CHUNK_BLOCKS):
-        codes = packed[start:start + NF4_CHUNK_BLOCKS]
-        scale = scalers[start:start + NF4_CHUNK_BLOCKS, None]
-        out[start:start + NF4_CHUNK_BLOCKS, :, 0] = weight.nf4[(codes >> 4).long()] * scale
-        out[start:start + NF4_CHUNK_BLOCKS, :, 1] = weight.nf4[(codes & 0b1111).long()] * scale
+    for start in range(0, blocks, step):
+        codes = packed[start:start + step]
+        scale = scalers[start:start + step, None]
+        out[start:start + step, :, 0] = weight.nf4[(codes >> 4).long()] * scale
+        out[start:start + step, :, 1] = weight.nf4[(codes & 0b1111).long()] * scale
     return out.view(weight.shape)
 
 
