@@ -80,9 +80,9 @@ def build(name: str, sizes: dict, world: int) -> tuple:
     import torch
     import torch.distributed as dist
 
+    from foundryx.builders import apply_frozen_storage
     from foundryx.config.schema import ActivationCheckpointingConfig, ParallelismConfig
     from foundryx.models.mpt.composer import ComposerMPTCausalLM
-    from foundryx.models.peft.frozen_base import apply_frozen_base
     from foundryx.models.peft.frozen_options import FrozenBaseOptions
     from foundryx.models.peft.lora import apply_lora
     from foundryx.models.peft.options import LoraOptions
@@ -95,7 +95,7 @@ def build(name: str, sizes: dict, world: int) -> tuple:
     if peft:
         apply_lora(model, LoraOptions(target_modules="all-linear", r=16, lora_alpha=32))
     if dtype:
-        apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=max(offload, 0)))
+        apply_frozen_storage(model, FrozenBaseOptions(dtype=dtype, offload_fraction=max(offload, 0)))
     if offload < 0:  # FSDP2's offload of the layers foundryx's would offload (offload_layers)
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

@@ -29,8 +29,9 @@ from foundryx.models.peft.adapters import load_adapter, section_options
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
-from foundryx.models.peft.offload import pack_offloaded
+from foundryx.models.peft.parts import STORAGE_ROWS
 from foundryx.parallel import parallelize
+from foundryx.parallel.offload import offload_layers, pack_offloaded, process_world_size
 from foundryx.parallel.parallelize import default_device
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,19 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
             load_adapter(inner_model(model), adapter)
     frozen = cfg.model.get("frozen_base")
     if frozen is not None:  # after LoRA, before parallelism
-        model = apply_frozen_base(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"),
-                                  tp=tp_degree(getattr(cfg, "parallelism", None)))
+        model = apply_frozen_storage(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"),
+                                     tp=tp_degree(getattr(cfg, "parallelism", None)))
+    return model
+
+
+def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1) -> Any:
+    """``model.frozen_base`` from outside the model: the frozen linear weights stored in
+    ``options.dtype`` (models.peft.frozen_base), then ``options.offload_fraction`` of those
+    layers offloaded to host memory by the offload runtime (parallel.offload), handed the
+    storages' row cuts."""
+    model = apply_frozen_base(model, options, tp=tp, world=process_world_size())
+    layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
+    offload_layers(layers, options.offload_fraction, STORAGE_ROWS)
     return model
 
 

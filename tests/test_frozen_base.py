@@ -14,8 +14,9 @@ from config_checks import section_problems
 from distributed import run_distributed
 from hf_tiny import LLAMA_STYLE, MPT_TINY, token_batch, train_steps
 
+from foundryx.builders import apply_frozen_storage
 from foundryx.models.peft import frozen_options
-from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base, stored_bytes
+from foundryx.models.peft.frozen_base import LowPrecisionLinear, stored_bytes
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora
 from foundryx.models.peft.options import LoraOptions
@@ -42,7 +43,7 @@ def lora_model(dtype: str | None, offload: float = 0.0, seed: int = 0, **sizes):
     model = ComposerMPTCausalLM(**{**SIZES, **sizes})
     apply_lora(model, LORA)
     if dtype is not None:
-        apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload))
+        apply_frozen_storage(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload))
     return model
 
 
@@ -98,7 +99,8 @@ def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
     """A frozen layer's transient is its dense weight, not several: the out-of-place
     ``qdata.float() * scale`` held two float32 copies, torchao's NF4 decoding about five."""
     from foundryx.models.peft.frozen_base import dequantize
-    from foundryx.models.peft.offload import offload_layers
+    from foundryx.models.peft.parts import STORAGE_ROWS
+    from foundryx.parallel.offload import offload_layers
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(1024, 4096, bias=False)  # an FFN weight of the benchmark's size
@@ -118,7 +120,7 @@ def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
     # offloaded, the layer copies its low-precision bytes, not more: torchao's NF4 clone()
     # dequantizes and quantizes again (about 10x the dense weight, and slow)
     want = dequantize(q.weight, torch.float32)
-    offload_layers([q], 1.0)
+    offload_layers([q], 1.0, STORAGE_ROWS)
     cpu = torch.device("cpu")
     copy = stored_bytes(q.offload.host)  # the layer's low-precision bytes, copied
     assert peak_allocated(lambda: q.dense_weight(torch.float32, cpu)) <= 1.15 * dense + copy
@@ -373,7 +375,7 @@ def test_offloaded_weights_move_into_one_buffer_a_layer_at_a_time():
     layers then read from the buffer are the ones they had."""
     import weakref
 
-    from foundryx.models.peft.offload import _inner, pack_offloaded
+    from foundryx.parallel.offload import _inner, pack_offloaded
 
     model = lora_model("int8", offload=1.0)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]

@@ -13,16 +13,18 @@ import pytest
 import torch
 from hf_tiny import LLAMA_STYLE, MPT_TINY, train_steps
 
+from foundryx.builders import apply_frozen_storage
+
 # at the top: a module it imports keeps the traceback of a failed optional import (paramiko:
 # invoke), which would keep the frame, and the models, of a test that imported it first
 from foundryx.models.mpt.composer import ComposerMPTCausalLM
-from foundryx.models.peft import pinning
-from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base
+from foundryx.models.peft.frozen_base import LowPrecisionLinear
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora
-from foundryx.models.peft.offload import _inner, pack_offloaded
 from foundryx.models.peft.options import LoraOptions
-from foundryx.models.peft.pinning import HostPin
+from foundryx.parallel import pinning
+from foundryx.parallel.offload import _inner, pack_offloaded
+from foundryx.parallel.pinning import HostPin
 
 SIZES = {**MPT_TINY, "d_model": 64, **LLAMA_STYLE}
 LORA = LoraOptions(target_modules=["Wqkv", "out_proj", "up_proj"], r=4, lora_alpha=8)
@@ -80,7 +82,7 @@ def offloaded_model(seed: int = 0):
     torch.manual_seed(seed)
     model = ComposerMPTCausalLM(**SIZES)
     apply_lora(model, LORA)
-    apply_frozen_base(model, FrozenBaseOptions(dtype="int8", offload_fraction=1.0))
+    apply_frozen_storage(model, FrozenBaseOptions(dtype="int8", offload_fraction=1.0))
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]
     assert len(layers) >= 2
     return model, layers

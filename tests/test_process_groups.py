@@ -73,9 +73,10 @@ def _host_collectives(which: str) -> list[float]:
     from torch.distributed.tensor import Shard
 
     from foundryx.loading.quantize import nf4
-    from foundryx.models.peft.offload import Offloaded
+    from foundryx.models.peft.parts import STORAGE_ROWS
     from foundryx.models.peft.rowwise import RowScaledTensor
     from foundryx.models.peft.torchao_nf4 import to_nf4
+    from foundryx.parallel.offload import Offloaded
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
@@ -86,7 +87,7 @@ def _host_collectives(which: str) -> list[float]:
         return [float(mine.scaler_mean), float(whole.scaler_mean)]
     int8 = RowScaledTensor.from_weight(weight, "int8")  # an offloaded frozen weight's storage
     off = Offloaded(RowScaledTensor(int8.qdata[rank * 32:(rank + 1) * 32], int8.scale[rank * 32:(rank + 1) * 32],
-                                    dtype=torch.float32), rows=64, world=world, name="layer")
+                                    dtype=torch.float32), STORAGE_ROWS, rows=64, world=world, name="layer")
     mesh = init_device_mesh("cpu", (world,))
     off.split_for_tp(mesh, Shard(1), mesh.get_group(0))  # row-wise: this rank's columns, its rows
     cut = slice(rank * 32, (rank + 1) * 32), slice(rank * 128, (rank + 1) * 128)

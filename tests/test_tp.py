@@ -41,7 +41,7 @@ NF4_DIMS = {"mpt": dict(d_model=256), "llama": dict(hidden_size=256, intermediat
 
 
 def _build(kind: str, variant: str, dims: dict[str, Any] | None = None, nf4_tp: int = 1):
-    from foundryx.models.peft.frozen_base import apply_frozen_base
+    from foundryx.builders import apply_frozen_storage
     from foundryx.models.peft.frozen_options import FrozenBaseOptions
     from foundryx.models.peft.lora import apply_lora
     from foundryx.models.peft.options import LoraOptions
@@ -60,8 +60,8 @@ def _build(kind: str, variant: str, dims: dict[str, Any] | None = None, nf4_tp: 
     if variant.startswith("lora+"):  # every frozen linear layer (MPT's fused Wqkv too) stored so
         dtype = variant.removeprefix("lora+").removesuffix("-kept")  # -kept: none offloaded
         offload = 0.0 if variant.endswith("-kept") else OFFLOAD.get(dtype, 0.0)
-        model = apply_frozen_base(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload),
-                                  tp=nf4_tp)
+        model = apply_frozen_storage(model, FrozenBaseOptions(dtype=dtype, offload_fraction=offload),
+                                     tp=nf4_tp)
     return model
 
 

@@ -39,10 +39,10 @@ from foundryx.loading.quantize import nf4, nf4_encode, rowwise
 from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, stored_bytes
 from foundryx.models.peft.lora import inner_model
-from foundryx.models.peft.offload import pack_offloaded
 from foundryx.models.peft.parts import nf4_part
 from foundryx.parallel import dist
 from foundryx.parallel.materialize import LOADED_ATTR
+from foundryx.parallel.offload import pack_offloaded
 
 log = logging.getLogger(__name__)
 

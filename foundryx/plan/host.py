@@ -41,7 +41,7 @@ READER_BUFFER = 64 * MiB
 # 48 KiB of stack a reader thread; without a C compiler the torch-op encoder's scratch tensors
 # take up to 40 MiB more a rank, not counted: the load says so when it happens); offloaded
 # shards are moved into one host buffer at the end of the load a layer at a time, each
-# layer's old copy dropped as it goes (foundryx.models.peft.offload.pack_offloaded), so they
+# layer's old copy dropped as it goes (foundryx.parallel.offload.pack_offloaded), so they
 # are held OFFLOAD_PACK_COPIES times, plus one layer's (within the largest slice's term).
 READ_AHEAD = 64 * MiB
 OFFLOAD_PACK_COPIES = 1

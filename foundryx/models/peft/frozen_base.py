@@ -17,20 +17,22 @@ what each rank stores and what moves. The layer dequantizes its weight to the in
 in the forward pass and again in the backward pass (nothing dense is kept between them), so
 LoRA trains in the precision of the run (fp32, or bf16 under autocast).
 
-``offload_fraction`` keeps that share of the layers' weights out of the model's parameters
-in host memory (:mod:`foundryx.models.peft.offload`), sharded: each of N ranks holds its 1/N
-of the rows (``offload_rows``), in the low-precision storage, and all of a rank's offloaded
-shards live in one exact-size host buffer (pinned with ``cudaHostRegister`` when there is a
-GPU: per-tensor ``pin_memory()`` rounds every allocation up to a power of two,
-pytorch#150517). When a layer runs, forward and backward, its shard is copied to the device
-and all-gathered there in its low precision, and the whole weight is dropped after use; while
-one runs, the copy of the next offloaded layer's shard is started. Offloaded weights are not
-in the model's state dict (a LoRA checkpoint holds only the adapters).
+``offload_fraction`` keeps that share of the layers' weights out of the model's parameters in
+host memory, applied from outside by the builder (:mod:`foundryx.parallel.offload`, which sets
+the layer's ``offload``; the layer only reads its weight through it), sharded: each of N ranks
+holds its 1/N of the rows (``offload_rows``), in the low-precision storage, and all of a rank's
+offloaded shards live in one exact-size host buffer (pinned with ``cudaHostRegister`` when
+there is a GPU: per-tensor ``pin_memory()`` rounds every allocation up to a power of two,
+pytorch#150517). When a layer runs, forward and backward, its shard is copied to the device and
+all-gathered there in its low precision, and the whole weight is dropped after use; while one
+runs, the copy of the next offloaded layer's shard is started. Offloaded weights are not in the
+model's state dict (a LoRA checkpoint holds only the adapters).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +44,6 @@ from torch.distributed.tensor import (
 from foundryx.errors import ConfigError
 from foundryx.models.peft.frozen_options import PATH, FrozenBaseOptions
 from foundryx.models.peft.lora import inner_model, linear_modules
-from foundryx.models.peft.offload import Offloaded, offload_layers, process_world_size
 from foundryx.models.peft.parts import checked_nf4_part, index_rows
 from foundryx.models.peft.rowwise import RowScaledTensor
 
@@ -113,16 +114,15 @@ def stored_bytes(weight: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def to_nf4(weight: torch.Tensor, name: str, tp: int = 1) -> torch.Tensor:
+def to_nf4(weight: torch.Tensor, name: str, tp: int = 1, world: int = 1) -> torch.Tensor:
     """torchao's NF4 with 64-weight blocks and the largest scaler block (QLoRA's 256, or
-    smaller for a small layer) that lets FSDP2 split the layer evenly over the ranks; under
+    smaller for a small layer) that lets FSDP2 split the layer evenly over the ``world`` ranks; under
     tensor parallelism (``tp`` > 1) also one that makes each rank's columns of a row whole
     groups of scalers, so that TP's row and column parts are NF4 tensors of their own
     (:mod:`foundryx.models.peft.parts`)."""
     from foundryx.models.peft.torchao_nf4 import to_nf4 as torchao_to_nf4  # heavy import, only here
 
     blocks, rem = divmod(weight.numel(), NF4_BLOCK)
-    world = process_world_size()
 
     def fits(s: int) -> bool:
         return (not rem and blocks % (s * world) == 0
@@ -144,9 +144,10 @@ def to_nf4(weight: torch.Tensor, name: str, tp: int = 1) -> torch.Tensor:
     return torchao_to_nf4(weight.detach().contiguous(), NF4_BLOCK, scaler)
 
 
-def to_storage(weight: torch.Tensor, dtype: str, name: str, tp: int = 1) -> torch.Tensor:
+def to_storage(weight: torch.Tensor, dtype: str, name: str, tp: int = 1,
+               world: int = 1) -> torch.Tensor:
     if dtype == "nf4":
-        return to_nf4(weight, name, tp)
+        return to_nf4(weight, name, tp, world)
     return RowScaledTensor.from_weight(weight, dtype)  # fp8, int8 and bf16
 
 
@@ -168,18 +169,29 @@ class _FrozenLinearFn(torch.autograd.Function):
         return grad @ w, None
 
 
+class WeightSource(Protocol):
+    """Where an offloaded layer's weight comes from (``foundryx.parallel.offload.Offloaded``):
+    the whole weight on ``device`` when the layer runs; ``host``: what stays in host memory."""
+
+    host: torch.Tensor
+
+    def take(self, device: torch.device, backward: bool = False) -> torch.Tensor: ...
+
+
 class LowPrecisionLinear(nn.Module):
     """A frozen linear layer whose weight is stored in ``frozen_base``'s dtype (or, offloaded,
     in host memory) and dequantized when it runs."""
 
-    def __init__(self, linear: nn.Linear, dtype: str, name: str, tp: int = 1) -> None:
+    def __init__(self, linear: nn.Linear, dtype: str, name: str, tp: int = 1,
+                 world: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.storage, self.name = dtype, name
-        self.weight = nn.Parameter(to_storage(linear.weight, dtype, name, tp), requires_grad=False)
+        self.weight = nn.Parameter(to_storage(linear.weight, dtype, name, tp, world),
+                                   requires_grad=False)
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
-        self.offload: Offloaded | None = None
+        self.offload: WeightSource | None = None  # set from outside: foundryx.parallel.offload
         if hasattr(linear, "_fused"):  # a fused layer's part sizes (LoRA slices, TP's row order)
             self._fused = linear._fused
 
@@ -221,9 +233,11 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, attr, new)
 
 
-def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1) -> nn.Module:
+def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1,
+                      world: int = 1) -> nn.Module:
     """Store the frozen linear weights of a LoRA model (``model``, after ``apply_lora``) as
-    ``options.dtype``, offload ``options.offload_fraction`` of them, and log one line; ``tp``:
+    ``options.dtype`` and log one line (``options.offload_fraction`` is applied from outside:
+    ``foundryx.builders.apply_frozen_storage``); ``world``: the number of processes, ``tp``:
     the run's tensor-parallel degree (NF4's blocks are aligned to its column split).
     Raises ConfigError when the model has no frozen linear layer or a layer NF4 cannot split."""
     inner = inner_model(model)
@@ -235,19 +249,12 @@ def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1)
     before = sum(m.weight.numel() * m.weight.element_size() for m in frozen.values())
     layers = []
     for name, linear in frozen.items():
-        layer = LowPrecisionLinear(linear, options.dtype, name, tp)
+        layer = LowPrecisionLinear(linear, options.dtype, name, tp, world)
         _replace(inner, name, layer)
         layers.append(layer)
     after = sum(stored_bytes(layer.weight) for layer in layers)
-    offloaded = offload_layers(layers, options.offload_fraction)
-    off_bytes = sum(stored_bytes(layer.offload.host) for layer in offloaded)
-    if offloaded and offloaded[0].offload.host.is_meta:
-        off_bytes //= process_world_size()  # placeholders: each rank will hold its rows
-    log.info("frozen_base: %d linear layers stored as %s: %.1f MB -> %.1f MB%s", len(layers),
-             options.dtype, before / 2**20, after / 2**20,
-             f"; {len(offloaded)} of them offloaded to host memory ({off_bytes / 2**20:.1f} MB on "
-             f"each of {process_world_size()} ranks)"
-             if offloaded else "")
+    log.info("frozen_base: %d linear layers stored as %s: %.1f MB -> %.1f MB", len(layers),
+             options.dtype, before / 2**20, after / 2**20)
     return model
 
 

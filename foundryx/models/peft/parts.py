@@ -14,6 +14,7 @@ dequantizes to are those of the same positions of the whole weight, bit for bit.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -163,3 +164,40 @@ def take_columns(storage: torch.Tensor, start: int, stop: int, name: str = "") -
         return checked_nf4_part(storage, name, columns=(start, stop))
     return RowScaledTensor(storage.qdata[:, start:stop].clone(), storage.scale.clone(),
                            dtype=storage.dtype)
+
+
+def join_rows(local: torch.Tensor, rows: int, world: int,
+              gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The whole weight (``rows`` rows) from the row shards of ``world`` ranks, ``local``
+    being this rank's: ``gather(t)`` is every rank's ``t`` concatenated along dim 0 in rank
+    order, a collective the caller runs (foundryx.parallel.offload); this only takes the
+    storage apart and puts it together. Row-scaled shards are padded to equal size (the last
+    ranks may hold fewer rows); NF4 shards are equal (to_nf4 checked it)."""
+    if isinstance(local, RowScaledTensor):
+        per, n = -(-rows // world), local.qdata.shape[0]
+        q, sc = local.qdata, local.scale
+        if n < per:
+            q = torch.cat([q, q.new_zeros(per - n, *q.shape[1:])])
+            sc = torch.cat([sc, sc.new_zeros(per - n)])
+        return RowScaledTensor(gather(q)[:rows], gather(sc)[:rows], dtype=local.dtype)
+    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts  # heavy import
+
+    return nf4_from_parts(NF4Tensor, (rows, *local.shape[1:]), local.dtype, local.device,
+                          block_size=local.block_size, scaler_block_size=local.scaler_block_size,
+                          quantized_data=gather(local.quantized_data),
+                          quantized_scalers=gather(local.quantized_scalers),
+                          quantization_factor=gather(local.quantization_factor),
+                          scaler_mean=local.scaler_mean, nf4=local.nf4)
+
+
+class StorageRows:
+    """The row and column cuts of frozen-base storages (row-scaled and NF4), as the offload
+    runtime (foundryx.parallel.offload, which may not import models/) is handed them."""
+
+    take_rows = staticmethod(take_rows)
+    take_columns = staticmethod(take_columns)
+    index_rows = staticmethod(index_rows)
+    join_rows = staticmethod(join_rows)
+
+
+STORAGE_ROWS = StorageRows()

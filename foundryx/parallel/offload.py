@@ -1,23 +1,38 @@
-"""Offloaded frozen weights (``frozen_base.offload_fraction``): each layer's weight in host
-memory, row-sharded over the ranks (under tensor parallelism: over the data-parallel ranks
-that hold the same TP block), copied to the device and all-gathered in its low precision when
-the layer runs, the next offloaded layer's copy started meanwhile; all of a rank's shards in
-one exact-size host buffer. See :mod:`foundryx.models.peft.frozen_base`.
+"""Offloaded frozen weights (``frozen_base.offload_fraction``), applied from outside the model:
+each layer's weight in host memory, row-sharded over the ranks (under tensor parallelism: over
+the data-parallel ranks that hold the same TP block), copied to the device and all-gathered in
+its low precision when the layer runs, the next offloaded layer's copy started meanwhile; all of
+a rank's shards in one exact-size host buffer. The layer (``models.peft.frozen_base
+.LowPrecisionLinear``) only reads its weight through ``layer.offload.take(device, backward)``;
+the copies, streams, pinning and gathers are here. The storages' row and column cuts are the
+model's (``models.peft.parts.STORAGE_ROWS``), handed in by the builder: this part may not
+import models/.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from foundryx.models.peft.parts import index_rows, take_columns, take_rows
-from foundryx.models.peft.pinning import HostPin
-from foundryx.models.peft.rowwise import RowScaledTensor
+from foundryx.parallel.pinning import HostPin
+
+log = logging.getLogger(__name__)
+
+
+class StorageRows(Protocol):
+    """Rows and columns of a frozen-base storage tensor (``models.peft.parts.StorageRows``)."""
+
+    def take_rows(self, t: torch.Tensor, start: int, stop: int) -> torch.Tensor: ...
+    def take_columns(self, t: torch.Tensor, start: int, stop: int, name: str) -> torch.Tensor: ...
+    def index_rows(self, t: torch.Tensor, order: torch.Tensor, name: str) -> torch.Tensor: ...
+    def join_rows(self, local: torch.Tensor, rows: int, world: int,
+                  gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor: ...
 
 
 def process_world_size() -> int:
@@ -51,26 +66,11 @@ def _all_gather(t: torch.Tensor, world: int, group: object = None) -> torch.Tens
     return out.view(t.dtype) if as_bytes else out
 
 
-def _gather_rows(local: torch.Tensor, rows: int, world: int, group: object = None) -> torch.Tensor:
+def _gather_rows(local: torch.Tensor, rows: int, world: int, formats: StorageRows,
+                 group: object = None) -> torch.Tensor:
     """The whole weight (under TP: this rank's block of it) from the row shards (``local``, on
     the device) of the ``world`` ranks of ``group``, all-gathered in its low-precision form."""
-    if isinstance(local, RowScaledTensor):
-        per, n = -(-rows // world), local.qdata.shape[0]  # the last ranks may hold fewer rows
-        q, sc = local.qdata, local.scale
-        if n < per:
-            q = torch.cat([q, q.new_zeros(per - n, *q.shape[1:])])
-            sc = torch.cat([sc, sc.new_zeros(per - n)])
-        return RowScaledTensor(_all_gather(q, world, group)[:rows],
-                               _all_gather(sc, world, group)[:rows], dtype=local.dtype)
-    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts  # heavy import
-
-    # NF4: every rank holds equal parts
-    return nf4_from_parts(NF4Tensor, (rows, *local.shape[1:]), local.dtype, local.device,
-                          block_size=local.block_size, scaler_block_size=local.scaler_block_size,
-                          quantized_data=_all_gather(local.quantized_data, world, group),
-                          quantized_scalers=_all_gather(local.quantized_scalers, world, group),
-                          quantization_factor=_all_gather(local.quantization_factor, world, group),
-                          scaler_mean=local.scaler_mean, nf4=local.nf4)
+    return formats.join_rows(local, rows, world, lambda t: _all_gather(t, world, group))
 
 
 class Offloaded:
@@ -82,9 +82,10 @@ class Offloaded:
     (rows of a column-wise layer, columns of a row-wise one), sharded by rows over the
     data-parallel ranks that share the block, and :meth:`take` gives it as a DTensor."""
 
-    def __init__(self, host: torch.Tensor, rows: int | None = None, world: int = 1,
-                 name: str = "") -> None:
+    def __init__(self, host: torch.Tensor, formats: StorageRows, rows: int | None = None,
+                 world: int = 1, name: str = "") -> None:
         self.rows, self.world = rows, world  # rows None: host is the whole weight
+        self.formats = formats  # the storage's row and column cuts
         self.name = name  # the layer's, for messages
         self.group: object = None  # the process group the rows are split over (None: all ranks)
         self.row_offset = 0  # under TP, column-wise: the whole weight's row the block starts at
@@ -125,9 +126,10 @@ class Offloaded:
         shape = torch.Size((self.rows or self.host.shape[0], *self.host.shape[1:]))
         whole = None
         if not self.host.is_meta:
-            whole = self.host if self.rows is None else _gather_rows(self.host, self.rows, self.world)
+            whole = self.host if self.rows is None else \
+                _gather_rows(self.host, self.rows, self.world, self.formats)
             if order is not None:
-                whole = index_rows(whole, order, self.name)
+                whole = self.formats.index_rows(whole, order, self.name)
         local, offset = compute_local_shape_and_global_offset(shape, mesh, [placement])
         self.group, self.world = group, torch.distributed.get_world_size(group)
         self.placed = (mesh, (placement,), shape)
@@ -139,9 +141,9 @@ class Offloaded:
             self.rows, self.columns = shape[0], (offset[1], offset[1] + local[1])
         if whole is not None:
             start, stop = self.shard_range()
-            part = take_rows(whole, start, stop)
+            part = self.formats.take_rows(whole, start, stop)
             self.set_host(part if self.columns is None
-                          else take_columns(part, *self.columns, self.name))
+                          else self.formats.take_columns(part, *self.columns, self.name))
 
     def _copy(self, device: torch.device) -> tuple[torch.Tensor, object]:
         self.copies += 1
@@ -173,7 +175,7 @@ class Offloaded:
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
         if self.rows is not None:
-            w = _gather_rows(w, self.rows, self.world, self.group)
+            w = _gather_rows(w, self.rows, self.world, self.formats, self.group)
         if self.placed is not None:
             mesh, placements, shape = self.placed
             w = DTensor.from_local(w, mesh, placements, run_check=False, shape=shape,
@@ -193,10 +195,12 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-def offload_layers(layers: list[nn.Module], fraction: float) -> list[nn.Module]:
-    """Move ``fraction`` of ``layers`` (spread evenly over the model, in forward order) to host
-    memory, each rank keeping its row shard of each (a meta weight stays a placeholder for a
-    loader to fill), and chain them for prefetching; the offloaded layers."""
+def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRows) -> list[nn.Module]:
+    """Move ``fraction`` of the frozen ``layers`` (``LowPrecisionLinear``, spread evenly over the
+    model, in forward order) to host memory, each rank keeping its row shard of each (a meta
+    weight stays a placeholder for a loader to fill), chain them for prefetching, and log one
+    line; the offloaded layers. ``formats``: the storages' cuts (``models.peft.parts
+    .STORAGE_ROWS``)."""
     count = round(fraction * len(layers))
     chosen = [layers[(i * len(layers)) // count] for i in range(count)] if count else []
     world = process_world_size()
@@ -206,16 +210,28 @@ def offload_layers(layers: list[nn.Module], fraction: float) -> list[nn.Module]:
         del layer._parameters["weight"]
         layer.weight = None  # a plain attribute now: not a parameter, not in the state dict
         rows = whole.shape[0] if world > 1 else None
-        layer.offload = Offloaded(whole, rows, world, layer.name)
+        layer.offload = Offloaded(whole, formats, rows, world, layer.name)
         if rows is not None and not whole.is_meta:
-            layer.offload.set_host(take_rows(whole, *layer.offload.shard_range()))
+            layer.offload.set_host(formats.take_rows(whole, *layer.offload.shard_range()))
         del whole
         chain.append(layer.offload)
     for a, b in zip(chain, chain[1:]):
         a.next, b.prev = b, a
-    if not any(layer.offload.host.is_meta for layer in chosen):
+    if chosen and not any(layer.offload.host.is_meta for layer in chosen):
         pack_offloaded(chosen)
+    if chosen:
+        size = sum(_stored_bytes(layer.offload.host) for layer in chosen)
+        if chosen[0].offload.host.is_meta:
+            size //= world  # placeholders: each rank will hold its rows
+        log.info("frozen_base: %d of %d frozen linear layers offloaded to host memory (%.1f MB on "
+                 "each of %d ranks)", len(chosen), len(layers), size / 2**20, world)
     return chosen
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a low-precision tensor's inner tensors hold."""
+    names, _ = _inner(t)
+    return sum(_stored_bytes(getattr(t, n)) for n in names) if names else t.numel() * t.element_size()
 
 
 def _inner(t: torch.Tensor) -> tuple[list[str], object]:
