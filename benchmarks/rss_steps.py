@@ -2,7 +2,7 @@
 after its first steps?
 
     python benchmarks/rss_steps.py [--steps 200] [--configs fp8-offload0.55 ...]
-            [--hidden 512] [--layers 4] [--out benchmarks/RESULTS.md]
+            [--hidden 512] [--layers 4] [--host-heap auto|bounded|glibc] [--out FILE]
 
 Each configuration is a real run on 2 CPU ranks (``composer -n 2 train.py RECIPE``), the
 shipped recipe with only model, data, sizes, device and precision overridden:
@@ -69,9 +69,10 @@ def llama(out: Path, tokenizer: Path, hidden: int, layers: int) -> Path:
     return out
 
 
-def run(name: str, model: Path, data: Path, out: Path, steps: int) -> list[dict]:
+def run(name: str, model: Path, data: Path, out: Path, steps: int,
+        heap: str = "auto") -> list[dict]:
     recipe, extra = CONFIGS[name]
-    common = [f"max_duration={steps}ba", "global_train_batch_size=2",
+    common = [f"max_duration={steps}ba", f"host_heap={heap}", "global_train_batch_size=2",
               "device_train_microbatch_size=1", "device=cpu", "save_folder=null",
               "eval_loader=null", "eval_interval=100000ba", "console_log_interval=50ba",
               "callbacks.memory_monitor.interval=1", f"loggers.jsonl.path={out}/metrics.jsonl",
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--host-heap", default="auto", choices=["auto", "bounded", "glibc"],
+                    help="the runs' host_heap (auto: glibc on a CPU device)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.steps <= FROM:
@@ -113,7 +116,7 @@ def main() -> None:
         data = prepare_quickstart(Path(tmp) / "qs", progress=False)
         model = llama(Path(tmp) / "llama", data / "tokenizer", args.hidden, args.layers)
         for name in args.configs:
-            rows = run(name, model, data, Path(tmp) / name, args.steps)
+            rows = run(name, model, data, Path(tmp) / name, args.steps, args.host_heap)
             for rank in (0, 1):
                 rss = [row[f"memory/host_rss_gib/rank{rank}"] for row in rows]
                 peak = max(row[f"memory/host_peak_gib/rank{rank}"] for row in rows)
@@ -123,8 +126,10 @@ def main() -> None:
                 print(json.dumps({"config": name, "rank": rank, f"rss_step{FROM}": rss[FROM - 1],
                                   "rss_end": rss[-1], "growth_pct": g, "peak": peak,
                                   "rss": [round(x, 4) for x in rss]}), flush=True)
-    _plot(curves, ROOT / "benchmarks" / "images" / "rss-steps.png")
-    cmd = f"python benchmarks/rss_steps.py --steps {args.steps} --hidden {args.hidden} --layers {args.layers}"
+    image = "rss-steps.png" if args.host_heap == "auto" else f"rss-steps-{args.host_heap}.png"
+    _plot(curves, ROOT / "benchmarks" / "images" / image)
+    cmd = (f"python benchmarks/rss_steps.py --steps {args.steps} --hidden {args.hidden} "
+           f"--layers {args.layers} --host-heap {args.host_heap}")
     rows = "\n".join(f"| {n} | {r} | {a:.3f} | {b:.3f} | {g['median']:+.2f}% | {g['envelope']:+.2f}% "
                      f"| {g['largest']:+.2f}% | {p:.3f} |" for n, r, a, b, g, p in table)
     text = (f"\n### Host RSS per rank over {args.steps} steps (issue 38)\n\n"
@@ -135,7 +140,7 @@ def main() -> None:
             f"envelope = their largest readings; largest = the largest after step {FROM} over "
             f"step {FROM}'s reading.\n\n| config | rank | RSS step {FROM} GiB | RSS end GiB | "
             f"median | envelope | largest | peak GiB |\n|---|---:|---:|---:|---:|---:|---:|---:|\n"
-            f"{rows}\n\n![RSS per step](images/rss-steps.png)\n")
+            f"{rows}\n\n![RSS per step](images/{image})\n")
     emit(text, args.out)
 
 

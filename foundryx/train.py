@@ -16,7 +16,7 @@ from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
 
-from foundryx import builders, known_warnings
+from foundryx import builders, host_heap, known_warnings
 from foundryx.algorithms import check_algorithms
 from foundryx.callbacks.cpu_autocast import CpuAutocast
 from foundryx.checkpoint.layout import complete_checkpoints
@@ -131,6 +131,7 @@ def train(loaded: LoadedConfig):
     setup_logging(cfg.python_log_level)
     known_warnings.install()
     picked = pick_device(cfg.device)
+    host_heap.configure(cfg.host_heap, picked)  # before the load and the steps free anything
     if picked == "gpu" and cfg.plan_check:
         check_fits(loaded)  # before anything is built on the GPU: stop a run that cannot fit
     device = with_host_collectives(get_device(picked), derived.world_size)

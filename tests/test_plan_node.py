@@ -59,6 +59,13 @@ def test_a_recipe_run_on_cpu_is_planned_for_cpu_not_its_node_gpu():
     assert any("device: cpu (the config's device)" in n for n in p.notes), p.notes
     gpu = make_plan(ROOT / R405, ["variables.model_path=yamls/shapes/llama-3.1-405b"], gpus=2)
     assert gpu.device == "h100" and gpu.host.terms["gpu_runtime"] > 0  # without it: the node's
+    # on a CPU device glibc's heap is left as it starts (host_heap: auto): the plan says what
+    # that can cost and the setting that keeps the run to it; bounded, or a GPU: nothing to say
+    heap = [n for n in p.notes if n.startswith("host_heap: auto on a CPU device")]
+    assert len(heap) == 1 and "host_heap=bounded keeps the run to it" in heap[0], p.notes
+    bounded = make_plan(ROOT / R405, ["variables.model_path=yamls/shapes/llama-3.1-405b",
+                                      "device=cpu", "host_heap=bounded"], gpus=2)
+    assert not [n for n in bounded.notes + gpu.notes if n.startswith("host_heap")]
 
 
 @pytest.mark.slow

@@ -191,6 +191,11 @@ class TrainConfig:
         "fp32 matmuls when training on a CPU: onednn (oneDNN's GEMM), blas (torch's: MKL or "
         "OpenBLAS); auto: onednn on x86-64 where this torch has it, logged in one line",
         default="auto")
+    host_heap: Literal["auto", "bounded", "glibc"] = doc(
+        "host memory a run frees: bounded (glibc's mmap threshold fixed: it goes back to the OS, "
+        "host memory as planned; on a CPU device slower), glibc (glibc as it starts: faster, "
+        "may keep a step's freed temporaries); auto: bounded on a GPU, glibc on a CPU device, "
+        "logged in one line (docs/planning.md)", default="auto")
     dist_timeout: float = doc("seconds to wait for all ranks to start", default=600.0)
     seed: int = doc("random seed of weights, data order and dropout", default=17)
     plan_check: bool = doc(

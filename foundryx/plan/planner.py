@@ -158,6 +158,11 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
         where = "--gpu-memory" if gpu_memory else "this machine's memory / processes per node"
         notes.append(f"device: cpu ({why}): no GPU context or allocator margin; capacity: "
                      f"{where}; no MFU on CPU")
+        if loaded.cfg.host_heap != "bounded":  # what glibc keeps is not planned (host_heap.py)
+            notes.append(f"host_heap: {loaded.cfg.host_heap} on a CPU device: glibc may keep a "
+                         "step's freed temporaries above this plan at large sizes (1.5-2.1x at "
+                         "0.65B); host_heap=bounded keeps the run to it, at more step time "
+                         "(docs/planning.md)")
         host = _host_spec(host_memory, read_rate, this_machine(), target.host_source)
         return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host,
                            tp=tp)

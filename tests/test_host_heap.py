@@ -1,0 +1,107 @@
+"""What a run frees goes back to the OS (foundryx.host_heap, the run config's ``host_heap``):
+glibc's mmap threshold fixed at 128 KiB where foundryx starts a run, so that a fragmented heap
+cannot keep a step's freed temporaries (issue 38: about 1 GiB per rank at 0.65B on CPU); auto
+on a GPU, not on a CPU device (where it costs step time)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from foundryx import host_heap
+
+pytestmark = pytest.mark.skipif(host_heap.glibc() is None, reason="glibc's allocator only")
+
+# A step's pattern in small: large blocks freed (glibc then raises its threshold to their size),
+# then 2 MiB temporaries with small live objects between them, the temporaries freed.
+PATTERN = r"""
+import ctypes, sys
+import torch
+from foundryx.host_heap import bound_host_heap
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+if sys.argv[1] == "fixed":
+    assert bound_host_heap()
+for mib in (8, 12, 16, 20, 24, 28):  # one of them at least is mmapped (not a reused heap hole)
+    big = torch.ones(mib * 2**20, dtype=torch.uint8)
+    del big
+held = []
+for _ in range(64):
+    held.append(torch.ones(2 * 2**20, dtype=torch.uint8))
+    held.append(torch.ones(256))  # a small live object after each temporary
+del held[::2]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+print(libc.mallinfo2().fordblks / 2**20)
+"""
+
+
+def kept_mib(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", PATTERN, mode], capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.split()[-1])
+
+
+def test_freed_temporaries_go_back_to_the_os():
+    """glibc's default keeps the 128 MiB of freed temporaries in its heap; with the threshold
+    fixed they were mmapped and are gone."""
+    assert kept_mib("default") > 100  # the behaviour being fixed (else this test proves nothing)
+    assert kept_mib("fixed") < 8
+
+
+def fake_glibc(monkeypatch, answer: int = 1) -> list:
+    calls = []
+    monkeypatch.setattr(host_heap, "_done", False)
+    monkeypatch.setattr(host_heap, "glibc", lambda: type("C", (), {
+        "mallopt": staticmethod(lambda *a: calls.append(a) or answer)})())
+    monkeypatch.delenv(host_heap.ENV, raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("mode,device,bounded", [
+    ("auto", "gpu", True), ("auto", "cpu", False), ("bounded", "cpu", True),
+    ("bounded", "gpu", True), ("glibc", "gpu", False), ("glibc", "cpu", False)])
+def test_host_heap_chooses_by_mode_and_device_in_one_line(monkeypatch, caplog, mode, device, bounded):
+    calls = fake_glibc(monkeypatch)
+    caplog.set_level(logging.INFO, logger="foundryx")
+    assert host_heap.configure(mode, device) is bounded
+    assert calls == ([(host_heap.M_MMAP_THRESHOLD, 128 * 1024)] if bounded else [])
+    lines = [r.getMessage() for r in caplog.records]
+    if bounded:
+        assert len(lines) == 1 and "mmap threshold fixed at 128 KiB on every rank" in lines[0]
+        assert f"(host_heap: {mode}" in lines[0] and "MALLOC_MMAP_THRESHOLD_" in lines[0]
+    elif mode == "auto":  # foundryx chose for the user: it says what and why
+        assert len(lines) == 1 and "glibc's allocator left as it starts (host_heap: auto on a " \
+            "CPU device" in lines[0] and "host_heap: bounded" in lines[0]
+    else:
+        assert lines == []
+
+
+def test_once_with_one_line_and_a_users_setting_kept(monkeypatch, caplog):
+    calls = fake_glibc(monkeypatch)
+    caplog.set_level(logging.INFO, logger="foundryx")
+    assert host_heap.bound_host_heap() is True
+    assert host_heap.bound_host_heap() is False  # once per process
+    assert calls == [(host_heap.M_MMAP_THRESHOLD, 128 * 1024)]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "mmap threshold fixed at 128 KiB" in lines[0]
+
+    monkeypatch.setattr(host_heap, "_done", False)
+    monkeypatch.setenv(host_heap.ENV, "1048576")  # the user's own: glibc read it at start
+    assert host_heap.bound_host_heap() is False and len(calls) == 1
+
+
+def test_a_refusal_says_so(monkeypatch, caplog):
+    fake_glibc(monkeypatch, answer=0)
+    caplog.set_level(logging.INFO, logger="foundryx")
+    assert host_heap.bound_host_heap() is False
+    assert "glibc refused to fix its mmap threshold" in caplog.text
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in caplog.text
