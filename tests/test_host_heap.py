@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +106,19 @@ def test_a_refusal_says_so(monkeypatch, caplog):
     assert host_heap.bound_host_heap() is False
     assert "glibc refused to fix its mmap threshold" in caplog.text
     assert "MALLOC_MMAP_THRESHOLD_=131072" in caplog.text
+
+
+@pytest.mark.parametrize("mode,said", [
+    ("bounded", "mmap threshold fixed at 128 KiB on every rank (host_heap: bounded)"),
+    ("auto", "glibc's allocator left as it starts (host_heap: auto on a CPU device")])
+def test_a_cpu_run_says_which_in_its_log(quickstart_data, tmp_path, mode, said):
+    """The run config's host_heap reaches the process that trains: `foundryx train` of the
+    quickstart on CPU logs the one line of its choice."""
+    out = subprocess.run([sys.executable, "-m", "foundryx.cli", "train", "yamls/quickstart.yaml",
+                          f"variables.data_root={quickstart_data}", "max_duration=1ba",
+                          "device=cpu", "save_folder=null", "eval_loader=null", f"host_heap={mode}",
+                          f"loggers.jsonl.path={tmp_path}/m.jsonl", "progress_bar=false"],
+                         capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert said in out.stderr, out.stderr[-3000:]
