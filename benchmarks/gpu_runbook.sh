@@ -55,9 +55,10 @@
 # for 2.11, from the index the machine's torch came from; PyPI's builds match PyPI's torch). Not
 # in it: torch, triton, safetensors, numpy and the rest that comes with them (wheels.txt lists
 # them). Measured 2026-11-27 with the two commands above (x86_64, Python 3.12, torch 2.11.0,
-# pip 26.3): 39 files, 40.6 MB (`du -sb wheels`: 40,633,906 bytes; transformers 12.0 MB,
-# torchvision 7.5, pillow 6.6, tokenizers 3.3, torchao 3.2, the other 34 under 1.1 MB each);
-# the limit is 60 MB. flash-attn is optional; when it imports, step 5 includes it.
+# pip 26.3), for the H100 image that has torchvision (left out of the folder: step 1 keeps a
+# machine's own): 45 files, 39.8 MB (`du -sb wheels`: 39,802,197 bytes; transformers 12.0 MB,
+# pillow 7.6, tokenizers 3.3, torchao 3.2, cramjam 2.0, zstd 1.8, the other 39 under 1.5 MB
+# each); the limit is 60 MB. flash-attn is optional; when it imports, step 5 includes it.
 set -uo pipefail
 
 HERE=$PWD
