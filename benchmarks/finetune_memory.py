@@ -100,12 +100,11 @@ def build(name: str, sizes: dict, world: int) -> tuple:
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
         from foundryx.models.peft.frozen_base import LowPrecisionLinear
+        from foundryx.parallel.offload import offload_choice
 
         layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
-        count = round(-offload * len(layers))
-        for i in range(count):
-            fully_shard(layers[(i * len(layers)) // count],
-                        offload_policy=CPUOffloadPolicy(pin_memory=False))
+        for layer in offload_choice(layers, -offload):
+            fully_shard(layer, offload_policy=CPUOffloadPolicy(pin_memory=False))
     # FULL: no casting, so each weight is all-gathered in its own dtype (a bf16 base in bf16)
     ac = ActivationCheckpointingConfig(enabled=os.environ.get("FINETUNE_MEMORY_AC") == "1")
     parallelize(model, ParallelismConfig(mixed_precision="FULL"), activation_checkpointing=ac,

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from foundryx.parallel.offload import offload_choice
+
 sys.path.insert(0, str(Path(__file__).parent))
 from report_out import emit  # noqa: E402
 
@@ -58,12 +60,11 @@ def recipe_row(path: Path) -> dict | None:
     cfg = json.loads((ROOT / "yamls" / "shapes" / shape / "config.json").read_text())
     world = (recipe.get("node") or {}).get("gpus", 1)  # no node: one process
     every = layers(cfg)
-    count = round(fraction * len(every))
-    chosen = [every[(k * len(every)) // count] for k in range(count)]
+    chosen = offload_choice(every, fraction)  # the runtime's own choice of layers
     sizes = [t for r, c in chosen for t in tensors(-(-r // world), c, frozen["dtype"])]
     exact, pinned = sum(sizes), sum(pow2(t) for t in sizes)
     return {"recipe": path.name, "shape": shape, "dtype": frozen["dtype"], "fraction": fraction,
-            "ranks": world, "layers": f"{count} of {len(every)}", "exact": exact, "pinned": pinned}
+            "ranks": world, "layers": f"{len(chosen)} of {len(every)}", "exact": exact, "pinned": pinned}
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from foundryx.loading import keep_stored_dtype, wants_pretrained
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
 from foundryx.models.peft.adapters import load_adapter, section_options
-from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base
+from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base, stored_bytes
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.models.peft.parts import STORAGE_ROWS
@@ -72,9 +72,16 @@ def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1) ->
     ``options.dtype`` (models.peft.frozen_base), then ``options.offload_fraction`` of those
     layers offloaded to host memory by the offload runtime (parallel.offload), handed the
     storages' row cuts."""
-    model = apply_frozen_base(model, options, tp=tp, world=process_world_size())
+    world = process_world_size()
+    model = apply_frozen_base(model, options, tp=tp, world=world)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
-    offload_layers(layers, options.offload_fraction, STORAGE_ROWS)
+    chosen = offload_layers(layers, options.offload_fraction, STORAGE_ROWS)
+    if chosen:
+        size = sum(stored_bytes(layer.offload.host) for layer in chosen)
+        if chosen[0].offload.host.is_meta:
+            size //= world  # placeholders: each rank will hold its rows
+        log.info("frozen_base: %d of %d frozen linear layers offloaded to host memory (%.1f MB on "
+                 "each of %d ranks)", len(chosen), len(layers), size / 2**20, world)
     return model
 
 

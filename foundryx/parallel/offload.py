@@ -195,14 +195,19 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _STREAMS[device]
 
 
-def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRows) -> list[nn.Module]:
-    """Move ``fraction`` of the frozen ``layers`` (``LowPrecisionLinear``, spread evenly over the
-    model, in forward order) to host memory, each rank keeping its row shard of each (a meta
-    weight stays a placeholder for a loader to fill), chain them for prefetching, and log one
-    line; the offloaded layers. ``formats``: the storages' cuts (``models.peft.parts
-    .STORAGE_ROWS``)."""
+def offload_choice(layers: list, fraction: float) -> list:
+    """The ``fraction`` of ``layers`` (in forward order) that is offloaded, spread evenly over
+    the model."""
     count = round(fraction * len(layers))
-    chosen = [layers[(i * len(layers)) // count] for i in range(count)] if count else []
+    return [layers[(i * len(layers)) // count] for i in range(count)] if count else []
+
+
+def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRows) -> list[nn.Module]:
+    """Move :func:`offload_choice` of the frozen ``layers`` (``LowPrecisionLinear``) to host
+    memory, each rank keeping its row shard of each (a meta weight stays a placeholder for a
+    loader to fill), and chain them for prefetching; the offloaded layers. ``formats``: the
+    storages' cuts (``models.peft.parts.STORAGE_ROWS``)."""
+    chosen = offload_choice(layers, fraction)
     world = process_world_size()
     chain: list[Offloaded] = []
     for layer in chosen:
@@ -219,19 +224,7 @@ def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRow
         a.next, b.prev = b, a
     if chosen and not any(layer.offload.host.is_meta for layer in chosen):
         pack_offloaded(chosen)
-    if chosen:
-        size = sum(_stored_bytes(layer.offload.host) for layer in chosen)
-        if chosen[0].offload.host.is_meta:
-            size //= world  # placeholders: each rank will hold its rows
-        log.info("frozen_base: %d of %d frozen linear layers offloaded to host memory (%.1f MB on "
-                 "each of %d ranks)", len(chosen), len(layers), size / 2**20, world)
     return chosen
-
-
-def _stored_bytes(t: torch.Tensor) -> int:
-    """Bytes a low-precision tensor's inner tensors hold."""
-    names, _ = _inner(t)
-    return sum(_stored_bytes(getattr(t, n)) for n in names) if names else t.numel() * t.element_size()
 
 
 def _inner(t: torch.Tensor) -> tuple[list[str], object]:
