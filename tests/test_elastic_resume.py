@@ -45,8 +45,9 @@ RECIPES = {"mpt": "quickstart.yaml", "full": "finetune/hf-causal-lm.yaml",
 # there the number of ranks alone moves the losses (the gradients are summed in another order,
 # and a rounding that flips in a bf16 copy of a weight shows in the next loss): batch 3, trained
 # on 4 ranks before any resume, already differs from the 2-rank run's by 2.2e-5, and after 8
-# batches by 8.9e-4. So that recipe is checked at 2e-3 in its own precision, and once more in
-# fp32 (its only change), where the resume must keep 1e-5.
+# batches by 8.9e-4 (on torch 2.15 the world size alone moved it 2.5e-3). So that recipe is
+# checked at 1e-2 in its own precision, and once more in fp32 (its only change), where the
+# resume must keep 1e-5.
 TOLERANCE = {"mpt": 1e-5, "full": 1e-5, "lora-fp8-offload": 1e-2, "lora-fp8-offload-fp32": 1e-5}
 
 
