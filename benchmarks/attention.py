@@ -3,6 +3,8 @@
     python benchmarks/attention.py --out benchmarks/RESULTS.md        # kernels + MPT-1B step
     python benchmarks/attention.py --seqs 2048 --no-mpt              # a quick look
     python benchmarks/attention.py --tune                            # rows for kernels/tuning.py
+    python benchmarks/attention.py --table rows.json                 # attn_impl auto's table rows
+    python benchmarks/attention.py --apply-table rows.json           # ... into the table (no GPU)
 
 Kernel table: forward and forward+backward TFLOP/s, bf16, batch x seq = 16k tokens,
 heads = 2048 / head_dim, for dense and packed sequences (documents of 1/16 to 1/4 of the
@@ -10,6 +12,12 @@ sequence), causal and not. Each cell first checks the output against SDPA. FLOPs
 the attended pairs (4 * d per pair forward, 2.5x that backward), so packed rows show the
 work a kernel skips. The MPT-1B rows time whole training steps (bf16 autocast, AdamW).
 Needs only torch and Triton (flash-attn optional).
+
+``--table FILE`` measures the cases of ``attn_impl: auto``'s table
+(foundryx/models/layers/attention_table.py) on this GPU: each head dim (default 64 and 128),
+mask (one document, packed documents, ALiBi, both), causal, MHA and GQA (kv heads = heads / 4),
+at seq 2048 (the recipes'), and writes them as JSON rows; ``--apply-table FILE`` replaces the
+rows of the devices in FILE in the table's module (anywhere: no GPU needed).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a plain checkout
 
 from foundryx.models.layers.attention import torch_attention  # noqa: E402
 from foundryx.models.layers.attention_flash import flash_attention  # noqa: E402
@@ -93,25 +102,40 @@ def bench(fn, q, k, v, dout=None, **kw) -> float:
     )
 
 
-def kernel_rows(seqs, head_dims, impls):
-    """One row per (head_dim, causal, layout, seq): TFLOP/s of each implementation."""
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """MPT's ALiBi slopes (alibi_bias_max 8): 2 ** (-8 * (i + 1) / heads)."""
+    return torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+
+
+def kernel_rows(seqs, head_dims, impls, masks=("none", "docs"), gqas=(False,), causals=(True, False)):
+    """One row per (head_dim, causal, mask, gqa, seq): TFLOP/s of each implementation.
+
+    ``masks``: none (one document), docs (packed documents), alibi, docs+alibi; ``gqas``:
+    False (kv heads = heads), True (kv heads = heads / 4)."""
     rows = []
     cells = [
-        (d, c, p, s) for d in head_dims for c in (True, False) for p in (False, True) for s in seqs
+        (d, c, m, g, s) for d in head_dims for c in causals for m in masks for g in gqas
+        for s in seqs
     ]
-    for head_dim, causal, packed, seq in tqdm(cells, desc="attention kernels"):
+    for head_dim, causal, mask, gqa, seq in tqdm(cells, desc="attention kernels"):
         batch, heads = max(1, TOKENS // seq), D_MODEL // head_dim
-        shape = (batch, seq, heads, head_dim)
-        q, k, v = (
-            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
+        kv_heads = heads // 4 if gqa else heads
+        q = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        k, v = (
+            torch.randn(batch, seq, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+            for _ in range(2)
         )
         kw = {"causal": causal}
         squares = batch * seq * seq
-        if packed:
+        if "docs" in mask:
             kw["sequence_id"], squares = doc_ids(batch, seq)
+        if "alibi" in mask:
+            kw["alibi_slopes"] = alibi_slopes(heads)
         flops = 4 * heads * head_dim * squares * (0.5 if causal else 1.0)
-        row = {"head_dim": head_dim, "causal": causal, "packed": packed, "seq": seq, "batch": batch}
+        row = {"head_dim": head_dim, "causal": causal, "packed": "docs" in mask, "mask": mask,
+               "gqa": gqa, "seq": seq, "batch": batch}
         dout = torch.randn_like(q)
         with torch.no_grad():
             want = torch_attention(q, k, v, **kw).float()
@@ -130,6 +154,41 @@ def kernel_rows(seqs, head_dims, impls):
                 torch.cuda.empty_cache()
         rows.append(row)
     return rows
+
+
+def table_rows(rows, impls, device: str, arch: str, source: str) -> list[dict]:
+    """kernel_rows' rows as rows of foundryx/models/layers/attention_table.py (cells that did
+    not run, or ran wrong, are left out of a row's figures; a row with none is dropped)."""
+    out = []
+    for r in rows:
+        done = [n for n in impls if isinstance(r.get(n), tuple)]
+        if not done:
+            continue
+        out.append({"device": device, "arch": arch, "head_dim": r["head_dim"], "mask": r["mask"],
+                    "causal": r["causal"], "gqa": r["gqa"], "seq": r["seq"],
+                    "train": {n: round(r[n][1], 1) for n in done},
+                    "fwd": {n: round(r[n][0], 1) for n in done}, "source": source})
+    return out
+
+
+TABLE_MODULE = ROOT / "foundryx" / "models" / "layers" / "attention_table.py"
+BEGIN, END = "# BEGIN ROWS", "# END ROWS"
+
+
+def apply_table(text: str, new_rows: list[dict]) -> str:
+    """The table module's ``text`` with the rows of ``new_rows``' devices replaced by them
+    (other devices' rows kept, in order), one row per line."""
+    namespace: dict = {}
+    exec(compile(text, str(TABLE_MODULE), "exec"), namespace)  # our own module's text
+    devices = {r["device"].lower() for r in new_rows}
+    rows = [r for r in namespace["ROWS"] if r["device"].lower() not in devices] + new_rows
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    lines = "".join(
+        "    {" + ", ".join(f"{k!r}: {v!r}" for k, v in r.items()) + "},\n" for r in rows
+    )
+    return (f"{head}{BEGIN} (rewritten by benchmarks/attention.py --apply-table)\n"
+            f"ROWS: list[dict[str, Any]] = [\n{lines}]\n{END}{tail}")
 
 
 def mpt_rows(impls, batch: int, steps: int = 5):
@@ -197,8 +256,10 @@ def markdown(rows, mpt, impls, batch: int) -> str:
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
+        docs = ("packed" if r["packed"] else "one") + (" + ALiBi" if "alibi" in r.get("mask", "") else "")
+        docs += ", GQA" if r.get("gqa") else ""
         line = f"| {r['head_dim']} | {'yes' if r['causal'] else 'no'} | "
-        line += f"{'packed' if r['packed'] else 'one'} | {r['seq']} | {r['batch']} | "
+        line += f"{docs} | {r['seq']} | {r['batch']} | "
         line += " | ".join(cell(r[n], 0) for n in impls) + " | "
         line += " | ".join(cell(r[n], 1) for n in impls) + " |"
         best = [r[n][1] for n in others if isinstance(r[n], tuple)]
@@ -252,16 +313,47 @@ def tune(head_dims, seq: int = 4096):
             )
 
 
+def write_table(path: Path, rows, impls, info: str) -> None:
+    """The table's rows of this GPU, as JSON, to ``path`` (``--apply-table`` reads it)."""
+    import json
+
+    props = torch.cuda.get_device_properties(0)
+    arch = (getattr(props, "gcnArchName", "") if torch.version.hip else "") or \
+        f"sm{props.major}{props.minor}"
+    seqs = " ".join(sorted({str(r["seq"]) for r in rows}))
+    heads = " ".join(sorted({str(r["head_dim"]) for r in rows}))
+    source = (f"python benchmarks/attention.py --table FILE --seqs {seqs} --head-dims {heads} "
+              f"({datetime.date.today().isoformat()}; {info})")
+    out = table_rows(rows, impls, torch.cuda.get_device_name(), arch, source)
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {len(out)} rows of the attention table to {path}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--seqs", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 512 to 16384; with --table 2048)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     p.add_argument("--mpt-batch", type=int, default=4, help="sequences per MPT-1B step")
     p.add_argument("--no-mpt", action="store_true", help="skip the MPT-1B training steps")
     p.add_argument("--tune", action="store_true", help="time tuning.CANDIDATES instead")
     p.add_argument("--out", type=Path, help="append the markdown tables to this file")
+    p.add_argument("--table", type=Path, metavar="FILE",
+                   help="measure attn_impl auto's cases (causal; each mask; MHA and GQA) and "
+                        "write them as the table's JSON rows to FILE")
+    p.add_argument("--apply-table", type=Path, metavar="FILE",
+                   help="replace FILE's devices' rows in foundryx/models/layers/"
+                        "attention_table.py with FILE's rows (no GPU needed), then exit")
     args = p.parse_args(argv)
+    if args.apply_table:
+        import json
+
+        new_rows = json.loads(args.apply_table.read_text())
+        TABLE_MODULE.write_text(apply_table(TABLE_MODULE.read_text(), new_rows))
+        devices = sorted({r["device"] for r in new_rows})
+        print(f"{TABLE_MODULE.relative_to(ROOT)}: {len(new_rows)} rows for {', '.join(devices)}")
+        return 0
     if not torch.cuda.is_available():
         print(
             "benchmarks/attention.py needs a CUDA or ROCm GPU: torch sees none here. (On CPU "
@@ -280,7 +372,14 @@ def main(argv=None) -> int:
         print(f"flash skipped: {flash_attn_module()[1]}")
     info = gpu_info()
     print(info)
-    rows = kernel_rows(args.seqs, args.head_dims, impls)
+    if args.table:
+        rows = kernel_rows(args.seqs or [MPT_SEQ], args.head_dims, impls,
+                           masks=("none", "docs", "alibi", "docs+alibi"), gqas=(False, True),
+                           causals=(True,))
+        write_table(args.table, rows, impls, info)
+        args.no_mpt = True
+    else:
+        rows = kernel_rows(args.seqs or [512, 1024, 2048, 4096, 8192, 16384], args.head_dims, impls)
     mpt = [] if args.no_mpt else mpt_rows(impls, args.mpt_batch)
     table = markdown(rows, mpt, impls, args.mpt_batch)
     print(table)

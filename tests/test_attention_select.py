@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -69,34 +70,119 @@ def test_mpt_with_auto_on_cpu_matches_torch(caplog):
 
 
 class _Cuda:
-    """Stands in for a CUDA tensor where only the device is read."""
+    """Stands in for a CUDA tensor where only the device, shape and grad are read."""
 
     device = torch.device("cuda")
+    requires_grad = True
+
+    def __init__(self, heads=16, head_dim=128):
+        self.shape = (2, 4096, heads, head_dim)
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def h100_choice(monkeypatch, *, flash=None, triton=None, rows=None, device=H100, q=None, k=None,
+                **features):
+    """choose() for a stand-in call on ``device`` with flash/triton problems as given."""
+    monkeypatch.setattr(sel, "device_kind", lambda d: (device, "sm90"))
+    monkeypatch.setattr(sel, "flash_problem", lambda q, k: flash)
+    monkeypatch.setattr(sel, "triton_problem", lambda q, k, v, p: triton)
+    q = q or _Cuda()
+    k = k or _Cuda()
+    return sel.choose(q, k, k, rows=rows, **features)
+
+
+def test_the_shipped_table_has_the_h100_run_book_figures():
+    rows = [r for r in sel.attention_table.ROWS if r["device"] == H100]
+    got = {(r["mask"], r["causal"]): (r["train"]["triton"], r["train"]["torch"]) for r in rows}
+    assert got == {("none", True): (146, 479), ("docs", True): (88, 22),
+                   ("none", False): (152, 548), ("docs", False): (111, 45)}
+    for r in sel.attention_table.ROWS:  # every row names where its figures came from
+        assert r["source"] and r["seq"] > 0 and {"train", "fwd"} <= set(r)
 
 
 @pytest.mark.parametrize(
-    "flash, triton, want",
+    "features, want, figures",
     [
-        (None, None, ("flash", "flash-attn 9.9 is installed and supports this call")),
-        (
-            "flash-attn is not installed",
-            None,
-            ("triton", "flash: flash-attn is not installed; the Triton kernel supports this call"),
-        ),
-        (
-            "flash-attn takes fp16 or bf16",
-            "no GPU",
-            ("torch", "flash: flash-attn takes fp16 or bf16; triton: no GPU"),
-        ),
+        ({}, "torch", "torch 479 TFLOP/s fwd+bwd against triton 146"),
+        ({"causal": False}, "torch", "torch 548 TFLOP/s fwd+bwd against triton 152"),
+        ({"sequence_id": "ids"}, "triton", "triton 88 TFLOP/s fwd+bwd against torch 22"),
+        ({"sequence_id": "ids", "causal": False}, "triton", "triton 111 TFLOP/s fwd+bwd"),
     ],
+    ids=["one-causal", "one-full", "packed-causal", "packed-full"],
 )
-def test_auto_prefers_flash_then_triton_then_torch(monkeypatch, flash, triton, want):
-    monkeypatch.setattr(sel, "flash_problem", lambda q, k: flash)
-    monkeypatch.setattr(sel, "triton_problem", lambda q, k, v, p: triton)
-    monkeypatch.setattr(
-        sel, "flash_attn_module", lambda: (types.SimpleNamespace(__version__="9.9"), None)
-    )
-    assert sel.choose(_Cuda(), _Cuda(), _Cuda()) == want
+def test_auto_on_an_h100_picks_sdpa_for_one_document_and_triton_for_packed(
+        monkeypatch, features, want, figures):
+    name, reason = h100_choice(monkeypatch, **features)
+    assert name == want
+    assert reason.startswith(f"fastest measured on {H100} for head dim 128, ")
+    assert figures in reason and "benchmarks/RESULTS.md" in reason
+
+
+def test_forward_only_calls_rank_by_forward_figures(monkeypatch):
+    q = _Cuda()
+    q.requires_grad = False
+    k = _Cuda()
+    k.requires_grad = False
+    name, reason = h100_choice(monkeypatch, q=q, k=k, sequence_id="ids")
+    assert name == "triton" and "triton 116 TFLOP/s fwd against torch 19" in reason
+
+
+def test_no_row_for_this_device_chooses_sdpa_and_says_so(monkeypatch):
+    name, reason = h100_choice(monkeypatch, device="NVIDIA A100-SXM4-80GB", sequence_id="ids")
+    assert name == "torch"
+    assert reason == (
+        "the attention table (foundryx/models/layers/attention_table.py) has no row for this "
+        "device (NVIDIA A100-SXM4-80GB); SDPA, without measuring (benchmarks/attention.py "
+        "--table measures rows for it)")
+    # an H100 PCIe is another kind of device: the SXM's rows do not apply
+    assert h100_choice(monkeypatch, device="NVIDIA H100 PCIe")[0] == "torch"
+
+
+def test_no_row_for_this_case_chooses_sdpa(monkeypatch):
+    name, reason = h100_choice(monkeypatch, alibi_slopes="slopes")
+    assert name == "torch"
+    assert reason == (f"the attention table has rows for {H100} but none for head dim 128, one "
+                      "document + alibi, causal, MHA; SDPA, without measuring")
+
+
+def row(mask="none", head_dim=128, gqa=False, **train):
+    return {"device": "GPU X", "arch": "sm90", "head_dim": head_dim, "mask": mask,
+            "causal": True, "gqa": gqa, "seq": 2048, "train": train, "fwd": train, "source": "t"}
+
+
+def test_rows_in_choice_out(monkeypatch):
+    rows = [row(torch=100, triton=300, flash=200), row("docs+alibi", triton=90, torch=10),
+            row(head_dim=64, torch=50, triton=10), row(gqa=True, torch=500, flash=400)]
+    pick = functools.partial(h100_choice, monkeypatch, rows=rows, device="gpu x")  # any case
+    assert pick()[0] == "triton"
+    assert pick(sequence_id="i", alibi_slopes="s")[0] == "triton"
+    assert pick(q=_Cuda(head_dim=64), k=_Cuda(head_dim=64))[0] == "torch"
+    assert pick(k=_Cuda(heads=4))[0] == "torch"  # the GQA row
+    # the nearest row: head dim 96 is nearer 128 than 64 (a tie goes to the larger)
+    name, reason = pick(q=_Cuda(head_dim=96), k=_Cuda(head_dim=96))
+    assert name == "triton" and "(nearest row: head dim 128, measured at seq 2048)" in reason
+    name, reason = pick(rows=rows[:1], k=_Cuda(heads=4))
+    assert name == "triton" and "(nearest row: MHA, measured at seq 2048)" in reason
+    # the fastest cannot run here: the next that can, and why
+    name, reason = pick(triton="the Triton kernel is broken")
+    assert name == "flash"
+    assert reason.endswith("; triton (300) cannot run: the Triton kernel is broken [t]")
+    assert pick(triton="no", flash="flash-attn is not installed")[0] == "torch"
+    assert pick(rows=[row(triton=300)], triton="no")[0] == "torch"
+
+
+def test_auto_logs_one_line_per_choice(monkeypatch, caplog):
+    calls = []
+    monkeypatch.setattr(sel, "choose", lambda q, k, v, p, **kw: ("torch", f"why {sorted(kw)}"))
+    monkeypatch.setitem(sel._impls, "torch", lambda q, k, v, **kw: calls.append(kw))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for _ in range(3):
+            sel.auto_attention(*qkv(), causal=True, sequence_id=None)
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER] == [
+        "attention: auto chose 'torch': why ['causal', 'sequence_id']"]
+    assert len(calls) == 3
 
 
 def test_flash_without_flash_attn_says_what_to_install(monkeypatch):

@@ -1,14 +1,22 @@
 """Which attention implementation can run a call, and ``attn_impl: auto``.
 
-The rules, in order, for one call (device, dtype, head dim, features):
+``auto`` chooses, per call, the implementation that was fastest where it was measured: the
+table of :mod:`foundryx.models.layers.attention_table`, one row per (device kind, head dim,
+mask: one document / packed documents / ALiBi, causal, GQA) with TFLOP/s per implementation.
+The rules, in order, for one call:
 
 1. tensors not on a GPU -> ``torch`` (flash-attn and the Triton kernel need CUDA or ROCm);
-2. flash-attn 2 installed and supports the call -> ``flash``;
-3. the Triton kernel supports the call -> ``triton``;
-4. otherwise -> ``torch``.
+2. the table has no row for this device kind (``torch.cuda.get_device_name()``) -> ``torch``
+   (SDPA), measuring nothing, in a line that says so;
+3. the device has rows, but none for this mask and causality -> ``torch``, said the same way;
+4. otherwise the nearest row (the same GQA-ness first, then the nearest head dim; an
+   approximation is named in the line): its implementations from fastest to slowest
+   (forward + backward when a gradient is wanted, else forward), the first that can run this
+   call (flash-attn installed, the Triton kernel supporting it; ``torch`` always can).
 
-``auto`` logs one line per distinct choice, with the reason. Asking for ``flash`` or
-``triton`` where it cannot run raises :class:`AttentionError` saying what to install or choose.
+``auto`` logs one line per distinct choice, with the reason and the figures. Asking for
+``flash`` or ``triton`` where it cannot run raises :class:`AttentionError` saying what to
+install or choose.
 """
 
 from __future__ import annotations
@@ -17,12 +25,15 @@ import functools
 import importlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from foundryx import registry
 from foundryx.errors import FoundryxError
+from foundryx.models.layers import attention_table
 
 log = logging.getLogger(__name__)
 
@@ -110,21 +121,104 @@ def require(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropou
         )
 
 
-def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0):
-    """(implementation name, reason) for one call, by the rules in the module docstring."""
+@dataclass(frozen=True)
+class Case:
+    """What the table is keyed by, for one call."""
+
+    head_dim: int
+    mask: str  # none, docs, alibi, docs+alibi, or with padding / window (never measured)
+    causal: bool
+    gqa: bool
+    train: bool  # a gradient is wanted: rank by forward + backward, else by forward
+
+    def words(self) -> str:
+        docs = "packed documents" if "docs" in self.mask else "one document"
+        extra = [m for m in self.mask.split("+") if m not in ("none", "docs")]
+        return (f"head dim {self.head_dim}, {docs}{''.join(f' + {m}' for m in extra)}, "
+                f"{'causal' if self.causal else 'non-causal'}, {'GQA' if self.gqa else 'MHA'}")
+
+
+def case_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+            sequence_id: Any = None, alibi_slopes: Any = None, key_padding_mask: Any = None,
+            sliding_window: Any = None, **_: Any) -> Case:
+    """The table's key for a call with ``torch_attention``'s arguments."""
+    parts = [name for name, given in (("docs", sequence_id), ("alibi", alibi_slopes),
+                                      ("padding", key_padding_mask), ("window", sliding_window))
+             if given is not None]
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    return Case(head_dim=int(q.shape[-1]), mask="+".join(parts) or "none", causal=bool(causal),
+                gqa=int(q.shape[2]) != int(k.shape[2]), train=grad)
+
+
+@functools.cache
+def device_kind(device: torch.device) -> tuple[str, str]:
+    """(name, architecture) of a CUDA/ROCm device: ``("NVIDIA H100 80GB HBM3", "sm90")``."""
+    props = torch.cuda.get_device_properties(device)
+    arch = getattr(props, "gcnArchName", "") if torch.version.hip else ""
+    return torch.cuda.get_device_name(device), arch or f"sm{props.major}{props.minor}"
+
+
+def table_choice(case: Case, device: str, rows: list[dict[str, Any]],
+                 runs: Callable[[str], str | None]) -> tuple[str, str]:
+    """(implementation, reason) for ``case`` on ``device`` from the table's ``rows``:
+    the fastest measured implementation that ``runs(name)`` (None: it can run this call, else
+    why not) allows. No row for the device or for the case: ``torch``, said so."""
+    mine = [r for r in rows if r["device"].lower() == device.lower()]
+    if not mine:
+        return "torch", (f"the attention table (foundryx/models/layers/attention_table.py) has no "
+                         f"row for this device ({device}); SDPA, without measuring (benchmarks/"
+                         f"attention.py --table measures rows for it)")
+    same = [r for r in mine if r["mask"] == case.mask and r["causal"] == case.causal]
+    if not same:
+        return "torch", (f"the attention table has rows for {device} but none for {case.words()}; "
+                         f"SDPA, without measuring")
+    row = min(same, key=lambda r: (r["gqa"] != case.gqa, abs(r["head_dim"] - case.head_dim),
+                                   -r["head_dim"]))
+    near = []
+    if row["head_dim"] != case.head_dim:
+        near.append(f"head dim {row['head_dim']}")
+    if row["gqa"] != case.gqa:
+        near.append("GQA" if row["gqa"] else "MHA")
+    key = "train" if case.train else "fwd"
+    figures = row.get(key) or row.get("train") or row.get("fwd")
+    ranked = sorted(figures.items(), key=lambda kv: -kv[1])
+    skipped = []
+    for name, tflops in ranked:
+        problem = None if name == "torch" else runs(name)
+        if problem is None:
+            others = ", ".join(f"{n} {t:.0f}" for n, t in ranked if n != name)
+            what = "fwd+bwd" if figures is row.get("train") else "fwd"
+            reason = (f"fastest measured on {device} for {case.words()}: {name} {tflops:.0f} "
+                      f"TFLOP/s {what}" + (f" against {others}" if others else ""))
+            if near:
+                reason += f" (nearest row: {' and '.join(near)}, measured at seq {row['seq']})"
+            if skipped:
+                reason += f"; {'; '.join(skipped)}"
+            return name, reason + f" [{row['source']}]"
+        skipped.append(f"{name} ({tflops:.0f}) cannot run: {problem}")
+    return "torch", f"no measured implementation can run: {'; '.join(skipped)}; SDPA"
+
+
+def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+           rows: list[dict[str, Any]] | None = None, **features: Any) -> tuple[str, str]:
+    """(implementation name, reason) for one call, by the rules in the module docstring;
+    ``features``: the call's ``causal``, ``sequence_id``, ... (``torch_attention``'s)."""
     if q.device.type != "cuda":
         return "torch", (
             f"the tensors are on {q.device.type}; flash-attn and the Triton kernel need a "
             f"CUDA or ROCm GPU"
         )
-    flash = flash_problem(q, k)
-    if flash is None:
-        version = flash_attn_module()[0].__version__
-        return "flash", f"flash-attn {version} is installed and supports this call"
-    triton = triton_problem(q, k, v, dropout_p)
-    if triton is None:
-        return "triton", f"flash: {flash}; the Triton kernel supports this call"
-    return "torch", f"flash: {flash}; triton: {triton}"
+
+    def runs(name: str) -> str | None:
+        if name == "flash":
+            return flash_problem(q, k)
+        if name == "triton":
+            return triton_problem(q, k, v, dropout_p)
+        return f"{name!r} is not an implementation auto knows"
+
+    name = device_kind(q.device)[0]
+    table = attention_table.ROWS if rows is None else rows
+    return table_choice(case_of(q, k, v, **features), name, table, runs)
 
 
 _impls: dict[str, Callable] = {}
@@ -136,7 +230,7 @@ def auto_attention(
 ):
     """``attn_impl: auto``: run the implementation :func:`choose` picks for this call."""
     q, k, v = autocast_inputs(q, k, v)
-    name, reason = choose(q, k, v, dropout_p)
+    name, reason = choose(q, k, v, dropout_p, **kwargs)
     if (name, reason) not in _logged:
         _logged.add((name, reason))
         log.info("attention: auto chose %r: %s", name, reason)
