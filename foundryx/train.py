@@ -24,11 +24,13 @@ from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.load import read_resolved
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.workers import unraisable_deaths_kept_quiet, worker_death_error
+from foundryx.device_choice import pick_device
 from foundryx.devices import machine_from_torch, run_problems
 from foundryx.doctor.facts import environment
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
+from foundryx.log_setup import setup_logging
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
 from foundryx.models.peft.frozen_base import storage_on_rank
@@ -38,8 +40,8 @@ from foundryx.plan.node import machine
 from foundryx.plan.planner import plan_here
 from foundryx.plan.prelaunch import check_fits, host_problem
 from foundryx.plan.render import render
+from foundryx.process_groups import with_host_collectives
 from foundryx.run_summary import RunFacts, summary
-from foundryx.runtime import pick_device, setup_logging, with_host_collectives
 
 log = logging.getLogger("foundryx")
 
@@ -125,7 +127,8 @@ def dry_run_world(path: str | Path, overrides: list[str] | None) -> int | None:
 def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
     cfg, derived = loaded.cfg, loaded.derived
-    cannot = run_problems({"device": cfg.device, "precision": cfg.precision}, machine_from_torch())
+    cannot = run_problems({"device": cfg.device, "precision": cfg.precision, "float8": cfg.float8},
+                          machine_from_torch())
     if cannot:  # before anything is set up or written
         raise ConfigError(cannot, source=loaded.source)
     setup_logging(cfg.python_log_level)

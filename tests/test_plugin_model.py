@@ -105,7 +105,7 @@ def test_recorded_model_that_cannot_be_built_here_falls_back_to_hf(tmp_path, tin
     trained = fit(model, tmp_path / "save", sections)
     ids = token_batch(2, 16, seed=5)["input_ids"]
     shutil.rmtree(base)
-    monkeypatch.setattr(logging.getLogger("foundryx"), "propagate", True)  # see runtime.setup_logging
+    monkeypatch.setattr(logging.getLogger("foundryx"), "propagate", True)  # see log_setup.setup_logging
     with caplog.at_level(logging.WARNING, logger="foundryx"):
         rebuilt = rebuild_model(tmp_path / "save")
     assert "cannot build the recorded model here" in caplog.text and "hf/config.json" in caplog.text
