@@ -170,7 +170,7 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
     return parallelize_and_load(model, cfg.parallelism,
                                 activation_checkpointing=cfg.activation_checkpointing,
                                 compile=cfg.compile, precision=cfg.precision,
-                                cpu_matmul=cfg.cpu_matmul)
+                                cpu_matmul=cfg.cpu_matmul, float8=cfg.float8)
 
 
 def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> Any:

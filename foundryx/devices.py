@@ -141,12 +141,15 @@ def why_no_peak(device_name: str, dtype: str) -> str:
 class Machine:
     """This machine's GPUs as far as they are known: ``gpus`` 0 (none, ``why_none`` says how
     that is known), None (not known without torch), or the count torch sees; ``name`` and
-    ``capability`` (NVIDIA compute capability; None on ROCm) of the first GPU, from torch."""
+    ``capability`` (NVIDIA compute capability; None on ROCm) of the first GPU, from torch;
+    on ROCm its ``arch`` (``gcnArchName``, e.g. "gfx942:sramecc+:xnack-") and ``hip`` version."""
 
     gpus: int | None
     why_none: str = ""
     name: str | None = None
     capability: tuple[int, int] | None = None
+    arch: str | None = None
+    hip: str | None = None
 
 
 def machine_without_torch() -> Machine:
@@ -180,8 +183,10 @@ def machine_from_torch() -> Machine:
         return Machine(0, light.why_none or "torch sees no GPU (check nvidia-smi or rocm-smi, "
                        "and CUDA_VISIBLE_DEVICES)")
     capability = None if torch.version.hip else tuple(torch.cuda.get_device_capability(0))
+    arch = (getattr(torch.cuda.get_device_properties(0), "gcnArchName", None)
+            if torch.version.hip else None)
     return Machine(torch.cuda.device_count(), name=torch.cuda.get_device_name(0),
-                   capability=capability)
+                   capability=capability, arch=arch, hip=torch.version.hip)
 
 
 def this_machine() -> Machine:
@@ -217,12 +222,110 @@ def run_problems(data: dict[str, Any], machine: Machine | None = None) -> list[s
                 f"autocast, bf16 (amp_bf16), and {where}. Fix: set precision=amp_bf16 or fp32"
                 + (", or device=gpu on a machine with a GPU" if device == "cpu" else "")]
     if precision == "amp_fp8":
-        return fp8_problems(m)
+        return fp8_problems(m) or float8_problems(data, m)
     if precision == "amp_bf16" and m.capability is not None and m.capability < (8, 0):
         return [f"precision: 'amp_bf16' cannot run here: bf16 needs an NVIDIA GPU of compute "
                 f"capability 8.0 (Ampere) or newer, and this machine's {m.name} is "
                 f"{m.capability[0]}.{m.capability[1]}. Fix: set precision=amp_fp16"]
+    return float8_problems(data, m)
+
+
+FLOAT8_GPUS = ("NVIDIA compute capability 8.9 or newer (Ada, Hopper, Blackwell) or AMD MI300 "
+               "(gfx942) or newer")
+
+
+def float8_problems(data: dict[str, Any], m: Machine) -> list[str]:
+    """``float8.enabled`` (torchao's float8 training) where ``m`` cannot run it: on the CPU, on
+    a GPU without FP8 tensor cores (:func:`fp8_gemm_dtype`), or beside ``amp_fp8``. A GPU not
+    yet known (no torch imported) is no problem here; the run checks again with torch."""
+    section = data.get("float8")
+    enabled = (section.get("enabled") if isinstance(section, dict)
+               else getattr(section, "enabled", False))
+    if enabled is not True:
+        return []
+    if data.get("precision") == "amp_fp8":
+        return ["float8.enabled: true with precision: 'amp_fp8': two float8 trainings "
+                "(torchao's and TransformerEngine's). Fix: set precision=amp_bf16 (float8 then "
+                "runs the linear layers' matmuls in float8)"]
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    if model.get("peft_config") or model.get("frozen_base"):
+        return ["float8.enabled: true with LoRA (model.peft_config / frozen_base): float8 "
+                "training is for pretraining every linear layer. Fix: drop float8 (a "
+                "low-precision frozen base is model.frozen_base.dtype: fp8)"]
+    parallelism = data.get("parallelism")
+    tp = getattr(parallelism, "tp", None) or (parallelism.get("tp") if isinstance(parallelism, dict) else None)
+    if isinstance(tp, int) and tp > 1:
+        return [f"float8.enabled: true with parallelism.tp: {tp}: foundryx applies float8 to "
+                "data-parallel (FSDP2) runs only. Fix: set parallelism.tp=1, or drop float8"]
+    device = data.get("device")
+    if device == "cpu" or (device is None and m.gpus == 0):
+        where = ("the config sets device: cpu" if device == "cpu"
+                 else f"this machine has no GPU ({m.why_none})")
+        return [f"float8.enabled: true cannot run on the CPU: torchao's float8 training multiplies "
+                f"on FP8 tensor cores ({FLOAT8_GPUS}), and {where}. Fix: set float8.enabled=false, "
+                "or run on such a GPU"]
+    if m.capability is not None:
+        has, what = fp8_gemm_dtype(m.capability), f"compute capability {m.capability[0]}.{m.capability[1]}"
+    elif m.arch is not None:
+        has, what = fp8_gemm_dtype(arch=m.arch, hip=m.hip), f"{m.arch.split(':')[0]}, ROCm {m.hip}"
+    else:
+        return []
+    if has is None:
+        return [f"float8.enabled: true cannot run here: this machine's GPU, {m.name} ({what}), "
+                f"has no FP8 tensor cores; float8 training needs {FLOAT8_GPUS}. Fix: set "
+                "float8.enabled=false (train in bf16: precision=amp_bf16)"]
     return []
+
+
+# -- FP8 tensor cores: the one rule -------------------------------------------------------------
+# NVIDIA: compute capability 8.9 (Ada) and newer (Hopper 9.0, Blackwell 10.x/12.x) multiply
+# float8 e4m3 (OCP); Ampere (A100, 8.0) has no FP8. AMD: gfx942 (MI300X/MI325X, CDNA3) multiplies
+# its own float8 e4m3 *fnuz* (exponent bias 8, no negative zero, max 240); gfx950 (MI350,
+# ROCm >= 6.5) and gfx12 (RDNA4, ROCm >= 6.3) the OCP e4m3; gfx90a (MI250) has no FP8. These are
+# the devices torch's own FP8 tests run ``_scaled_mm`` on (torch.testing._internal.common_cuda).
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_AMD_ARCHS = (("gfx94", "float8_e4m3fnuz", (0, 0)), ("gfx95", "float8_e4m3fn", (6, 5)),
+                 ("gfx120", "float8_e4m3fn", (6, 3)))
+
+
+def fp8_gemm_dtype(capability: tuple[int, int] | None = None, arch: str | None = None,
+                   hip: str | None = None) -> str | None:
+    """The float8 dtype (torch's name) the FP8 tensor cores of a GPU multiply, or None when it
+    has none: an NVIDIA GPU of compute ``capability`` (major, minor), or an AMD GPU whose
+    ``gcnArchName`` is ``arch`` under ROCm version ``hip`` ("6.4.1"). The one rule for FP8
+    GEMMs (``frozen_base: fp8``'s, and ``amp_fp8``'s capability check).
+
+        >>> fp8_gemm_dtype((9, 0)), fp8_gemm_dtype((8, 0))
+        ('float8_e4m3fn', None)
+        >>> fp8_gemm_dtype(arch="gfx942:sramecc+:xnack-", hip="6.4"), fp8_gemm_dtype(arch="gfx90a", hip="6.4")
+        ('float8_e4m3fnuz', None)
+    """
+    if capability is not None:
+        return "float8_e4m3fn" if tuple(capability) >= FP8_MIN_CAPABILITY else None
+    if arch is None:
+        return None
+    rocm = tuple(int(v) for v in re.findall(r"\d+", hip or "0")[:2])
+    for prefix, dtype, min_rocm in FP8_AMD_ARCHS:
+        if arch.startswith(prefix) and rocm >= min_rocm:
+            return dtype
+    return None
+
+
+def device_fp8_gemm(device: Any) -> tuple[str | None, str]:
+    """:func:`fp8_gemm_dtype` of a ``torch.device`` as torch sees it, and the device in words
+    (``"NVIDIA H100 80GB HBM3 (sm90)"``, ``"AMD Instinct MI300X (gfx942)"``, ``"cpu"``)."""
+    import torch  # heavy: only where a run has loaded it anyway
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip:
+        arch = getattr(props, "gcnArchName", "") or ""
+        return (fp8_gemm_dtype(arch=arch, hip=torch.version.hip),
+                f"{props.name} ({arch.split(':')[0]}, ROCm {torch.version.hip})")
+    capability = (props.major, props.minor)
+    return fp8_gemm_dtype(capability), f"{props.name} (sm{props.major}{props.minor})"
 
 
 def fp8_problems(m: Machine) -> list[str]:
@@ -231,7 +334,7 @@ def fp8_problems(m: Machine) -> list[str]:
         return ["precision: 'amp_fp8' cannot run here: Composer's fp8 needs NVIDIA "
                 "TransformerEngine, which is not installed. Fix: set precision=amp_bf16, or "
                 "install transformer-engine on a GPU of compute capability 8.9 or newer"]
-    if m.capability is not None and m.capability < (8, 9):
+    if m.capability is not None and fp8_gemm_dtype(m.capability) is None:
         return [f"precision: 'amp_fp8' cannot run here: fp8 needs an NVIDIA GPU of compute "
                 f"capability 8.9 (Ada, Hopper) or newer, and this machine's {m.name} is "
                 f"{m.capability[0]}.{m.capability[1]}. Fix: set precision=amp_bf16"]

@@ -102,6 +102,21 @@ class CompileConfig:
 
 
 @dataclass
+class Float8Config:
+    """``float8``: torchao's float8 training for pretraining (docs/algorithms.md): the linear
+    layers' matmuls in float8 on GPUs with FP8 tensor cores (NVIDIA compute capability 8.9+,
+    AMD MI300 / gfx942+), applied from outside the model before compile and FSDP2."""
+
+    enabled: bool = doc("train the linear layers' matmuls in float8 (torchao)", default=False)
+    recipe: Literal["rowwise", "tensorwise"] = doc(
+        "scaling: rowwise (a scale per row: closer to bf16) or tensorwise (one per tensor: "
+        "faster where the GEMMs are large)", default="rowwise")
+    skip: list[str] = doc(
+        "linear layers left in their precision, by name or glob (fnmatch) on the full or last "
+        "name", default_factory=lambda: ["lm_head", "output"])
+
+
+@dataclass
 class NodeConfig:
     """``node``: the machine a recipe is written for. ``foundryx plan`` and ``--dry-run`` plan
     for it unless their flags say otherwise (a login node without a GPU plans the cluster's)."""
@@ -187,6 +202,10 @@ class TrainConfig:
         "torch.compile each transformer block (with or without parallelism)",
         default_factory=CompileConfig,
     )
+    float8: Float8Config = doc(
+        "float8 training of the linear layers (torchao; GPUs with FP8 tensor cores)",
+        default_factory=Float8Config,
+    )
     cpu_matmul: Literal["auto", "onednn", "blas"] = doc(
         "fp32 matmuls when training on a CPU: onednn (oneDNN's GEMM), blas (torch's: MKL or "
         "OpenBLAS); auto: onednn on x86-64 where this torch has it, logged in one line",
@@ -227,6 +246,8 @@ class TrainConfig:
             self.compile = CompileConfig(**self.compile)
         if isinstance(self.node, dict):
             self.node = NodeConfig(**self.node)
+        if isinstance(self.float8, dict):
+            self.float8 = Float8Config(**self.float8)
 
 
 # Sections whose value names a registry entry, and the registry.

@@ -14,13 +14,19 @@ import os
 import torch
 from torch import nn
 
-from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig, ParallelismConfig
+from foundryx.config.schema import (
+    ActivationCheckpointingConfig,
+    CompileConfig,
+    Float8Config,
+    ParallelismConfig,
+)
 from foundryx.errors import ConfigError
 from foundryx.kernels.cpu_matmul import onednn_available, set_backend
 from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.parallel import dist
 from foundryx.parallel import materialize as mat
 from foundryx.parallel.contract import check_composer_contract
+from foundryx.parallel.float8 import apply_float8
 from foundryx.parallel.fsdp import (
     build_mesh,
     data_parallel_mesh,
@@ -130,12 +136,15 @@ def parallelize(
     precision: str = "fp32",
     device: torch.device | None = None,
     cpu_matmul: str | None = None,
+    float8: Float8Config | None = None,
 ) -> nn.Module:
     """Apply the sections to ``model`` in place and return it.
 
     ``activation_checkpointing`` and ``compile`` (None: off) apply in any number of
     processes. ``cpu_matmul`` (auto, onednn, blas; None: leave the process's backend as it is)
-    picks the fp32 matmuls of training on a CPU. ``parallelism`` (None: no FSDP) shards when
+    picks the fp32 matmuls of training on a CPU. ``float8`` (None or not enabled: off) converts
+    the linear layers to torchao's float8 training first, as torchtitan's converters do.
+    ``parallelism`` (None: no FSDP) shards when
     there is more than one process (an initialised process group). Meta-device parameters are
     materialised afterwards, on ``device`` (default: the current CUDA device, else CPU).
     """
@@ -165,6 +174,8 @@ def parallelize(
     elif parallelism is not None and parallelism.tp > 1:
         raise ConfigError([f"parallelism.tp: {parallelism.tp}, but this is one process; start "
                            f"{parallelism.tp} or a multiple (e.g. composer -n {parallelism.tp})"])
+    if float8 is not None and float8.enabled:  # before AC, compile and FSDP2 see the layers
+        summary.append(f"float8 ({float8.recipe}) in {apply_float8(model, float8)} linear layers")
     summary += apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
                                     compile or CompileConfig(enabled=False), device)
     if routed:
