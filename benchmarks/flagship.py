@@ -23,7 +23,8 @@ these are overridden: the model folder, ``model.frozen_base`` (dtype, offload_fr
 sizes (``--seq`` tokens x ``--microbatch`` sequences per rank, one optimizer step per batch,
 ``--steps`` batches, no warmup), device and precision (cuda: amp_bf16; cpu: fp32), the
 synthetic loader, no eval loader, no checkpoints, and compile off (compiling 32 blocks would
-take most of a short run). Each rank records:
+take most of a short run; ``--compile auto`` runs the recipe's own setting, as
+benchmarks/flagship_vs_peer.py does beside compile off). Each rank records:
 
 - tokens/s: the speed monitor's (window of 1 batch), mean over batches 2..N (the first
   batch's kernel selection and allocations are left out);
@@ -134,9 +135,20 @@ def overrides_for(folder: Path, base: str, offload: float, a: argparse.Namespace
             "train_loader.name=synthetic", "train_loader.num_workers=0", "eval_loader=null",
             "eval_first=false", f"device_train_microbatch_size={a.microbatch}",
             f"global_train_batch_size={a.microbatch * world}", f"max_duration={a.steps}ba",
-            "scheduler.t_warmup=0ba", "compile=false", "save_folder=null",
-            "callbacks.speed_monitor.window_size=1", "console_log_interval=1ba",
-            "progress_bar=false", f"loggers.jsonl.path={metrics}"]
+            "scheduler.t_warmup=0ba", f"compile.enabled={getattr(a, 'compile', 'false')}",
+            "save_folder=null", "callbacks.speed_monitor.window_size=1",
+            "console_log_interval=1ba", "progress_bar=false", f"loggers.jsonl.path={metrics}",
+            *profile_overrides(a, base, offload)]
+
+
+def profile_overrides(a: argparse.Namespace, base: str, offload: float) -> list[str]:
+    """With ``a.profile_step`` (and ``a.profile_dir``, ``a.profile_side``): one step profiled
+    by benchmarks/step_profile.py's callback (benchmarks/flagship_vs_peer.py asks for it)."""
+    if not getattr(a, "profile_step", 0):
+        return []
+    side = getattr(a, "profile_side", None) or f"foundryx-{base}-{offload:g}"
+    return [f"callbacks.step_profile.out={a.profile_dir}", f"callbacks.step_profile.side={side}",
+            f"callbacks.step_profile.step={a.profile_step}"]
 
 
 def synthetic_loader(cfg, tokenizer, device_batch_size, **_):
@@ -163,6 +175,11 @@ def worker(stats_dir: str, argv: list[str]) -> int:
     from foundryx.plan.planner import plan_here
 
     registry.dataloaders.register("synthetic", synthetic_loader)
+    if any(x.startswith("callbacks.step_profile.") for x in argv):
+        sys.path.insert(0, str(HERE))
+        from step_profile import composer_callback  # a benchmark's own callback
+
+        registry.callbacks.register("step_profile", composer_callback)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     stats: dict = {"rank": rank}
     if rank == 0:
@@ -209,7 +226,7 @@ def run_one(folder: Path, base: str, offload: float, a: argparse.Namespace, time
         script = [str(Path(__file__).resolve()), "--worker", tmp, *argv]
         cmd = ([str(BIN / "composer"), "-n", str(a.nproc), *script] if a.nproc > 1
                else [sys.executable, *script])
-        log = logs / f"flagship-{base}-offload{offload:g}.log"
+        log = logs / f"flagship-{base}-offload{offload:g}{getattr(a, 'log_tag', '')}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
         start = time.perf_counter()
         with log.open("w") as f:
@@ -229,17 +246,18 @@ def run_one(folder: Path, base: str, offload: float, a: argparse.Namespace, time
         tail = log.read_text().splitlines()[-25:]
         row["error"] = (f"timed out after {timeout:.0f} s" if rc == "timeout" else f"exit {rc}")
         row["tail"] = "\n".join(tail)
-    row.update(summarise(ranks, rows))
+    row.update(summarise(ranks, rows, getattr(a, "profile_step", 0)))
     return row
 
 
-def summarise(ranks: list[dict], rows: list[dict]) -> dict:
-    """Tokens/s, losses, the worst rank's peaks, the load and the plan of one run."""
+def summarise(ranks: list[dict], rows: list[dict], profiled: int = 0) -> dict:
+    """Tokens/s, losses, the worst rank's peaks, the load and the plan of one run (the
+    batch ``profiled``, when not 0, left out of tokens/s)."""
     import statistics
 
     out: dict = {}
     tps = [r["throughput/tokens_per_sec"] for r in rows
-           if "throughput/tokens_per_sec" in r and r["batch"] >= 2]
+           if "throughput/tokens_per_sec" in r and r["batch"] >= 2 and r["batch"] != profiled]
     out["tokens_per_s"] = statistics.mean(tps) if tps else None
     losses = [r["loss/train/total"] for r in rows if "loss/train/total" in r]
     out["losses"] = losses
@@ -293,10 +311,11 @@ def render(meta: dict, rows: list[dict]) -> str:
              f"checkpointing), {meta['nproc']} rank(s) on {meta['where']}, {meta['precision']}, "
              f"{meta['seq']} tokens x "
              f"{meta['microbatch']} sequences per rank per step, {meta['steps']} steps, random "
-             "tokens, compile off. tokens/s: mean of steps 2..N. Load: from the page cache "
+             f"tokens, compile {meta.get('compile', 'false')}. tokens/s: mean of steps 2..N. "
+             "Load: from the page cache "
              "(the files were just written or read), the loader's own time.", ""]
     if gpu:
-        head = ("| base | offload | tokens/s | plan tokens/s (40% MFU) | GPU peak allocated GiB | "
+        head = ("| base | offload | tokens/s | plan tokens/s | GPU peak allocated GiB | "
                 "GPU peak reserved GiB | plan GiB (less 1 GiB context) | reserved / plan | "
                 "host peak GiB | plan host GiB | host / plan | load s | load GB/s | loss first -> last |")
     else:
@@ -353,6 +372,8 @@ def main() -> int:
     p.add_argument("--microbatch", type=int, default=2, help="sequences per rank per step (2)")
     p.add_argument("--nproc", type=int, default=1, help="ranks (default 1; >1: composer launcher)")
     p.add_argument("--precision", default=None, help="default amp_bf16 on cuda, fp32 on cpu")
+    p.add_argument("--compile", choices=["false", "auto", "true"], default="false",
+                   help="compile.enabled of the runs (default false; the recipe ships auto)")
     p.add_argument("--cache", type=Path, default=None,
                    help="the model folder (default ~/.cache/foundryx-bench/<shape>-bf16)")
     p.add_argument("--time-limit", type=float, default=None,
@@ -396,7 +417,7 @@ def main() -> int:
             "written": f"written in {written:.0f} s" if written else "written by an earlier run",
             "nproc": a.nproc, "where": where, "device": a.device,
             "precision": a.precision or ("amp_bf16" if a.device == "cuda" else "fp32"),
-            "seq": a.seq, "microbatch": a.microbatch, "steps": a.steps}
+            "seq": a.seq, "microbatch": a.microbatch, "steps": a.steps, "compile": a.compile}
     rows, failed = [], 0
     # every base without offload first: a run cut off by --time-limit loses offloaded rows
     pairs = [(b, o) for o in csv(a.offload, float) for b in csv(a.bases, str)]
