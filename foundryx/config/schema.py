@@ -84,6 +84,10 @@ class ActivationCheckpointingConfig:
     cpu_offload: bool = doc(
         "keep every block's saved activations in CPU memory (also without enabled)", default=False
     )
+    mode: Literal["full", "selective"] = doc(
+        "full: recompute the whole module; selective: keep the outputs of its matmuls (every "
+        "other one) and attention, recompute the rest (torchtitan's selective op AC)",
+        default="full")
 
 
 @dataclass

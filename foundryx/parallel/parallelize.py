@@ -35,6 +35,7 @@ from foundryx.parallel.fsdp import (
     sum_only_reductions,
 )
 from foundryx.parallel.policy import blocks, checkpoint_targets
+from foundryx.parallel.selective_ac import checkpoint_selectively
 from foundryx.parallel.tp import apply_tensor_parallel, plan_problems
 from foundryx.parallel.tp_fused import permute_full_state
 from foundryx.parallel.wrappers import (
@@ -108,9 +109,11 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
         if not targets:
             raise ConfigError(["activation_checkpointing.enabled: the model names no modules "
                                "to checkpoint; set activation_checkpointing.modules"])
+        wrap = checkpoint_selectively if ac.mode == "selective" else checkpoint_activations
         for _, m in targets:
-            checkpoint_activations(m)
-        summary.append(f"activation checkpointing on {len(targets)} modules")
+            wrap(m)
+        summary.append(f"{'selective ' if ac.mode == 'selective' else ''}activation "
+                       f"checkpointing on {len(targets)} modules")
     for flag, what in ((ac.cpu_offload, "activation_checkpointing.cpu_offload"),
                        (compile_on, "compile.enabled")):
         if flag and not block_list:
