@@ -42,6 +42,7 @@ from torch.distributed.tensor import (
 )
 
 from foundryx.errors import ConfigError
+from foundryx.models.peft import fp8_gemm
 from foundryx.models.peft.frozen_options import PATH, FrozenBaseOptions
 from foundryx.models.peft.lora import inner_model, linear_modules
 from foundryx.models.peft.parts import checked_nf4_part, index_rows
@@ -151,22 +152,40 @@ def to_storage(weight: torch.Tensor, dtype: str, name: str, tp: int = 1,
     return RowScaledTensor.from_weight(weight, dtype)  # fp8, int8 and bf16
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear(x, ...)`` returns here: autocast's, else ``x``'s."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
 class _FrozenLinearFn(torch.autograd.Function):
     """``x @ W^T + b`` with ``W`` dequantized in forward and again in backward, so no dense
-    copy of ``W`` stays alive for backward; ``W`` and ``b`` are frozen (no gradients)."""
+    copy of ``W`` stays alive for backward; ``W`` and ``b`` are frozen (no gradients). An FP8
+    weight on FP8 tensor cores (``layer.fp8_gemm``) is not dequantized: both GEMMs run in FP8
+    (:mod:`foundryx.models.peft.fp8_gemm`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, layer: LowPrecisionLinear) -> torch.Tensor:  # noqa: ANN001
-        ctx.layer = layer
-        bias = None if layer.bias is None else layer.bias.to(x.dtype)
-        return F.linear(x, layer.dense_weight(x.dtype, x.device), bias)
+        ctx.layer, ctx.x_dtype = layer, x.dtype
+        w = layer.stored_weight(x.device)
+        ctx.fp8 = layer.fp8_gemm is not None and isinstance(w, RowScaledTensor)
+        if not ctx.fp8:  # a tensor-parallel weight (a DTensor) is dequantized too
+            bias = None if layer.bias is None else layer.bias.to(x.dtype)
+            return F.linear(x, dequantize(w, x.dtype), bias)
+        y = fp8_gemm.linear(x, w.qdata, w.scale, layer.fp8_gemm, _compute_dtype(x))
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
         if not ctx.needs_input_grad[0]:  # e.g. the first layer: its input needs no gradient
             return None, None
-        w = ctx.layer.dense_weight(grad.dtype, grad.device, backward=True)
-        return grad @ w, None
+        w = ctx.layer.stored_weight(grad.device, backward=True)
+        if ctx.fp8:
+            return fp8_gemm.input_grad(grad, w.qdata, w.scale, ctx.layer.fp8_gemm,
+                                       ctx.x_dtype), None
+        return grad @ dequantize(w, grad.dtype), None
 
 
 class WeightSource(Protocol):
@@ -192,17 +211,21 @@ class LowPrecisionLinear(nn.Module):
         self.bias = (None if linear.bias is None
                      else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
         self.offload: WeightSource | None = None  # set from outside: foundryx.parallel.offload
+        # the float8 dtype of this layer's FP8 GEMMs, None: dequantized (fp8_gemm.choose)
+        self.fp8_gemm: torch.dtype | None = None
         if hasattr(linear, "_fused"):  # a fused layer's part sizes (LoRA slices, TP's row order)
             self._fused = linear._fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenLinearFn.apply(x, self)
 
+    def stored_weight(self, device: torch.device, backward: bool = False) -> torch.Tensor:
+        """The whole weight in its storage, on ``device`` when offloaded."""
+        return self.weight if self.offload is None else self.offload.take(device, backward)
+
     def dense_weight(self, dtype: torch.dtype, device: torch.device,
                      backward: bool = False) -> torch.Tensor:
-        if self.offload is None:
-            return dequantize(self.weight, dtype)
-        return dequantize(self.offload.take(device, backward), dtype)
+        return dequantize(self.stored_weight(device, backward), dtype)
 
     def tp_part(self, dim: int, start: int, stop: int) -> torch.Tensor:
         """Tensor parallelism's cut of the weight in its storage: rows ``[start, stop)``
@@ -234,11 +257,13 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1,
-                      world: int = 1) -> nn.Module:
+                      world: int = 1, device: torch.device | None = None) -> nn.Module:
     """Store the frozen linear weights of a LoRA model (``model``, after ``apply_lora``) as
     ``options.dtype`` and log one line (``options.offload_fraction`` is applied from outside:
     ``foundryx.builders.apply_frozen_storage``); ``world``: the number of processes, ``tp``:
-    the run's tensor-parallel degree (NF4's blocks are aligned to its column split).
+    the run's tensor-parallel degree (NF4's blocks are aligned to its column split); an FP8
+    base on a ``device`` (the run's) with FP8 tensor cores multiplies in FP8 there (one more
+    line says whether: :func:`foundryx.models.peft.fp8_gemm.choose`).
     Raises ConfigError when the model has no frozen linear layer or a layer NF4 cannot split."""
     inner = inner_model(model)
     frozen = {name: m for name, m in linear_modules(inner).items()
@@ -255,6 +280,7 @@ def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1,
     after = sum(stored_bytes(layer.weight) for layer in layers)
     log.info("frozen_base: %d linear layers stored as %s: %.1f MB -> %.1f MB", len(layers),
              options.dtype, before / 2**20, after / 2**20)
+    fp8_gemm.choose(device, layers, tp)
     return model
 
 
