@@ -10,24 +10,33 @@
 # model's runs need at most 38 GiB of GPU memory and 12 GiB of host memory by `foundryx plan`,
 # and its files 16 GB of disk under ~/.cache/foundryx-bench), with the Python that has torch
 # and Triton (PYTHON=..., default python3). Steps, in order of value, each under its own time
-# limit (`timeout`; the limits add up to 500 s; RUNBOOK_LIMITS="90 230 30 60 40 50" sets them;
-# --only 1,2,6 runs those steps alone), with the time each is expected to take on an H100
+# limit (`timeout`; RUNBOOK_LIMITS="90 230 30 60 40 50 360" sets them; --only 1,2,6 runs
+# those steps alone; the default, steps 1-6, has limits adding up to 500 s, and the dry run
+# checks that the chosen steps' limits fit 500 s: step 7 goes with step 1, `--only 1,7`, 450 s,
+# in a loan of its own), with the time each is expected to take on an H100
 # (estimates; the first H100 run, 2026-11-27, measured step 1 at 60 s and step 5 at 37 s):
-#   [1/6] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit);
+#   [1/7] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit);
 #         installs from the wheel folder when foundryx's dependencies do not import    90 s: ~15 s, ~60 s installing
-#   [2/6] the flagship path (benchmarks/flagship.py): a Llama-3.1-8B-shaped model, random bf16
+#   [2/7] the flagship path (benchmarks/flagship.py): a Llama-3.1-8B-shaped model, random bf16
 #         weights written once as 4 safetensors files (16 GB, kept for later runs), read shard
 #         by shard and LoRA-trained 3 steps (4096 tokens x 2) over a bf16, an FP8 and an NF4
 #         frozen base, offload 0 and 0.5: tokens/s, peak GPU and host memory against
 #         `foundryx plan`'s figures, load GB/s                                         230 s: ~30 s writing + 6 x ~30 s
-#   [3/6] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
+#   [3/7] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
 #         scores (benchmarks/gpu_runbook/icl.py)                                         30 s: ~26 s
-#   [4/6] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
+#   [4/7] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
 #         combination sweep left out: run pytest tests/test_triton_attention.py for it)    60 s: ~45 s
-#   [5/6] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
+#   [5/7] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
 #         128 (benchmarks/attention.py)                                                  40 s: 37 s
-#   [6/6] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
+#   [6/7] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
 #         train_throughput.py gpu; the other settings and sizes: run it without --settings) 50 s: ~30 s
+#   [7/7] foundryx against plain transformers + peft, side by side (issue 46; not in the
+#         default set: --only 1,7): the 8B LoRA over a bf16 base, the peer (benchmarks/
+#         peer_lora.py) and foundryx with compile off and with the recipe's compile: auto,
+#         alternating, two rounds, 5 steps each, on the machine's own transformers 5.x (its
+#         site-packages put first); tokens/s and peak memory, the ratios foundryx / peer, and
+#         one profiled step per side (top kernels, memory breakdown) in <out>-profiles/, a
+#         few KB per file (benchmarks/flagship_vs_peer.py)                    360 s: ~30 s writing + 6 x ~30-90 s
 # A failing or timed-out step records the tail of its output and the next step runs; the exit
 # code is 1 when any step failed. It writes ONE markdown file (default benchmarks/gpu-runbook-
 # <host>-<date>.md) to paste into benchmarks/RESULTS.md. --quick: every step at tiny sizes (a
@@ -68,10 +77,11 @@ MACHINE_PYTHON=$PYTHON
 HELPER=benchmarks/gpu_runbook/report.py
 ICL=benchmarks/gpu_runbook/icl.py
 FLAGSHIP=benchmarks/flagship.py
+VS_PEER=benchmarks/flagship_vs_peer.py
 WHEEL_NAMES=benchmarks/gpu_runbook/wheels.txt
-OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ONLY=1,2,3,4,5,6 ARGS="$*"
+OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ONLY=1,2,3,4,5,6 ARGS="$*" # step 7: --only 1,7
 VENV=${XDG_CACHE_HOME:-$HOME/.cache}/foundryx-bench/gpu-runbook-venv
-N=6 BUDGET=500
+N=7 BUDGET=500
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 abspath() { case $1 in /*) echo "$1" ;; *) echo "$HERE/$1" ;; esac; }
@@ -109,26 +119,27 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "${LIST:-0}" = 1 ]; then wheel_list; exit; fi
-[[ $ONLY =~ ^[1-6](,[1-6])*$ ]] || { echo "--only $ONLY: step numbers 1-6, comma-separated" >&2; exit 2; }
+[[ $ONLY =~ ^[1-7](,[1-7])*$ ]] || { echo "--only $ONLY: step numbers 1-7, comma-separated" >&2; exit 2; }
 OUT=${OUT:-benchmarks/gpu-runbook-${HOSTNAME:-$(uname -n)}-$(date +%Y-%m-%d).md}
 if [ "$DRY" = 1 ]; then WORK="<tmp>"; else WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-runbook.XXXXXX") || exit 2; fi
 
-read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-90 230 30 60 40 50}"
+read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-90 230 30 60 40 50 360}"
 [ ${#LIMITS[@]} = $N ] || { echo "RUNBOOK_LIMITS: $N numbers of seconds, one per step" >&2; exit 2; }
-TOTAL=0; for l in "${LIMITS[@]}"; do TOTAL=$((TOTAL + l)); done
+TOTAL=0; for i in "${!LIMITS[@]}"; do [[ ,$ONLY, != *,$((i + 1)),* ]] || TOTAL=$((TOTAL + LIMITS[i])); done # the chosen steps'
 TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 / 0.5"
   "ICL eval on the GPU against the CPU" "Triton attention tests on the GPU" "attention TFLOP/s table"
-  "MPT-1B tokens/s and MFU")
+  "MPT-1B tokens/s and MFU" "foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, profiled")
 TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py)
 if [ "$QUICK" = 1 ]; then
   SHAPE=benchmarks/gpu_runbook/shapes/llama-tiny STEPS=2 MODEL=125m TP_ARGS=(--batches 8 --warmup 2)
   ATTN_ARGS=(--seqs 1024 --head-dims 64 --no-mpt)
-  EST=("~15 s" "~1 min" "~20 s" "~45 s" "~20 s" "~25 s")
+  EST=("~15 s" "~1 min" "~20 s" "~45 s" "~20 s" "~25 s" "~2 min")
   TITLES[1]="flagship path at a tiny Llama shape"; TITLES[5]="MPT-125M tokens/s and MFU"
+  TITLES[6]="foundryx vs plain transformers + peft at a tiny Llama shape" PEER_STEPS=3
 else
   SHAPE=yamls/shapes/llama-3.1-8b STEPS=3 MODEL=1b TP_ARGS=(--batches 15 --warmup 5)
   ATTN_ARGS=(--seqs 4096 --head-dims 128 --no-mpt)
-  EST=("~15 s, ~60 s installing" "~3.5 min" "~26 s" "~45 s" "37 s" "~30 s")
+  EST=("~15 s, ~60 s installing" "~3.5 min" "~26 s" "~45 s" "37 s" "~30 s" "~5 min") PEER_STEPS=5
 fi
 
 commands() { # the steps' commands, shared by the run and --dry-run; again once step 1 picks PYTHON
@@ -141,6 +152,10 @@ commands() { # the steps' commands, shared by the run and --dry-run; again once 
   CMD_ATTN=("$PYTHON" benchmarks/attention.py "${ATTN_ARGS[@]}" --out "$WORK/attention.md")
   CMD_TP=("$PYTHON" benchmarks/train_throughput.py gpu --models "$MODEL" --settings eager
     "${TP_ARGS[@]}" --out "$WORK/throughput.json")
+  CMD_VS_PEER=("$PYTHON" "$VS_PEER" --device cuda --shape "$SHAPE" --rounds 2 --steps "$PEER_STEPS"
+    --time-limit $((LIMITS[6] > 20 ? LIMITS[6] - 10 : LIMITS[6])) --run-timeout 150
+    --logs "$WORK/vs-peer" --profiles "${OUT%.md}-profiles" --json "$WORK/vs-peer.json"
+    --out "$WORK/vs-peer.md")
 }
 commands
 show() { # a command as one readable line
@@ -152,7 +167,7 @@ dur() { printf '%d min %02d s' $(($1 / 60)) $(($1 % 60)); }
 
 if [ "$DRY" = 1 ]; then
   echo "dry run: nothing is installed or measured; a run would write $OUT"
-  echo "time limits: ${LIMITS[*]} s, $TOTAL s in all"
+  echo "time limits: ${LIMITS[*]} s; steps $ONLY: $TOTAL s in all"
   step_head() { echo "[$1/$N] ${TITLES[$1 - 1]} (limit ${LIMITS[$1 - 1]} s; ${EST[$1 - 1]})"; }
   step_head 1
   echo "  \$ $(show "$PYTHON" "$HELPER" probe)  # when it fails (or $VENV/bin/python's, when that venv exists):"
@@ -166,6 +181,7 @@ if [ "$DRY" = 1 ]; then
   step_head 4; echo "  \$ $(show "${CMD_TESTS[@]}")  # TRITON_INTERPRET unset"
   step_head 5; echo "  \$ $(show "${CMD_ATTN[@]}")"
   step_head 6; echo "  \$ $(show "${CMD_TP[@]}")"
+  step_head 7; echo "  \$ $(show "${CMD_VS_PEER[@]}")  # PYTHONPATH: $MACHINE_PYTHON's site-packages first when the run book's venv runs"
   n=0 bad=0
   check() { # check DESCRIPTION COMMAND...: one line per check
     n=$((n + 1))
@@ -183,11 +199,12 @@ if [ "$DRY" = 1 ]; then
     done
   }
   echo "checks:"
-  for f in "$HELPER" "$ICL" "$FLAGSHIP" "$WHEEL_NAMES" constraints.txt pyproject.toml "${TESTS[@]}" \
+  for f in "$HELPER" "$ICL" "$FLAGSHIP" "$VS_PEER" benchmarks/peer_lora.py benchmarks/step_profile.py \
+    "$WHEEL_NAMES" constraints.txt pyproject.toml "${TESTS[@]}" \
     benchmarks/attention.py benchmarks/train_throughput.py benchmarks/load_memory.py \
     "yamls/mpt-$MODEL.yaml" yamls/finetune/llama-8b-lora-fp8.yaml "$SHAPE/config.json" \
     eval/yamls/quickstart.yaml; do check "file $f exists" test -f "$f"; done
-  check "the time limits add up to at most $BUDGET s ($TOTAL)" test "$TOTAL" -le "$BUDGET"
+  check "the time limits of steps $ONLY add up to at most $BUDGET s ($TOTAL)" test "$TOTAL" -le "$BUDGET"
   check "timeout (coreutils) is installed" command -v timeout
   check "every name in $WHEEL_NAMES has a pin (--wheel-list)" wheel_list
   check "$HELPER --help runs" "$PYTHON" "$HELPER" --help
@@ -197,6 +214,8 @@ if [ "$DRY" = 1 ]; then
   accepts "$ICL" "${CMD_ICL[@]:2}"
   accepts benchmarks/attention.py "${CMD_ATTN[@]:2}"
   accepts benchmarks/train_throughput.py "${CMD_TP[@]:2}"
+  accepts "$VS_PEER" "${CMD_VS_PEER[@]:2}"
+  check "benchmarks/peer_lora.py --help runs" "$PYTHON" benchmarks/peer_lora.py --help
   echo "dry run: $n checks, $bad failed"
   [ "$bad" = 0 ]
   exit
@@ -318,6 +337,23 @@ step_throughput() {
   return $rc
 }
 
+step_vs_peer() { # both sides on the machine's own transformers: its site-packages first
+  local rc sites="" dir=${OUT%.md}-profiles
+  if [ "$PYTHON" != "$MACHINE_PYTHON" ]; then
+    sites=$(limited "$MACHINE_PYTHON" "$HELPER" sites | paste -sd: -)
+  fi
+  rm -rf "$dir"
+  limited env PYTHONPATH="$sites${PYTHONPATH:+:$PYTHONPATH}" "${CMD_VS_PEER[@]}"; rc=$?
+  if [ -f "$WORK/vs-peer.md" ]; then sed "s|$WORK/||g" "$WORK/vs-peer.md" >"$1"; fi
+  { echo; echo "PYTHONPATH first: ${sites:-nothing (the steps run on the machine Python)}."
+    [ ! -d "$dir" ] || echo "Profile files in $dir: $(ls "$dir" | paste -sd' ' -)."
+  } >>"$1"
+  if [ $rc = 124 ] || [ $rc = 137 ]; then
+    echo; echo "**Stopped at the step's limit of $LIMIT s**: the table has the runs that finished." >>"$1"
+  fi
+  return $rc
+}
+
 run_step() { # run_step N FUNCTION: runs it under its limit, appends its section to $OUT
   local n=$1 title=${TITLES[$1 - 1]} log="$WORK/step$1.log" body="$WORK/step$1.md" t0=$SECONDS rc status
   if [[ ,$ONLY, != *,$n,* ]]; then
@@ -350,6 +386,7 @@ run_step 3 step_icl
 run_step 4 step_tests
 run_step 5 step_attention
 run_step 6 step_throughput
+run_step 7 step_vs_peer
 { echo; echo "Steps failed: $FAILED of $N. Total $(dur $((SECONDS - START)))."; } >>"$OUT"
 echo "wrote $OUT ($FAILED of $N steps failed, $(dur $((SECONDS - START))); logs in $WORK)" >&2
 [ "$FAILED" = 0 ]

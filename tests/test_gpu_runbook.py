@@ -39,10 +39,12 @@ def test_syntax():
 def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     r = runbook("--dry-run", *(["--quick"] if quick else []))
     assert r.returncode == 0, r.stdout + r.stderr
-    for n in range(1, 7):
-        assert f"[{n}/6]" in r.stdout
-    assert "time limits: 90 230 30 60 40 50 s, 500 s in all" in r.stdout
-    assert "the time limits add up to at most 500 s (500)" in r.stdout
+    for n in range(1, 8):
+        assert f"[{n}/7]" in r.stdout
+    assert "time limits: 90 230 30 60 40 50 360 s; steps 1,2,3,4,5,6: 500 s in all" in r.stdout
+    assert "the time limits of steps 1,2,3,4,5,6 add up to at most 500 s (500)" in r.stdout
+    assert "benchmarks/flagship_vs_peer.py --device cuda --shape " in r.stdout
+    assert "--rounds 2 --steps " + ("3" if quick else "5") in r.stdout
     assert "benchmarks/flagship.py --device cuda --shape " in r.stdout
     assert "--bases bf16,fp8,nf4 --offload 0,0.5" in r.stdout
     assert "benchmarks/gpu_runbook/icl.py --out" in r.stdout
@@ -52,7 +54,7 @@ def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     assert "-m venv --without-pip" in r.stdout and "--no-deps --no-index" in r.stdout
     assert "FAIL " not in r.stdout and ", 0 failed" in r.stdout
     for flag in ("--shape", "--bases", "--offload", "--steps", "--time-limit", "--settings",
-                 "--models", "--seqs", "--out"):
+                 "--models", "--seqs", "--out", "--rounds", "--profiles"):
         assert f"accepts {flag}" in r.stdout, flag
     assert "every name in benchmarks/gpu_runbook/wheels.txt has a pin" in r.stdout
     assert ("llama-3.1-8b" in r.stdout) != quick and ("shapes/llama-tiny" in r.stdout) == quick
@@ -60,9 +62,16 @@ def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
 
 
 def test_a_limit_that_does_not_fit_fails_the_dry_run():
-    r = runbook("--dry-run", RUNBOOK_LIMITS="100 300 35 60 45 50")
-    assert r.returncode == 1 and "FAIL  the time limits add up to at most 500 s (590)" in r.stdout
+    r = runbook("--dry-run", RUNBOOK_LIMITS="100 300 35 60 45 50 360")
+    assert r.returncode == 1
+    assert "FAIL  the time limits of steps 1,2,3,4,5,6 add up to at most 500 s (590)" in r.stdout
     assert runbook("--dry-run", RUNBOOK_LIMITS="1 2 3").returncode == 2
+    # the side-by-side (step 7) goes with step 1 in a loan of its own, not with the flagship
+    assert "ok    the time limits of steps 1,7 add up to at most 500 s (450)" in \
+        runbook("--dry-run", "--only", "1,7").stdout
+    r = runbook("--dry-run", "--only", "1,2,7")
+    assert r.returncode == 1 and "FAIL  the time limits of steps 1,2,7 add up" in r.stdout
+    assert runbook("--dry-run", "--only", "8").returncode == 2
 
 
 def test_refuses_without_a_gpu(tmp_path):
@@ -134,6 +143,15 @@ elif args[0].endswith("flagship.py"):
     Path(value("--out")).write_text(
         "| base | offload | tokens/s |\n|---|---|---|\n| bf16 | 0 | 5,000 |\n")
     time.sleep(float(os.environ.get("FAKE_FLAGSHIP_SLEEP", "0")))
+elif args[0].endswith("flagship_vs_peer.py"):
+    with (state / "calls").open("a") as f:
+        f.write(f"PYTHONPATH={os.environ.get('PYTHONPATH')}\n")
+    prof = Path(value("--profiles"))
+    prof.mkdir(parents=True, exist_ok=True)
+    for side in ("peer", "foundryx"):
+        (prof / f"{side}-kernels.md").write_text("| kernel | calls |\n")
+    Path(value("--out")).write_text(
+        "| side | tokens/s | vs peer |\n|---|---|---|\n| peer | 6,500 | n/a |\n| foundryx | 5,800 | 0.89 |\n")
 elif args[0].endswith("icl.py"):
     Path(value("--out")).write_text("All 5 results are the same on cpu and gpu.\n")
 elif args[:2] == ["-m", "pytest"]:
@@ -174,10 +192,10 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     out = tmp_path / "report.md"
     r = runbook("--out", str(out), "--wheels", str(wheels), "--venv", str(venv),
                 python=str(python), FAKE_STATE=str(tmp_path), TMPDIR=str(tmp_path),
-                TRITON_INTERPRET="1", RUNBOOK_LIMITS="60 3 35 60 45 50",
+                TRITON_INTERPRET="1", RUNBOOK_LIMITS="60 3 35 60 45 50 60",
                 FAKE_FLAGSHIP_SLEEP="30")  # fmt: skip
     assert r.returncode == 1, r.stderr
-    assert "[3/6] ICL eval on the GPU against the CPU ... (limit 35 s, ~26 s; log: " in r.stderr
+    assert "[3/7] ICL eval on the GPU against the CPU ... (limit 35 s, ~26 s; log: " in r.stderr
     text = out.read_text()
     calls = (tmp_path / "calls").read_text()
     # step 1: the machine's Python lacks Composer and has transformers 5: the run book's own
@@ -208,7 +226,9 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     assert "## Attention kernels on" not in text  # its heading is the run book's
     assert "### 6. MPT-1B tokens/s and MFU: ok" in text
     assert "| MPT-1B | no AC, eager | 1,000 | 1.00x | 40.0% |" in text
-    assert "Steps failed: 2 of 6. Total 0 min" in text.rstrip().splitlines()[-1]
+    assert "### 7. foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, " \
+           "profiled: skipped (--only 1,2,3,4,5,6)" in text
+    assert "Steps failed: 2 of 7. Total 0 min" in text.rstrip().splitlines()[-1]
     assert "TRITON_INTERPRET=None" in calls and "smoke run" not in text
 
     # a second run finds the venv ready: nothing made or installed again
@@ -218,6 +238,35 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"Dependencies: all import in the run book's venv {venv} (made by an earlier run)" in r.stdout
     assert (tmp_path / "calls").read_text().count("-m pip install") == before
+
+
+def test_the_side_by_side_runs_on_the_machines_transformers(tmp_path):
+    """Step 7 (`--only 1,7`) after step 1 made the run book's venv: the side-by-side runs with
+    the machine Python's site-packages first on PYTHONPATH (its transformers 5.x, not the
+    venv's 4.57), and its profiles come back beside the report."""
+    python = fake_python(tmp_path)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "composer.whl").touch()
+    out = tmp_path / "report.md"
+    r = runbook("--out", str(out), "--only", "1,7", "--wheels", str(wheels), "--venv",
+                str(tmp_path / "venv"), python=str(python), FAKE_STATE=str(tmp_path),
+                TMPDIR=str(tmp_path), PYTHONPATH="")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    calls = (tmp_path / "calls").read_text()
+    (line,) = [c for c in calls.splitlines() if "flagship_vs_peer.py" in c]
+    assert line.startswith("venv: benchmarks/flagship_vs_peer.py --device cuda --shape "
+                           "yamls/shapes/llama-3.1-8b --rounds 2 --steps 5 --time-limit 350 ")
+    assert f"--profiles {tmp_path}/report-profiles " in line
+    assert "PYTHONPATH=/machine/site-packages:/machine/user site\n" in calls
+    text = out.read_text()
+    assert "### 7. foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, " \
+           "profiled: ok" in text
+    assert "| foundryx | 5,800 | 0.89 |" in text
+    assert "PYTHONPATH first: /machine/site-packages:/machine/user site." in text
+    assert f"Profile files in {tmp_path}/report-profiles: foundryx-kernels.md peer-kernels.md." in text
+    assert "### 2. flagship: Llama-3.1-8B shape" in text and "skipped (--only 1,7)" in text
+    assert (tmp_path / "report-profiles" / "peer-kernels.md").is_file()
 
 
 def test_install_only_without_a_wheel_folder_says_so(tmp_path):
@@ -365,7 +414,7 @@ def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
 
     venv = tmp_path / "venv"
     r = runbook("--install-only", "--wheels", str(wheels), "--venv", str(venv), python=str(machine),
-                script=script, RUNBOOK_LIMITS="300 230 35 60 45 50")  # fmt: skip
+                script=script, RUNBOOK_LIMITS="300 230 35 60 45 50 360")  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert f"Python: {venv}/bin/python" in r.stdout and "into the run book's venv" in r.stdout
     probe = subprocess.run([str(venv / "bin" / "python"), "benchmarks/gpu_runbook/report.py", "probe"],
