@@ -262,3 +262,19 @@ def test_the_fp8_path_returns_autocasts_dtype_and_the_inputs_gradient_dtype(monk
     y.float().sum().backward()
     assert x.grad.dtype == torch.float32 and x.grad.shape == x.shape
     assert layer(x).dtype == torch.float32  # no autocast: the input's dtype
+
+
+def test_the_lines_docs_quote_are_the_lines_choose_logs(monkeypatch, caplog):
+    from pathlib import Path
+
+    caplog.set_level(logging.INFO, logger=fp8_gemm.__name__)
+    docs = " ".join((Path(__file__).parents[1] / "docs/finetuning.md").read_text().split())
+    layers = fp8_layers(224, (16, 16))  # the 8B model's 32 x 7 frozen layers
+    monkeypatch.setattr(fp8_gemm, "probe", lambda device, dtype: None)
+    for answer in (("float8_e4m3fn", "NVIDIA H100 80GB HBM3 (sm90)"),
+                   (None, "NVIDIA A100-SXM4-80GB (sm80)")):
+        monkeypatch.setattr(fp8_gemm, "device_fp8_gemm", lambda d, a=answer: a)
+        caplog.clear()
+        fp8_gemm.choose(torch.device("cuda", 0), layers)
+        [line] = [r.getMessage() for r in caplog.records]
+        assert f"`{line}`" in docs, line
