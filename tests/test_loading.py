@@ -208,12 +208,12 @@ def test_nf4_on_load_equals_torchao_bit_for_bit():
     decision boundary) picks torchao's level for every bfloat16 / float16 value in [-1, 1],
     for float32 values a rounding either side of each boundary, NaN and the ends; and a
     weight with a zero block and a zero row gives torchao's NF4Tensor exactly."""
-    import foundryx.loading.quantize as quantize
+    from foundryx.loading import nf4_codes, nf4_shard
     from foundryx.models.peft.torchao_nf4 import NF4Tensor, to_nf4
 
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        lut = quantize._nf4_lut(dtype)
+        lut = nf4_codes.levels(dtype)
         mids = (lut[1:].double() + lut[:-1].double()) / 2
         v = torch.cat([torch.rand(20000, dtype=torch.float64) * 2 - 1, lut.double(), mids,
                        mids.nextafter(torch.tensor(2.0, dtype=torch.float64)),
@@ -223,16 +223,16 @@ def test_nf4_on_load_equals_torchao_bit_for_bit():
             every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
             v = torch.cat([v, every[every.float().abs() <= 1]])
         if dtype == torch.float32:  # every float32 value of each bucket a boundary falls in
-            edges = quantize._code_tables(dtype)[1].isfinite().nonzero().squeeze(1)
+            edges = nf4_codes.code_tables(dtype)[1].isfinite().nonzero().squeeze(1)
             assert len(edges) == 15, edges  # one bucket for each of the 15 boundaries
             top = (edges << 16).to(torch.int32)  # the bucket's top 16 bits, unsigned
             v = torch.cat([v, *(((top | low).view(torch.float32)) for low in range(1 << 16))])
         want = NF4Tensor.quantize_tensor_nearest(v, lut).to(torch.uint8)
-        assert torch.equal(quantize._codes(v, lut), want), dtype
+        assert torch.equal(nf4_codes.lookup_codes(v, lut), want), dtype
         inside = v[v.abs() <= 1]  # as nf4_encode calls it on a block scaled by its absmax
-        assert torch.equal(quantize._codes(inside, lut, within=True), want[v.abs() <= 1]), dtype
+        assert torch.equal(nf4_codes.lookup_codes(inside, lut, within=True), want[v.abs() <= 1]), dtype
         w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(torch.bfloat16)
         w[3], w[5, :64] = 0, 0
-        ref, mine = to_nf4(w.to(dtype), 64, 256), quantize.nf4(w, to_nf4(w.to(dtype), 64, 256), dtype)
+        ref, mine = to_nf4(w.to(dtype), 64, 256), nf4_shard.nf4(w, to_nf4(w.to(dtype), 64, 256), dtype)
         for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
             assert torch.equal(getattr(mine, part), getattr(ref, part)), (dtype, part)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from foundryx.kernels import nf4_cpu
-from foundryx.loading import quantize
+from foundryx.loading import nf4_codes, nf4_encode, nf4_shard
 
 pytestmark = pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler here")
 
@@ -22,7 +22,7 @@ def _values(dtype: torch.dtype) -> torch.Tensor:
     """Values of ``dtype`` in [-1, 1] where a code can go wrong: every one of a 16-bit dtype; for
     float32 every value of the 15 buckets (top 16 bits) that hold a decision boundary, the
     levels, their midpoints a rounding either side, and random ones."""
-    lut = quantize._nf4_lut(dtype)
+    lut = nf4_codes.levels(dtype)
     mids = (lut[1:].double() + lut[:-1].double()) / 2
     v = torch.cat([torch.rand(20000, dtype=torch.float64) * 2 - 1, lut.double(), mids,
                    mids.nextafter(torch.tensor(2.0, dtype=torch.float64)),
@@ -31,7 +31,7 @@ def _values(dtype: torch.dtype) -> torch.Tensor:
     if dtype != torch.float32:
         v = torch.cat([v, torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)])
     else:
-        edges = quantize._code_tables(dtype)[1].isfinite().nonzero().squeeze(1)
+        edges = nf4_codes.code_tables(dtype)[1].isfinite().nonzero().squeeze(1)
         top = (edges << 16).to(torch.int32)
         v = torch.cat([v, *(((top | low).view(torch.float32)) for low in range(1 << 16))])
     return v[v.float().abs() <= 1]
@@ -48,9 +48,9 @@ def test_every_boundary_value_gets_torchaos_code(dtype):
     v = torch.cat([v, v[: (-len(v)) % 63]])  # a whole number of blocks of 63
     rows = torch.cat([torch.ones(len(v) // 63, 1, dtype=dtype), v.view(-1, 63)], dim=1).contiguous()
     absmax, packed = torch.empty(rows.shape[0]), torch.empty(rows.numel() // 2, dtype=torch.uint8)
-    assert nf4_cpu.encode(rows, 64, dtype, quantize.thresholds(dtype), absmax, packed) == 0
+    assert nf4_cpu.encode(rows, 64, dtype, nf4_codes.thresholds(dtype), absmax, packed) == 0
     codes = torch.stack([packed >> 4, packed & 15], dim=1).view(rows.shape)[:, 1:].reshape(-1)
-    want = NF4Tensor.quantize_tensor_nearest(v, quantize._nf4_lut(dtype)).to(torch.uint8)
+    want = NF4Tensor.quantize_tensor_nearest(v, nf4_codes.levels(dtype)).to(torch.uint8)
     assert torch.equal(absmax, torch.ones(rows.shape[0]))
     wrong = (codes != want).nonzero().squeeze(1)
     assert not len(wrong), (dtype, v[wrong[:5]].tolist(), codes[wrong[:5]].tolist(), want[wrong[:5]].tolist())
@@ -67,16 +67,16 @@ def test_loader_nf4_equals_torchao(stored, dtype):
     torch.manual_seed(0)
     w = (torch.randn(64, 512, dtype=torch.float64) * 0.02).to(stored)
     assert nf4_cpu.available()  # this machine built the kernel: the next line runs it
-    fused = quantize.nf4_encode(w, 64, dtype)  # no zero block: the kernel's bytes
+    fused = nf4_encode.nf4_encode(w, 64, dtype)  # no zero block: the kernel's bytes
     with pytest.MonkeyPatch.context() as mp:  # as on a machine without the kernel
         mp.setattr(nf4_cpu, "_lib", {"lib": "switched off by the test"})
-        unfused = quantize.nf4_encode(w, 64, dtype)
+        unfused = nf4_encode.nf4_encode(w, 64, dtype)
     assert torch.equal(fused.codes, unfused.codes) and torch.equal(fused.absmax, unfused.absmax)
     w[5, :64] = 0
     w[3] = 0
     w[7, 3] = float("inf")
     for weight in (w[:32], w[32:], w):
-        ref, mine = to_nf4(weight.to(dtype), 64, 256), quantize.nf4(weight, to_nf4(weight.to(dtype), 64, 256), dtype)
+        ref, mine = to_nf4(weight.to(dtype), 64, 256), nf4_shard.nf4(weight, to_nf4(weight.to(dtype), 64, 256), dtype)
         for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
             a, b = getattr(mine, part), getattr(ref, part)
             assert a.shape == b.shape and bool(((a == b) | (a != a) & (b != b)).all()), (stored, dtype, part)
@@ -91,7 +91,7 @@ def test_without_a_compiler_the_loader_says_so_once_and_encodes_with_torch(tmp_p
     w = (torch.randn(64, 256, dtype=torch.float64) * 0.02).to(torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="foundryx.kernels.nf4_cpu"):
         for _ in range(2):
-            got = quantize.nf4(w, to_nf4(w.float(), 64, 256), torch.float32)
+            got = nf4_shard.nf4(w, to_nf4(w.float(), 64, 256), torch.float32)
     assert torch.equal(got.quantized_data, to_nf4(w.float(), 64, 256).quantized_data)
     said = [r for r in caplog.records if "NF4 on load" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said
@@ -163,7 +163,7 @@ def test_every_float16_converts_exactly_without_the_type(built_without_float16, 
     x = _every_float16()
     rows = torch.stack([x, torch.zeros_like(x)], dim=1).contiguous()
     absmax, packed = torch.empty(len(x)), torch.empty(len(x), dtype=torch.uint8)
-    left = nf4_cpu.encode(rows, 2, torch.float32, quantize.thresholds(torch.float32), absmax, packed)
+    left = nf4_cpu.encode(rows, 2, torch.float32, nf4_codes.thresholds(torch.float32), absmax, packed)
     assert left == int(((x == 0) | ~x.isfinite()).sum())  # 2 zeros, 2 infinities, 2046 NaNs
     want = x.float().view(torch.int32) & 0x7FFFFFFF
     wrong = (absmax.view(torch.int32) != want).nonzero().squeeze(1)
@@ -188,7 +188,7 @@ def test_float16_weights_get_torchaos_nf4_without_the_type(built_without_float16
     w = torch.cat([shuffled, unit.reshape(-1)])
     assert len(w) % 64 == 0
     absmax, packed = torch.empty(len(w) // 64), torch.empty(len(w) // 2, dtype=torch.uint8)
-    assert nf4_cpu.encode(w, 64, dtype, quantize.thresholds(dtype), absmax, packed) == 0
+    assert nf4_cpu.encode(w, 64, dtype, nf4_codes.thresholds(dtype), absmax, packed) == 0
     ref = w.to(dtype)
     assert torch.equal(absmax, get_block_absmax(ref, 64).float())
     want = to_nf4(ref, 64, 1).quantized_data

@@ -1,4 +1,4 @@
-"""NF4 on load on a GPU (foundryx.loading.quantize._nf4_encode_device), run here on CPU tensors:
+"""NF4 on load on a GPU (foundryx.loading.nf4_device.encode_on_device), run here on CPU tensors:
 torchao's bytes for every source and NF4 dtype, blocks of zeros, infinities and NaNs
 included, and at most one host sync per weight however many chunks it spans."""
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from foundryx.loading import quantize
+from foundryx.kernels import nf4_cpu
+from foundryx.loading import nf4_device, nf4_encode, nf4_shard
 
 aten = torch.ops.aten
 
@@ -41,17 +42,17 @@ def test_the_device_path_gives_torchaos_nf4(stored, dtype, monkeypatch):
     them equals torchao's, part for part."""
     from foundryx.models.peft.torchao_nf4 import get_block_absmax, to_nf4
 
-    monkeypatch.setattr(quantize, "DEVICE_CHUNK", 64 * 24)  # 22 chunks, the last one short
+    monkeypatch.setattr(nf4_device, "DEVICE_CHUNK", 64 * 24)  # 22 chunks, the last one short
     w = _weight(stored)
     ref = to_nf4(w.to(dtype), 64, 256)
-    mine = quantize._nf4_encode_device(w, 64, dtype)
+    mine = nf4_device.encode_on_device(w, 64, dtype)
     assert torch.equal(mine.codes, ref.quantized_data), (stored, dtype)
     assert _same(mine.absmax, get_block_absmax(w.to(dtype).reshape(-1), 64))
-    cpu = quantize.nf4_encode(w, 64, dtype)
+    cpu = nf4_encode.nf4_encode(w, 64, dtype)
     assert torch.equal(mine.codes, cpu.codes)
     assert torch.equal(mine.absmax.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                        cpu.absmax.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
-    got = quantize.nf4(mine, ref, dtype)
+    got = nf4_shard.nf4(mine, ref, dtype)
     for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
         assert _same(getattr(got, part), getattr(ref, part)), (stored, dtype, part)
 
@@ -62,15 +63,15 @@ def test_a_weight_of_zeros_is_recoded_a_chunk_at_a_time(monkeypatch):
     the whole weight at once it would hold 64 bytes a weight)."""
     from foundryx.models.peft.torchao_nf4 import NF4Tensor, to_nf4
 
-    monkeypatch.setattr(quantize, "DEVICE_CHUNK", 64 * 8)
+    monkeypatch.setattr(nf4_device, "DEVICE_CHUNK", 64 * 8)
     w = torch.zeros(16, 256, dtype=torch.bfloat16)
     want = to_nf4(w, 64, 64).quantized_data
-    quantize._device_lut(torch.bfloat16, w.device)  # found by the same search: before counting
+    nf4_device._device_lut(torch.bfloat16, w.device)  # found by the same search: before counting
     sizes = []
     search = NF4Tensor.quantize_tensor_nearest
     monkeypatch.setattr(NF4Tensor, "quantize_tensor_nearest",
                         staticmethod(lambda v, lut: sizes.append(v.numel()) or search(v, lut)))
-    mine = quantize._nf4_encode_device(w, 64, torch.bfloat16)
+    mine = nf4_device.encode_on_device(w, 64, torch.bfloat16)
     assert torch.equal(mine.codes, want)
     assert sizes == [64 * 8] * 8
 
@@ -111,23 +112,23 @@ def test_the_device_path_syncs_with_the_host_at_most_once_per_weight(odd, monkey
     """A weight of 64 chunks, with or without blocks that need torchao's search: one host sync
     in all (``nonzero`` of the odd blocks), where the CPU path's chunk loop (the counter's
     check) takes one or two per chunk."""
-    monkeypatch.setattr(quantize, "DEVICE_CHUNK", 512)
-    monkeypatch.setattr(quantize, "CHUNK", 512)
-    monkeypatch.setattr(quantize.nf4_cpu, "_lib", {"lib": "off: the CPU path's chunk loop"})
+    monkeypatch.setattr(nf4_device, "DEVICE_CHUNK", 512)
+    monkeypatch.setattr(nf4_encode, "CHUNK", 512)
+    monkeypatch.setattr(nf4_cpu, "_lib", {"lib": "off: the CPU path's chunk loop"})
     w = (torch.randn(64, 512) * 0.02).to(torch.bfloat16)
     if odd:
         w[3], w[40, 7] = 0, float("nan")
-    quantize._nf4_encode_device(w, 64, torch.float32)  # the levels' first copy to the device
-    device = _host_syncs(monkeypatch, lambda: quantize._nf4_encode_device(w, 64, torch.float32))
+    nf4_device.encode_on_device(w, 64, torch.float32)  # the levels' first copy to the device
+    device = _host_syncs(monkeypatch, lambda: nf4_device.encode_on_device(w, 64, torch.float32))
     assert len(device) <= 1, device
-    assert len(_host_syncs(monkeypatch, lambda: quantize.nf4_encode(w, 64, torch.float32))) >= 64
+    assert len(_host_syncs(monkeypatch, lambda: nf4_encode.nf4_encode(w, 64, torch.float32))) >= 64
 
 
 def test_a_tensor_on_a_device_takes_the_device_path(monkeypatch):
     """nf4_encode hands any tensor off the CPU to the device path, before touching its data."""
     seen = []
-    monkeypatch.setattr(quantize, "_nf4_encode_device", lambda rows, block, dtype: seen.append(rows.device))
-    quantize.nf4_encode(torch.empty(4, 64, device="meta"), 64, torch.float32)
+    monkeypatch.setattr(nf4_encode, "encode_on_device", lambda rows, block, dtype: seen.append(rows.device))
+    nf4_encode.nf4_encode(torch.empty(4, 64, device="meta"), 64, torch.float32)
     assert seen == [torch.device("meta")]
 
 
@@ -137,17 +138,17 @@ def test_on_a_gpu_the_device_path_gives_the_cpus_bytes_with_one_sync(monkeypatch
     most one synchronizing call for a weight of many chunks."""
     import warnings
 
-    monkeypatch.setattr(quantize, "DEVICE_CHUNK", 64 * 16)
+    monkeypatch.setattr(nf4_device, "DEVICE_CHUNK", 64 * 16)
     w = _weight(torch.bfloat16)
-    cpu = quantize.nf4_encode(w, 64, torch.float32)
+    cpu = nf4_encode.nf4_encode(w, 64, torch.float32)
     gpu = w.cuda()
-    quantize.nf4_encode(gpu, 64, torch.float32)  # the levels' first copy to the device
+    nf4_encode.nf4_encode(gpu, 64, torch.float32)  # the levels' first copy to the device
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            mine = quantize.nf4_encode(gpu, 64, torch.float32)
+            mine = nf4_encode.nf4_encode(gpu, 64, torch.float32)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(s.message) for s in said if "synchroniz" in str(s.message)]

@@ -72,7 +72,7 @@ def _host_collectives(which: str) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
 
-    from foundryx.loading.quantize import nf4
+    from foundryx.loading.nf4_shard import nf4
     from foundryx.models.peft.parts import STORAGE_ROWS
     from foundryx.models.peft.rowwise import RowScaledTensor
     from foundryx.models.peft.torchao_nf4 import to_nf4

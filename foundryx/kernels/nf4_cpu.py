@@ -2,7 +2,7 @@
 the system's C compiler (``-O3 -march=native``, IEEE arithmetic: no fast-math), loaded with
 ctypes.
 
-torchao's NF4 encoder (and foundryx's unfused one, ``foundryx.loading.quantize.nf4_encode``)
+torchao's NF4 encoder (and foundryx's unfused one, ``foundryx.loading.nf4_encode.nf4_encode``)
 runs about eight torch ops per element, each a pass over memory: 3.0-3.4 CPU seconds per GiB
 of bfloat16 read into float32 NF4, which made an NF4 load CPU-bound; this kernel takes 0.43. This kernel reads each value
 once and computes the same thing, bit for bit: the value in the NF4 dtype (float32, or

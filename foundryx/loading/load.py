@@ -13,7 +13,8 @@ Two steps around :func:`foundryx.parallel.parallelize`:
 2. :func:`load` (after parallelism): for each parameter, the rows of this rank's shard
    (``Shard(0)``: rows ``[offset, offset + local rows)``) are read as one byte range, converted
    to the parameter's dtype or quantized to its ``frozen_base`` storage right there
-   (:mod:`foundryx.loading.quantize`), and become the parameter's local shard. Under tensor
+   (:mod:`foundryx.loading.quantize`, NF4 by :mod:`foundryx.loading.nf4_encode` and
+   :mod:`foundryx.loading.nf4_shard`), and become the parameter's local shard. Under tensor
    parallelism a rank's block of a row-wise layer is some columns of its rows: the rows are
    read and converted whole (a row's scale needs all its columns), then cut. No rank holds a
    full-size copy of any tensor it does not keep whole.
@@ -33,7 +34,9 @@ from torch import nn
 
 from foundryx.host_heap import glibc
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
-from foundryx.loading.quantize import nf4, nf4_encode, rowwise
+from foundryx.loading.nf4_encode import nf4_encode
+from foundryx.loading.nf4_shard import nf4
+from foundryx.loading.quantize import rowwise
 from foundryx.loading.reader import THREADS, Progress, Read, gb, peak_rss_gb, read_all
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, stored_bytes
 from foundryx.models.peft.lora import inner_model
