@@ -387,10 +387,38 @@ def test_offloaded_weights_move_into_one_buffer_a_layer_at_a_time():
             m.offload.host.stride())
     old = [weakref.ref(m.offload.host.qdata) for m in layers]
     alive = []
-    pack_offloaded(layers, release=lambda: alive.append(sum(r() is not None for r in old)))
+    pack_offloaded(layers, "cpu", release=lambda: alive.append(sum(r() is not None for r in old)))
     assert alive == list(range(len(layers) - 1, -1, -1)), alive  # one fewer after each layer
     buffer = layers[0].offload.buffer
     assert all(m.offload.buffer is buffer for m in layers)
     for m, w in zip(layers, want):
         assert m.offload.host.qdata.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         assert torch.equal(m.offload.host.dequantize(torch.float32), w)
+
+
+def test_a_checkpointed_recompute_leaves_no_copy_waiting_after_backward():
+    """Under activation checkpointing backward runs each block's forward again; the prefetch
+    of the next offloaded layer from inside that recompute would copy a later block's weight
+    (its backward already run), which then waits until the next step (issue 46). After
+    backward no offloaded layer holds a copy, and the losses equal the run without offload."""
+    from foundryx.config.schema import ActivationCheckpointingConfig
+    from foundryx.parallel import parallelize
+
+    losses = {}
+    for offload in (0.0, 1.0):
+        model = lora_model("int8", offload, n_layers=3)
+        parallelize(model, activation_checkpointing=ActivationCheckpointingConfig(enabled=True))
+        off = [m.offload for m in model.modules()
+               if isinstance(m, LowPrecisionLinear) and m.offload is not None]
+        opt = adapters_opt(model)
+        losses[offload] = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = model.loss(model(token_batch()), token_batch())
+            loss.backward()
+            waiting = [o.name for o in off if o.pending is not None]
+            assert waiting == [], f"copies left waiting: {waiting}"
+            opt.step()
+            losses[offload].append(loss.item())
+        assert len(off) == (15 if offload else 0)
+    assert losses[1.0] == losses[0.0]

@@ -97,6 +97,7 @@ class Offloaded:
         self.pin: HostPin | None = None  # that buffer's pinning, shared by the layers in it
         self.next: Offloaded | None = None
         self.prev: Offloaded | None = None
+        self.backward_task = -1  # the autograd graph task whose backward last took the weight
         self.pending: tuple[torch.device, torch.Tensor, object] | None = None
         self.copies = 0  # host -> device copies made (tests count them)
 
@@ -163,8 +164,21 @@ class Offloaded:
         return self.host.to(device), None
 
     def prefetch(self, device: torch.device) -> None:
-        if self.pending is None:
-            self.pending = (device, *self._copy(device))
+        """Start the copy :meth:`take` will use. One started inside backward is dropped when
+        that backward ends if nothing took it (the first layer's weight, whose backward needs
+        no input gradient): no copy waits through the optimizer step."""
+        if self.pending is not None:
+            return
+        self.pending = (device, *self._copy(device))
+        task = torch._C._current_graph_task_id()
+        if task != -1:
+            pending = self.pending
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._drop(pending))
+
+    def _drop(self, pending: tuple) -> None:
+        if self.pending is pending:
+            self.pending = None
 
     def take(self, device: torch.device, backward: bool = False) -> torch.Tensor:
         if self.pending is not None and self.pending[0] == device:
@@ -172,6 +186,8 @@ class Offloaded:
         else:
             w, event = self._copy(device)
         self.pending = None
+        if backward:
+            self.backward_task = torch._C._current_graph_task_id()
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
         if self.rows is not None:
@@ -180,10 +196,24 @@ class Offloaded:
             mesh, placements, shape = self.placed
             w = DTensor.from_local(w, mesh, placements, run_check=False, shape=shape,
                                    stride=(shape[1], 1))
-        neighbour = self.prev if backward else self.next  # backward runs the layers reversed
+        neighbour = self.following(backward)
         if neighbour is not None:
             neighbour.prefetch(device)
         return w
+
+    def following(self, backward: bool) -> Offloaded | None:
+        """The layer whose weight is wanted next, to prefetch: backward runs the layers
+        reversed (``prev``); a forward runs them in order (``next``). A checkpointed block's
+        forward run again inside backward (a recompute) wants ``next`` only when that layer's
+        backward has not run yet in this backward pass: a layer with nothing saved for
+        backward (a frozen layer without an adapter) runs its backward before the block is
+        recomputed, and the blocks after this one are done."""
+        if backward:
+            return self.prev
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # a forward pass proper
+            return self.next
+        return self.next if self.next is not None and self.next.backward_task != task else None
 
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}

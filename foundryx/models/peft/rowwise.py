@@ -166,7 +166,10 @@ def _new_zeros(t, size, **kwargs):
 
 
 def _empty_like(t, **kwargs):
-    return _like(t, torch.empty_like(t.qdata), torch.empty_like(t.scale), t.shape)
+    """Same layout, new storages, on ``device`` when given (``to_empty`` materialises a meta
+    weight with it)."""
+    where = {"device": kwargs["device"]} if kwargs.get("device") is not None else {}
+    return _like(t, torch.empty_like(t.qdata, **where), torch.empty_like(t.scale, **where), t.shape)
 
 
 def _slice(t, dim=0, start=None, end=None, step=1):

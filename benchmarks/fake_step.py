@@ -1,0 +1,272 @@
+"""One LoRA training step of issue 46's flagship work on fake tensors: foundryx (the shipped
+large-model recipe, yamls/finetune/llama-8b-lora-fp8.yaml, over a bf16, FP8 or NF4 frozen
+base, optionally half offloaded) and its peer (plain transformers + peft, as
+benchmarks/peer_lora.py trains it), built and run under ``FakeTensorMode``: no weight is
+allocated and no kernel runs, but every op is dispatched, so the instruments of
+benchmarks/flagship_estimate.py (memory by category) and benchmarks/op_census.py (FLOPs,
+bytes, kernels) see the real step.
+
+The fake tensors are CPU tensors (a CPU-only torch cannot put a fake tensor on CUDA: the
+autograd engine initialises the CUDA device for it), run as the GPU runs them:
+
+- bf16 autocast (``torch.autocast("cpu", bfloat16)``; its op lists match CUDA's for the ops
+  these models use: linear and matmul in bf16, norms and the loss upcast by the model code);
+- attention as the GPU's flash kernels do it (FlashAttention-2 / cuDNN: the output and a
+  float32 log-sum-exp kept for backward, a float32 dq accumulator in backward), in place of
+  PyTorch's CPU SDPA, which serves grouped kv heads by its math path (the whole score matrix);
+- foundryx's run config as on one GPU (no FSDP2 on one process, activation checkpointing on
+  every block, compile off as the measured runs had it); ``device: cpu`` only so that nothing
+  is pinned.
+
+A step is the trainer's: zero the gradients, forward and loss under autocast, backward with
+the forward's outputs still referenced (Composer keeps ``state.outputs`` through backward; the
+peer's loop holds ``out``), the optimizer step. Two steps run; the second is the one measured
+(the optimizer's state exists from the first, as in the measured steps 2..5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "yamls/finetune/llama-8b-lora-fp8.yaml"
+SIDES = ("peer", "bf16", "fp8", "nf4", "fp8-offload0.5")
+LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
+
+
+class NotTraceable(Exception):
+    """A side the fake step cannot run (which module stopped it, and why)."""
+
+
+@dataclass
+class FakeStep:
+    """A side built on fake tensors: its model, optimizer and batch, and how to run a step."""
+
+    side: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: dict
+    forward_loss: Callable[[dict], tuple[object, torch.Tensor]]
+    frozen_linear: set[int] = field(default_factory=set)  # ids of the frozen base's weights
+    vocab: int = 0
+    offloaded: list = field(default_factory=list)  # foundryx's Offloaded sources
+
+
+# ---------------------------------------------------------------------------------------
+# Attention as a GPU flash kernel holds it
+# ---------------------------------------------------------------------------------------
+class _FlashLikeAttention(torch.autograd.Function):
+    """FlashAttention-2's memory: forward keeps q, k, v, the output and a float32 log-sum-exp
+    per query; backward allocates a float32 dq accumulator and the three gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # noqa: F841
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+ATTENTION_CALLS: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []  # (q shape, k shape, causal)
+
+
+def flash_like_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,  # noqa: ANN001, ANN201
+                    scale=None, enable_gqa=False, **_):
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    q, k, v = (t.to(dtype) for t in (query, key, value))
+    ATTENTION_CALLS.append((tuple(q.shape), tuple(k.shape), bool(is_causal or attn_mask is None)))
+    return _FlashLikeAttention.apply(q, k, v)
+
+
+@contextlib.contextmanager
+def gpu_kernels() -> Iterator[None]:
+    """F.scaled_dot_product_attention served as a flash kernel (see the module doc)."""
+    real = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = flash_like_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+
+
+# ---------------------------------------------------------------------------------------
+# The sides
+# ---------------------------------------------------------------------------------------
+def shape_config(shape: Path) -> dict:
+    cfg = json.loads((Path(shape) / "config.json").read_text())
+    if cfg.get("model_type") != "llama":
+        raise NotTraceable(f"{shape}/config.json: model_type {cfg.get('model_type')!r}; the "
+                           "flagship estimate traces Llama-shaped models")
+    return cfg
+
+
+def random_batch(vocab: int, batch: int, seq: int) -> dict:
+    ids = torch.zeros(batch, seq, dtype=torch.long)  # values do not matter on fake tensors
+    return {"input_ids": ids, "labels": ids}
+
+
+def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
+    """Plain transformers + peft as a user writes it (benchmarks/peer_lora.py): the model in
+    bf16, gradient checkpointing (non-reentrant), LoRA on all linear layers, AdamW."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**{k: v for k, v in shape_config(shape).items()
+                                     if k not in ("architectures", "torch_dtype")})
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(target_modules="all-linear", **LORA))
+    frozen = {id(m.weight) for name, m in model.named_modules()
+              if name.endswith("base_layer") and isinstance(m, nn.Linear)}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+
+    def forward_loss(b: dict) -> tuple[object, torch.Tensor]:
+        out = model(**b)
+        return out, out.loss
+
+    return FakeStep("peer", model, opt, random_batch(config.vocab_size, batch, seq),
+                    forward_loss, frozen, config.vocab_size)
+
+
+def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str]:
+    base, _, offload = side.partition("-offload")
+    return [f"variables.model_path={Path(shape).resolve()}", f"variables.max_seq_len={seq}",
+            "model.pretrained=false", "model.init_device=meta",
+            f"model.frozen_base.dtype={base}",
+            f"model.frozen_base.offload_fraction={float(offload or 0)}",
+            "device=cpu", "compile.enabled=false", "cpu_matmul=blas",
+            "train_loader.name=fake_step", "eval_loader=null", "save_folder=null",
+            f"device_train_microbatch_size={batch}", f"global_train_batch_size={batch}"]
+
+
+def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
+    """foundryx's recipe as the flagship benchmark runs it on one GPU (see the module doc)."""
+    from foundryx import builders, registry
+    from foundryx.models.peft.frozen_base import LowPrecisionLinear
+    from foundryx.train import load_run_config
+
+    if "fake_step" not in registry.dataloaders:  # the step's batch is made here, not loaded
+        registry.dataloaders.register("fake_step", lambda *a, **k: None)
+    loaded = load_run_config(RECIPE, foundryx_overrides(shape, side, batch, seq), world_size=1)
+    cfg = loaded.cfg
+    with unfaked():  # built on meta, as the recipe builds it (torchmetrics cannot deepcopy fakes)
+        model = builders.build_model(cfg, tokenizer=None)
+    model = builders.build_parallelism(cfg, model)  # materialised here: fake tensors
+    fill_frozen(model)
+    opt = builders.build_optimizer(cfg, model)
+    layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
+    frozen = {id(m.weight) for m in layers if m.weight is not None}
+    vocab = shape_config(shape)["vocab_size"]
+
+    def forward_loss(b: dict) -> tuple[object, torch.Tensor]:
+        out = model(b)
+        return out, model.loss(out, b)
+
+    return FakeStep(side, model, opt, random_batch(vocab, batch, seq), forward_loss, frozen,
+                    vocab, [m.offload for m in layers if m.offload is not None])
+
+
+def fill_frozen(model: nn.Module) -> None:
+    """Give the frozen base's weights left on meta (a pretrained run's loader fills them; NF4
+    and offloaded weights are not materialised with the parameters) fake storage of their
+    format, quantized from a fake dense weight as the loader quantizes."""
+    from foundryx.models.peft.frozen_base import LowPrecisionLinear, to_storage
+
+    for m in model.modules():
+        if not isinstance(m, LowPrecisionLinear):
+            continue
+        dense = lambda: torch.empty(m.out_features, m.in_features)  # noqa: E731
+        if m.offload is not None and _on_meta(m.offload.host):
+            m.offload.set_host(to_storage(dense(), m.storage, m.name))
+        elif m.weight is not None and _on_meta(m.weight):
+            m.weight = nn.Parameter(to_storage(dense(), m.storage, m.name), requires_grad=False)
+
+
+def _on_meta(t: torch.Tensor) -> bool:
+    from step_memory import inner_tensors
+
+    return t.device.type == "meta" or any(x.device.type == "meta" for x in inner_tensors(t)) \
+        or any(getattr(t, n).device.type == "meta" for n in ("nf4",) if hasattr(t, n))
+
+
+def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
+    if side not in SIDES:
+        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES)}")
+    try:
+        return build_peer(shape, batch, seq) if side == "peer" else \
+            build_foundryx(shape, side, batch, seq)
+    except NotTraceable:
+        raise
+    except Exception as e:  # noqa: BLE001 - said with where it stopped
+        raise NotTraceable(f"{side}: building the model on fake tensors stopped at "
+                           f"{where(e)}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+
+
+def where(e: BaseException) -> str:
+    """The innermost frame of ``e``'s traceback inside transformers, peft, torchao or
+    foundryx: the module that stopped a trace."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    for f in reversed(frames):
+        if any(k in f.filename for k in ("foundryx", "transformers", "peft", "torchao")):
+            return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def run_step(step: FakeStep, on_phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
+    """One trainer step; ``on_phase(name)`` wraps each phase (forward, backward, optimizer)."""
+    step.optimizer.zero_grad(set_to_none=True)
+    with on_phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs, loss = step.forward_loss(step.batch)
+    with on_phase("backward"):
+        loss.backward()
+    with on_phase("optimizer"), ScalarsRead():
+        step.optimizer.step()
+    del outputs, loss
+
+
+class ScalarsRead(TorchDispatchMode):
+    """A fake tensor has no value: an optimizer that reads one (Composer's DecoupledAdamW reads
+    its step count with ``.item()``) reads 1. Values never change what a step allocates."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def unfaked() -> Iterator[None]:
+    """Leave the fake mode for a while (building on the meta device needs no fake tensors)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+if __name__ == "__main__":
+    sys.exit("a library of benchmarks/flagship_estimate.py and benchmarks/op_census.py")

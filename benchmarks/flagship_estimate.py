@@ -1,0 +1,150 @@
+"""Peak device memory of one flagship LoRA step, predicted on a CPU (issue 46).
+
+    python benchmarks/flagship_estimate.py --shape yamls/shapes/llama-3.1-8b [--json FILE]
+    python benchmarks/flagship_estimate.py --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
+        --seq 128 --sides peer,bf16
+
+For each side (``peer``: plain transformers + peft; ``bf16``, ``fp8``, ``nf4``: foundryx's
+large-model recipe over that frozen base; ``fp8-offload0.5``: half its frozen layers
+offloaded) the real step runs on fake tensors (benchmarks/fake_step.py) under
+benchmarks/step_memory.py's tracker, and one row gives the peak of the measured (second) step
+and its categories, which add up to it. ``--json`` writes ``{side: {"peak_gib": x,
+"categories": {name: gib}}}``. ``--check-torch`` also runs torch's own MemTracker over the
+same step and prints its peak beside ours.
+
+Calibrated against the H100 figures of issue 46 (benchmarks/RESULTS.md, "Predicted device
+memory"): each side's predicted peak against the measured peak allocated memory. A shape or
+side that cannot be traced says which module stopped it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import fake_step  # noqa: E402  (benchmarks/ is not a package)
+from step_memory import CATEGORIES, CategoryTracker  # noqa: E402
+
+# Peak allocated GiB measured on one NVIDIA H100 80GB HBM3 (issue 46's table, 2026-11-27,
+# foundryx at ea9e5db; the peer on transformers 5.17.0 + peft 0.21.0): the calibration target.
+MEASURED_H100 = {"peer": 29.4, "bf16": 36.3, "fp8": 29.8, "nf4": 26.6, "fp8-offload0.5": 26.5}
+
+
+def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
+             check_torch: bool = False) -> dict:
+    """``{"peak_gib", "categories", "seconds"}`` (and ``"memtracker_peak_gib"``) for ``side``."""
+    start = time.perf_counter()
+    with fake_step.fake_mode(), fake_step.gpu_kernels():
+        step = fake_step.build(side, shape, batch, seq)
+        trainable = [p for p in step.model.parameters() if p.requires_grad]
+        tracker = CategoryTracker(step.vocab, trainable)
+        tracker.register_model(step.model, step.frozen_linear)
+        tracker.add(step.batch["input_ids"], "other")
+        copy_tagged = _tag_offload_copies(step, tracker)
+
+        def phase(name: str) -> contextlib.AbstractContextManager:
+            return tracker.in_phase(name)
+
+        try:
+            with tracker, tracker.watching_modules(), copy_tagged:
+                fake_step.run_step(step, phase)  # the first step makes the optimizer state
+                tracker.peak, tracker.at_peak = tracker.total, dict(tracker.totals)
+                fake_step.run_step(step, phase)
+        except Exception as e:  # noqa: BLE001 - said with where it stopped
+            raise fake_step.NotTraceable(
+                f"{side}: the step on fake tensors stopped at {fake_step.where(e)}: "
+                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+        row = tracker.report()
+        if check_torch:
+            row["memtracker_peak_gib"] = _memtracker_peak(step)
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def _tag_offload_copies(step: fake_step.FakeStep, tracker: CategoryTracker):
+    """Count foundryx's host-to-device copies of offloaded weights as ``offload prefetch``."""
+    stack = contextlib.ExitStack()
+    for source in step.offloaded:
+        real = source._copy
+
+        def tagged(device, _real=real):  # noqa: ANN001, ANN202
+            with tracker.tagged("offload prefetch"):
+                return _real(device)
+
+        source._copy = tagged
+        stack.callback(setattr, source, "_copy", real)
+    return stack
+
+
+def _memtracker_peak(step: fake_step.FakeStep) -> float:
+    """torch's MemTracker over one more step: its peak total, GiB (a cross-check)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(step.model, step.optimizer)
+    with mt:
+        fake_step.run_step(step, lambda name: contextlib.nullcontext())
+        mt.reset_mod_stats()
+        fake_step.run_step(step, lambda name: contextlib.nullcontext())
+    peak = mt.get_tracker_snapshot("peak")
+    return sum(v.get("Total", 0) for v in peak.values()) / fake_step_gib()
+
+
+def fake_step_gib() -> int:
+    return 2**30
+
+
+def table(rows: dict[str, dict]) -> str:
+    short = [c.split()[0] for c in CATEGORIES]
+    head = f"| side | peak GiB | H100 measured | {' | '.join(short)} |"
+    lines = [head, "|" + "---|" * (3 + len(CATEGORIES))]
+    for side, r in rows.items():
+        meas = MEASURED_H100.get(side)
+        cells = " | ".join(f"{r['categories'].get(c, 0):.2f}" for c in CATEGORIES)
+        lines.append(f"| {side} | {r['peak_gib']:.2f} | {meas if meas else '-'} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=Path, default=Path("yamls/shapes/llama-3.1-8b"),
+                   help="a folder with a Llama config.json")
+    p.add_argument("--sides", default=",".join(fake_step.SIDES))
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--json", type=Path, help="write {side: {peak_gib, categories}} here")
+    p.add_argument("--check-torch", action="store_true",
+                   help="also run torch's MemTracker over the step and print its peak")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    if not (a.shape / "config.json").is_file():
+        print(f"flagship_estimate: --shape {a.shape}: no config.json there", file=sys.stderr)
+        return 2
+    rows = {}
+    for side in a.sides.split(","):
+        try:
+            rows[side] = estimate(side, a.shape, a.batch, a.seq, a.check_torch)
+        except fake_step.NotTraceable as e:
+            print(f"flagship_estimate: {e}", file=sys.stderr)
+            return 2
+        extra = (f", torch MemTracker {rows[side]['memtracker_peak_gib']:.2f} GiB"
+                 if "memtracker_peak_gib" in rows[side] else "")
+        print(f"{side}: peak {rows[side]['peak_gib']:.2f} GiB ({rows[side]['seconds']:.0f} s{extra})",
+              flush=True)
+    print(table(rows))
+    if a.json:
+        a.json.write_text(json.dumps({s: {"peak_gib": r["peak_gib"], "categories": r["categories"]}
+                                      for s, r in rows.items()}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
