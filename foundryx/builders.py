@@ -8,6 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from foundryx import registry
 from foundryx.checkpoint.callback import Checkpointer
 from foundryx.checkpoint.remote import is_remote
@@ -63,19 +65,30 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
     frozen = cfg.model.get("frozen_base")
     if frozen is not None:  # after LoRA, before parallelism
         model = apply_frozen_storage(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"),
-                                     tp=tp_degree(getattr(cfg, "parallelism", None)))
+                                     tp=tp_degree(getattr(cfg, "parallelism", None)),
+                                     device=run_device(cfg))
     return model
 
 
-def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1) -> Any:
+def run_device(cfg: Any) -> torch.device:
+    """The run's device as torch names it: ``device: cpu`` is the CPU whatever the machine
+    has (nothing is pinned and CUDA is never initialised); ``gpu``, or none set, the current
+    GPU when there is one (runtime.pick_device's choice)."""
+    return torch.device("cpu") if getattr(cfg, "device", None) == "cpu" else default_device()
+
+
+def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1,
+                         device: torch.device | str | None = None) -> Any:
     """``model.frozen_base`` from outside the model: the frozen linear weights stored in
     ``options.dtype`` (models.peft.frozen_base), then ``options.offload_fraction`` of those
     layers offloaded to host memory by the offload runtime (parallel.offload), handed the
-    storages' row cuts."""
+    storages' row cuts and ``device``, the run's (None: the current GPU when there is one), which
+    decides whether their host buffer is pinned and whether an fp8 base multiplies in FP8."""
     world = process_world_size()
-    model = apply_frozen_base(model, options, tp=tp, world=world)
+    device = device if device is not None else default_device()
+    model = apply_frozen_base(model, options, tp=tp, world=world, device=device)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
-    chosen = offload_layers(layers, options.offload_fraction, STORAGE_ROWS)
+    chosen = offload_layers(layers, options.offload_fraction, STORAGE_ROWS, device)
     if chosen:
         size = sum(stored_bytes(layer.offload.host) for layer in chosen)
         if chosen[0].offload.host.is_meta:
@@ -170,7 +183,8 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
     return parallelize_and_load(model, cfg.parallelism,
                                 activation_checkpointing=cfg.activation_checkpointing,
                                 compile=cfg.compile, precision=cfg.precision,
-                                cpu_matmul=cfg.cpu_matmul, float8=cfg.float8)
+                                cpu_matmul=cfg.cpu_matmul, device=run_device(cfg),
+                                float8=cfg.float8)
 
 
 def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> Any:
@@ -181,13 +195,14 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
     if plan is not None:  # frozen-only FSDP2 units keep the checkpoint's dtype
         keep_stored_dtype(model, plan, parallelism, kwargs.get("precision") or "fp32")
     model = parallelize(model, parallelism, **kwargs)
+    device = kwargs.get("device") or default_device()
     if plan is not None:
-        load_pretrained(model, plan, kwargs.get("device") or default_device())
+        load_pretrained(model, plan, device)
     elif tp_degree(parallelism) > 1:  # TP cut the offloaded shards again: one buffer once more
         offloaded = [m for m in model.modules()
                      if isinstance(m, LowPrecisionLinear) and m.offload is not None]
         if offloaded and not offloaded[0].offload.host.is_meta:
-            pack_offloaded(offloaded)
+            pack_offloaded(offloaded, device)
     return model
 
 

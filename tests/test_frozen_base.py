@@ -120,7 +120,7 @@ def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
     # offloaded, the layer copies its low-precision bytes, not more: torchao's NF4 clone()
     # dequantizes and quantizes again (about 10x the dense weight, and slow)
     want = dequantize(q.weight, torch.float32)
-    offload_layers([q], 1.0, STORAGE_ROWS)
+    offload_layers([q], 1.0, STORAGE_ROWS, "cpu")
     cpu = torch.device("cpu")
     copy = stored_bytes(q.offload.host)  # the layer's low-precision bytes, copied
     assert peak_allocated(lambda: q.dense_weight(torch.float32, cpu)) <= 1.15 * dense + copy

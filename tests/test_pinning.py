@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 import torch
-from hf_tiny import LLAMA_STYLE, MPT_TINY, train_steps
+from hf_tiny import LLAMA_STYLE, MPT_TINY, token_batch, train_steps
 
 from foundryx.builders import apply_frozen_storage
 
@@ -78,11 +78,12 @@ def fake_cuda(monkeypatch):
     return install
 
 
-def offloaded_model(seed: int = 0):
+def offloaded_model(seed: int = 0, device: str = "cuda"):
     torch.manual_seed(seed)
     model = ComposerMPTCausalLM(**SIZES)
     apply_lora(model, LORA)
-    apply_frozen_storage(model, FrozenBaseOptions(dtype="int8", offload_fraction=1.0))
+    apply_frozen_storage(model, FrozenBaseOptions(dtype="int8", offload_fraction=1.0),
+                         device=device)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]
     assert len(layers) >= 2
     return model, layers
@@ -111,7 +112,7 @@ def test_a_pinned_buffer_is_unregistered_once_before_it_is_freed_on_repack_and_r
     del buffer
 
     recut(layers)  # then the re-pack builders runs after tensor parallelism
-    pack_offloaded(layers)
+    pack_offloaded(layers, "cuda")
     assert cudart.unregistered == [(old_ptr, True)]  # once, while its memory was alive
     assert old() is None  # and then freed
     buffer = layers[0].offload.buffer
@@ -131,7 +132,7 @@ def test_a_pin_unregisters_on_unpin_or_when_dropped_while_its_buffer_lives(fake_
     buffer = torch.empty(4096, dtype=torch.uint8)
     ptr = buffer.data_ptr()
     cudart.watched[ptr] = weakref.ref(buffer)
-    pin = HostPin(buffer)
+    pin = HostPin(buffer, "cuda")
     assert pin.pinned and cudart.registered == [(ptr, 4096, 0)]
     pin.unpin()
     pin.unpin()
@@ -140,10 +141,10 @@ def test_a_pin_unregisters_on_unpin_or_when_dropped_while_its_buffer_lives(fake_
     gc.collect()
     assert cudart.unregistered == [(ptr, True)]  # not twice
 
-    pin = HostPin(buffer)
+    pin = HostPin(buffer, "cuda")
     del buffer, pin  # the pin held the last reference: unregistered before the memory went
     assert cudart.unregistered == [(ptr, True), (ptr, True)]
-    assert HostPin(torch.empty(0, dtype=torch.uint8)).pinned is False  # nothing to pin
+    assert HostPin(torch.empty(0, dtype=torch.uint8), "cuda").pinned is False  # nothing to pin
     assert len(cudart.registered) == 2
 
 
@@ -156,7 +157,7 @@ def test_a_refused_pin_is_said_once_and_offload_still_trains(fake_cuda, monkeypa
         model, layers = offloaded_model()
         other, _ = offloaded_model()  # a second buffer: no second warning
         recut(layers)
-        pack_offloaded(layers)  # and a re-pack: none either
+        pack_offloaded(layers, "cuda")  # and a re-pack: none either
     assert len(cudart.registered) == 3 and cudart.drained == 3  # each failure read off
     warnings = [r for r in caplog.records if r.name == pinning.__name__]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
@@ -169,7 +170,7 @@ def test_a_refused_pin_is_said_once_and_offload_still_trains(fake_cuda, monkeypa
     assert not layers[0].offload.pin.pinned
 
     # the buffer is still used, as it is: the same losses as without a GPU in sight
-    plain, _ = offloaded_model()
+    plain, _ = offloaded_model(device="cpu")
     losses = train_steps(model, 3)
     assert losses == train_steps(plain, 3) and losses[-1] < losses[0]
     assert all(m.offload.copies >= 3 for m in layers)
@@ -212,7 +213,7 @@ def test_the_docs_quote_the_warning_as_it_is(fake_cuda, caplog):
 
     caplog.set_level(logging.WARNING, logger=pinning.__name__)
     fake_cuda(FakeCudart(2))
-    HostPin(torch.empty(1 << 20, dtype=torch.uint8))
+    HostPin(torch.empty(1 << 20, dtype=torch.uint8), "cuda")
     [record] = [r for r in caplog.records if r.name == pinning.__name__]
     said = record.getMessage()
     assert said.startswith("could not pin the 0.00 GiB host buffer"), said
@@ -221,3 +222,74 @@ def test_the_docs_quote_the_warning_as_it_is(fake_cuda, caplog):
     assert f"`could not pin the ... GiB {quoted} ...`" in docs, quoted
     for words in ("`ulimit -l unlimited`", "`--ulimit memlock=-1`"):
         assert words in docs and words.strip("`") in said
+
+
+class NoCuda:
+    """A CUDA call a CPU run must not make: each one recorded, and refused."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __call__(self, name: str):
+        def refuse(*args, **kwargs):
+            self.calls.append(name)
+            raise AssertionError(f"a device: cpu run called torch.cuda.{name}")
+        return refuse
+
+
+def test_a_cpu_run_on_a_machine_with_a_gpu_pins_nothing_and_never_touches_cuda(monkeypatch):
+    """Pinning follows the run's device, not the machine's: ``device: cpu`` where
+    ``torch.cuda.is_available()`` is true builds the offloaded model, applies activation
+    offload and trains without a CUDA call (no ``cudaHostRegister``, no pinned activations)."""
+    from types import SimpleNamespace
+
+    from foundryx import builders
+    from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig
+
+    refused = NoCuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node, as far as asked
+    for name in ("cudart", "current_device", "init", "synchronize", "Stream"):
+        monkeypatch.setattr(torch.cuda, name, refused(name))
+    section = {"name": "mpt_causal_lm", **SIZES,
+               "peft_config": {"target_modules": LORA.target_modules, "r": 4, "lora_alpha": 8},
+               "frozen_base": {"dtype": "int8", "offload_fraction": 1.0}}
+    cfg = SimpleNamespace(model=section, device="cpu", parallelism=None, precision="fp32",
+                          activation_checkpointing=ActivationCheckpointingConfig(cpu_offload=True),
+                          compile=CompileConfig(enabled=False), cpu_matmul=None, float8=None)
+    assert builders.run_device(cfg) == torch.device("cpu")
+    torch.manual_seed(0)
+    model = builders.build_parallelism(cfg, builders.build_model(cfg, None))
+    layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]
+    assert layers and all(m.offload.pin is not None and not m.offload.pin.pinned for m in layers)
+    batch = token_batch()  # forward and backward: activation offload saves to unpinned memory
+    model.loss(model(batch), batch).backward()  # (the optimizer's step is torch's own to check)
+    assert any(p.grad is not None for p in model.parameters()) and refused.calls == []
+
+
+@pytest.mark.parametrize("device,pinned", [("cpu", False), (torch.device("cpu"), False),
+                                           ("cuda", True), (torch.device("cuda", 0), True)])
+def test_a_buffer_is_pinned_for_a_gpu_run_only(fake_cuda, device, pinned):
+    cudart = fake_cuda(FakeCudart(0))
+    assert pinning.pins(device) is pinned
+    assert HostPin(torch.empty(4096, dtype=torch.uint8), device).pinned is pinned
+    assert len(cudart.registered) == int(pinned)
+
+
+def test_a_pending_error_that_cannot_be_read_off_is_said_once(monkeypatch, caplog):
+    """No ``cudaGetLastError`` in torch's binding and no runtime library in this process's maps:
+    one line says the next CUDA call may report the failure as its own."""
+    caplog.set_level(logging.WARNING, logger=pinning.__name__)
+    monkeypatch.setattr(pinning, "_undrained_said", False, raising=False)
+    monkeypatch.setattr(pinning, "runtime_paths", lambda lines: [])
+    pinning._drain_pending_error(object())
+    pinning._drain_pending_error(object())  # once per process
+    said = [r.getMessage() for r in caplog.records if r.name == pinning.__name__]
+    assert len(said) == 1, said
+    assert "could not read off the error" in said[0] and "no CUDA or HIP runtime library" in said[0]
+    assert "the next CUDA call may report it as its own failure" in said[0]
+
+    monkeypatch.setattr(pinning, "_undrained_said", False)
+    monkeypatch.setattr(pinning, "runtime_paths", lambda lines: ["/nowhere/libcudart.so.12"])
+    pinning._drain_pending_error(object())  # a library named, but it cannot be called
+    said = [r.getMessage() for r in caplog.records if r.name == pinning.__name__]
+    assert len(said) == 2 and "none of /nowhere/libcudart.so.12 answered" in said[1]

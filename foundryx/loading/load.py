@@ -351,7 +351,7 @@ def load(model: nn.Module, plan: LoadPlan, device: torch.device) -> dict[str, An
     release_freed_memory()
     offloaded = [t.holders[0][0] for t in plan.targets if t.kind == "offload"]
     if offloaded:
-        pack_offloaded(offloaded, release=release_freed_memory)
+        pack_offloaded(offloaded, device, release=release_freed_memory)  # pinned for a GPU
     if converted and dist.rank() == 0:
         log.info("loading: converted shard by shard: %s", "; ".join(
             f"{k} ({len(v)} tensors)" for k, v in sorted(converted.items())))

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from foundryx.config.schema import ParallelismConfig
 from foundryx.errors import ConfigError, did_you_mean
+from foundryx.parallel.pinning import pins
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,8 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
         "mp_policy": mixed_precision_policy(parallelism.mixed_precision, precision),
     }
     if parallelism.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        # pinned for a GPU run only (the mesh's device is the run's, not the machine's)
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pins(mesh.device_type))
     for unit in fsdp_units(model, blocks):
         fully_shard(unit, **(kwargs if any(unit is b for b in blocks)
                              else {**kwargs, "reshard_after_forward": False}))

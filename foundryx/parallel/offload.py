@@ -232,11 +232,13 @@ def offload_choice(layers: list, fraction: float) -> list:
     return [layers[(i * len(layers)) // count] for i in range(count)] if count else []
 
 
-def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRows) -> list[nn.Module]:
+def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRows,
+                   device: torch.device | str) -> list[nn.Module]:
     """Move :func:`offload_choice` of the frozen ``layers`` (``LowPrecisionLinear``) to host
     memory, each rank keeping its row shard of each (a meta weight stays a placeholder for a
     loader to fill), and chain them for prefetching; the offloaded layers. ``formats``: the
-    storages' cuts (``models.peft.parts.STORAGE_ROWS``)."""
+    storages' cuts (``models.peft.parts.STORAGE_ROWS``); ``device``: the run's, which the
+    weights are copied to (:func:`pack_offloaded` pins for a GPU only)."""
     chosen = offload_choice(layers, fraction)
     world = process_world_size()
     chain: list[Offloaded] = []
@@ -253,7 +255,7 @@ def offload_layers(layers: list[nn.Module], fraction: float, formats: StorageRow
     for a, b in zip(chain, chain[1:]):
         a.next, b.prev = b, a
     if chosen and not any(layer.offload.host.is_meta for layer in chosen):
-        pack_offloaded(chosen)
+        pack_offloaded(chosen, device)
     return chosen
 
 
@@ -261,15 +263,17 @@ def _inner(t: torch.Tensor) -> tuple[list[str], object]:
     return t.__tensor_flatten__() if hasattr(t, "__tensor_flatten__") else ([], None)
 
 
-def pack_offloaded(layers: list[nn.Module], release: Callable[[], None] | None = None) -> int:
+def pack_offloaded(layers: list[nn.Module], device: torch.device | str,
+                   release: Callable[[], None] | None = None) -> int:
     """Move every offloaded shard's bytes into one exact-size host buffer (pinned in place
-    with ``cudaHostRegister`` when there is a GPU, once filled: :class:`HostPin`, which says
-    once when the host refuses); its size in bytes. A layer's old tensors are dropped as soon
-    as its bytes are in the buffer, whose pages become resident only as they are filled, so
-    the move holds the buffer plus one layer, not two copies of every offloaded weight
-    (``release``, when given, runs after each layer: the loader hands freed memory back to the
-    OS with it). Packing again (tensor parallelism cut the shards anew) unregisters the old
-    buffer before the layers let go of it (and before the new one is filled)."""
+    with ``cudaHostRegister`` when ``device``, the run's, is a GPU, once filled:
+    :class:`HostPin`, which says once when the host refuses); its size in bytes. A layer's old
+    tensors are dropped as soon as its bytes are in the buffer, whose pages become resident
+    only as they are filled, so the move holds the buffer plus one layer, not two copies of
+    every offloaded weight (``release``, when given, runs after each layer: the loader hands
+    freed memory back to the OS with it). Packing again (tensor parallelism cut the shards
+    anew) unregisters the old buffer before the layers let go of it (and before the new one is
+    filled)."""
     hosts = [layer.offload for layer in layers if layer.offload is not None]
     for old in {id(o.pin): o.pin for o in hosts if o.pin is not None}.values():
         old.unpin()  # a re-pack: unregistered first, then freed (now, unless a host views it)
@@ -298,7 +302,7 @@ def pack_offloaded(layers: list[nn.Module], release: Callable[[], None] | None =
         o.host = type(o.host).__tensor_unflatten__(views, meta, o.host.shape, o.host.stride())
         if release is not None:
             release()
-    pin = HostPin(buffer)  # holds the buffer: unregistered before it can be freed
+    pin = HostPin(buffer, device)  # holds the buffer: unregistered before it can be freed
     for o in hosts:
         o.pin = pin
     return total

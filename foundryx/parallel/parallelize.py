@@ -102,7 +102,8 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
                          compile: CompileConfig, device: torch.device | None = None) -> list[str]:
     """Activation checkpointing, activation offload and compile; returns summary phrases."""
     block_list = blocks(model)
-    compile_on = resolve_compile(compile, device or default_device(), bool(block_list))
+    device = device or default_device()
+    compile_on = resolve_compile(compile, device, bool(block_list))
     summary = []
     if ac.enabled:
         targets = checkpoint_targets(model, ac.modules, ac.every)
@@ -121,7 +122,7 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
                                "fsdp_wrap_fn (or _no_split_modules)"])
     if ac.cpu_offload:
         for _, m in block_list:
-            offload_activations(m)
+            offload_activations(m, device)
         summary.append(f"activation CPU offload on {len(block_list)} blocks")
     if compile_on:
         for _, m in block_list:

@@ -1,6 +1,10 @@
 """A host buffer page-locked in place (``cudaHostRegister``), so that ``non_blocking``
 host -> device copies from it are asynchronous, and unregistered before it can be freed.
 
+Pinned when the run's device is a GPU (:func:`pins`), not whenever the machine has one: a
+``device: cpu`` run on a GPU node neither initialises CUDA nor locks pages. The caller says
+which device the buffer's copies go to.
+
 A host that refuses to pin (usually the locked-memory limit, ``ulimit -l``) still works, but
 every copy from the buffer then blocks the host until it is done: the offload prefetch stops
 overlapping compute. That is said once per process, with the cost and the fix.
@@ -30,6 +34,13 @@ FIX = ("raise the locked-memory limit: `ulimit -l unlimited` in the shell that s
        "or in a container `--ulimit memlock=-1` (docker run; the equivalent memlock limit of "
        "your container runtime or scheduler)")
 _warned = False  # one warning per process, however many buffers fail
+_undrained_said = False  # one line per process when a pending error cannot be read off
+
+
+def pins(device: torch.device | str) -> bool:
+    """Whether a host buffer whose copies go to ``device`` is page-locked: only when that is a
+    GPU (torch names ROCm's ``cuda`` too). The run's device decides, not the machine."""
+    return torch.device(device).type == "cuda"
 
 
 def _code(result: Any) -> int:
@@ -68,7 +79,8 @@ def _drain_pending_error(cudart: Any) -> None:
     next kernel launch's check (``cudaGetLastError``) reports it as its own failure: a
     training step would die of "CUDA error: out of memory" from an unrelated op. torch 2.7's
     binding has no ``cudaGetLastError``, so the runtime torch loaded is called directly
-    (loading a library already loaded gives the same instance, whose error state this is)."""
+    (loading a library already loaded gives the same instance, whose error state this is).
+    When no runtime can be called, one line per process says so."""
     get = getattr(cudart, "cudaGetLastError", None)
     if get is not None:
         get()
@@ -76,14 +88,34 @@ def _drain_pending_error(cudart: Any) -> None:
     try:
         with open("/proc/self/maps") as f:
             paths = runtime_paths(f)
-    except OSError:  # not Linux
+    except OSError as e:  # not Linux
+        paths, why = [], f"/proc/self/maps unreadable: {e}"
+    else:
+        why = "no CUDA or HIP runtime library (libcudart, libamdhip64) in /proc/self/maps"
+    drained = [path for path in paths if _get_last_error(path)]
+    if not drained:
+        _say_undrained(why if not paths else f"none of {', '.join(paths)} answered")
+
+
+def _get_last_error(path: str) -> bool:
+    """Call the runtime library at ``path``'s ``cudaGetLastError`` (``hipGetLastError``);
+    whether it could be called."""
+    try:
+        lib = ctypes.CDLL(path)
+        getattr(lib, "hipGetLastError" if "amdhip" in path else "cudaGetLastError")()
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def _say_undrained(why: str) -> None:
+    global _undrained_said
+    if _undrained_said:
         return
-    for path in paths:
-        try:
-            lib = ctypes.CDLL(path)
-            getattr(lib, "hipGetLastError" if "amdhip" in path else "cudaGetLastError")()
-        except (OSError, AttributeError):
-            pass
+    _undrained_said = True
+    log.warning("could not read off the error a failed cudaHostRegister/cudaHostUnregister left "
+                "pending (this torch's binding has no cudaGetLastError, and %s): the next CUDA "
+                "call may report it as its own failure", why)
 
 
 def _warn_once(nbytes: int, error: str) -> None:
@@ -105,18 +137,19 @@ def _unregister(cudart: Any, ptr: int) -> None:
 
 
 class HostPin:
-    """``tensor``'s bytes (a contiguous host tensor) page-locked in place when there is a GPU,
-    while this object lives or until :meth:`unpin`. It holds the tensor, so keep this object
+    """``tensor``'s bytes (a contiguous host tensor) page-locked in place when ``device``, the
+    device its copies go to (the run's), is a GPU (:func:`pins`), while this object lives or
+    until :meth:`unpin`. It holds the tensor, so keep this object
     (not only the tensor) for as long as the buffer is in use: the pages are unregistered
     (:meth:`unpin`, or a finalizer when this object is collected) before they can be freed.
     ``pinned`` says whether the host accepted; a refusal is logged once per process."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, device: torch.device | str) -> None:
         self.tensor = tensor
         self.pinned = False
         self._unpin: weakref.finalize | None = None
         nbytes = tensor.numel() * tensor.element_size()
-        if not (nbytes and torch.cuda.is_available()):
+        if not (nbytes and pins(device)):  # a CPU run: no CUDA call at all
             return
         cudart, ptr = torch.cuda.cudart(), tensor.data_ptr()
         result = cudart.cudaHostRegister(ptr, nbytes, 0)  # 0: cudaHostRegisterDefault

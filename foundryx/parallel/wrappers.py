@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from foundryx.kernels import cpu_matmul
+from foundryx.parallel.pinning import pins
 
 
 def checkpoint_activations(module: nn.Module) -> None:
@@ -33,12 +34,13 @@ def checkpoint_activations(module: nn.Module) -> None:
     module.forward = forward
 
 
-def offload_activations(module: nn.Module) -> None:
-    """Keep the tensors that ``module``'s backward needs in (pinned) CPU memory."""
+def offload_activations(module: nn.Module, device: torch.device | str) -> None:
+    """Keep the tensors that ``module``'s backward needs in CPU memory, pinned when
+    ``device`` (the run's) is a GPU."""
     from torch.autograd.graph import save_on_cpu
 
     inner = module.forward
-    pin = torch.cuda.is_available()
+    pin = pins(device)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
