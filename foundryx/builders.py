@@ -73,7 +73,7 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
 def run_device(cfg: Any) -> torch.device:
     """The run's device as torch names it: ``device: cpu`` is the CPU whatever the machine
     has (nothing is pinned and CUDA is never initialised); ``gpu``, or none set, the current
-    GPU when there is one (runtime.pick_device's choice)."""
+    GPU when there is one (device_choice.pick_device's choice)."""
     return torch.device("cpu") if getattr(cfg, "device", None) == "cpu" else default_device()
 
 
