@@ -17,14 +17,19 @@ the kernel zeroes: 21 -> 30 s a step at 0.65B (+45%), and the quickstart's token
 halved. So the run config's ``host_heap`` chooses (:func:`configure`, called where ``foundryx
 train`` starts each rank): ``bounded``, ``glibc`` (as it starts), or ``auto``: bounded on a
 GPU (a step frees few host tensors there), glibc on a CPU device; one line says which. A user
-who set ``MALLOC_MMAP_THRESHOLD_`` keeps their own value. Not glibc (macOS, musl): nothing to
-do. It imports nothing of foundryx, so any part may use it.
+who set ``MALLOC_MMAP_THRESHOLD_`` keeps their own value.
+
+``mallopt`` is this process's state: a DataLoader worker started by fork inherits it, one
+started by spawn or forkserver (Linux's default from Python 3.14) does not. So the bounded
+threshold is also put in the environment (``MALLOC_MMAP_THRESHOLD_=131072``, which glibc reads
+when a process starts, with the same effect), where every process the rank starts gets it. Not
+glibc (macOS, musl): nothing to do, said in one line. It imports nothing of foundryx, so any
+part may use it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -39,14 +44,13 @@ ENV = "MALLOC_MMAP_THRESHOLD_"
 
 @functools.cache
 def glibc() -> Any:
-    """The C library when it is glibc (it has ``mallopt`` and ``gnu_get_libc_version``), else
-    None."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return None
+    """The C library this process runs on when it is glibc (it has ``mallopt`` and
+    ``gnu_get_libc_version``), else None. ``CDLL(None)`` is the process's own symbols, its libc
+    among them: no search by name (``find_library`` finds nothing without ldconfig or a
+    compiler, as in slim containers)."""
     try:
-        libc = ctypes.CDLL(name)
-    except OSError:
+        libc = ctypes.CDLL(None)
+    except OSError:  # no dynamic loader to ask (a static build)
         return None
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version") else None
 
@@ -75,24 +79,37 @@ def configure(mode: str, device: str) -> bool:
 
 
 def bound_host_heap(why: str = "") -> bool:
-    """Fix glibc's mmap threshold at 128 KiB in this process (module docstring) and log one
-    line with ``why``; True when it is fixed now. Once per process; not when
-    ``MALLOC_MMAP_THRESHOLD_`` is set (glibc read it at start: the user's choice) or the C
-    library is not glibc."""
+    """Fix glibc's mmap threshold at 128 KiB in this process and in every process it starts
+    from now on (module docstring), and log one line with ``why``; True when it is fixed now.
+    Once per process; not when ``MALLOC_MMAP_THRESHOLD_`` is set (glibc read it at start: the
+    user's choice) or the C library is not glibc (one line says so)."""
     global _done
     if _done or os.environ.get(ENV) is not None:
         return False
+    _done = True
     libc = glibc()
     if libc is None:
+        _say_not_glibc(why)
         return False
-    _done = True
     if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
         log.warning("host memory: glibc refused to fix its mmap threshold; freed host memory may "
                     "be kept by the allocator (set %s=%d before the run starts)", ENV,
                     MMAP_THRESHOLD)
         return False
+    os.environ[ENV] = str(MMAP_THRESHOLD)  # for spawned and forkserver workers (docstring)
     if os.environ.get("RANK", "0") == "0":
-        log.info("host memory: glibc's mmap threshold fixed at 128 KiB on every rank%s, so that "
-                 "what a step frees goes back to the OS instead of staying in glibc's heap (%s "
-                 "in the environment overrides it)", f" ({why})" if why else "", ENV)
+        log.info("host memory: glibc's mmap threshold fixed at 128 KiB on every rank%s and in "
+                 "the processes it starts (DataLoader workers, by %s=%d in their environment), so "
+                 "that what a step frees goes back to the OS instead of staying in glibc's heap (%s "
+                 "in the environment overrides it)", f" ({why})" if why else "", ENV,
+                 MMAP_THRESHOLD, ENV)
     return True
+
+
+def _say_not_glibc(why: str) -> None:
+    """The one line when the heap cannot be bounded because this C library has no glibc
+    ``mallopt`` (rank 0; every rank runs on the same library)."""
+    if os.environ.get("RANK", "0") == "0":
+        log.warning("host memory: the heap is left as it is%s: this process's C library is not "
+                    "glibc (no mallopt: macOS, musl), so its mmap threshold cannot be fixed; "
+                    "freed host memory may stay with the allocator", f" ({why})" if why else "")

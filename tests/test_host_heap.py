@@ -1,11 +1,14 @@
 """What a run frees goes back to the OS (foundryx.host_heap, the run config's ``host_heap``):
 glibc's mmap threshold fixed at 128 KiB where foundryx starts a run, so that a fragmented heap
 cannot keep a step's freed temporaries (issue 38: about 1 GiB per rank at 0.65B on CPU); auto
-on a GPU, not on a CPU device (where it costs step time)."""
+on a GPU, not on a CPU device (where it costs step time). It reaches DataLoader workers however
+they start (fork, spawn, forkserver), and a C library that is not glibc is said in one line."""
 
 from __future__ import annotations
 
+import ctypes.util
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +65,8 @@ def fake_glibc(monkeypatch, answer: int = 1) -> list:
     monkeypatch.setattr(host_heap, "_done", False)
     monkeypatch.setattr(host_heap, "glibc", lambda: type("C", (), {
         "mallopt": staticmethod(lambda *a: calls.append(a) or answer)})())
-    monkeypatch.delenv(host_heap.ENV, raising=False)
+    monkeypatch.setenv(host_heap.ENV, "")  # so that what bound_host_heap sets is undone after
+    monkeypatch.delenv(host_heap.ENV)
     monkeypatch.delenv("RANK", raising=False)
     return calls
 
@@ -94,6 +98,8 @@ def test_once_with_one_line_and_a_users_setting_kept(monkeypatch, caplog):
     assert calls == [(host_heap.M_MMAP_THRESHOLD, 128 * 1024)]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "mmap threshold fixed at 128 KiB" in lines[0]
+    assert "DataLoader workers, by MALLOC_MMAP_THRESHOLD_=131072 in their environment" in lines[0]
+    assert os.environ[host_heap.ENV] == "131072"  # what every process started from now reads
 
     monkeypatch.setattr(host_heap, "_done", False)
     monkeypatch.setenv(host_heap.ENV, "1048576")  # the user's own: glibc read it at start
@@ -106,6 +112,82 @@ def test_a_refusal_says_so(monkeypatch, caplog):
     assert host_heap.bound_host_heap() is False
     assert "glibc refused to fix its mmap threshold" in caplog.text
     assert "MALLOC_MMAP_THRESHOLD_=131072" in caplog.text
+
+
+def test_the_c_library_is_found_without_searching_for_it(monkeypatch):
+    """``find_library("c")`` finds nothing without ldconfig or a compiler (slim containers):
+    the process's own libc is glibc all the same."""
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    host_heap.glibc.cache_clear()
+    try:
+        libc = host_heap.glibc()
+        assert libc is not None and hasattr(libc, "mallopt")
+    finally:
+        host_heap.glibc.cache_clear()
+
+
+def test_a_c_library_that_is_not_glibc_is_said_in_one_line(monkeypatch, caplog):
+    fake_glibc(monkeypatch)
+    monkeypatch.setattr(host_heap, "glibc", lambda: None)  # macOS, musl
+    caplog.set_level(logging.INFO, logger="foundryx")
+    assert host_heap.bound_host_heap("host_heap: bounded") is False
+    assert host_heap.bound_host_heap("host_heap: bounded") is False  # once per process
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and caplog.records[0].levelno == logging.WARNING, lines
+    for words in ("heap is left as it is (host_heap: bounded)", "not glibc", "mallopt"):
+        assert words in lines[0], (words, lines[0])
+    assert host_heap.ENV not in os.environ
+
+
+# A DataLoader worker started by spawn or forkserver, probed for its threshold as PATTERN does.
+WORKER = PATTERN.split("if sys.argv[1]")[0] + r"""
+def kept_mib():
+    for mib in (8, 12, 16, 20, 24, 28):
+        big = torch.ones(mib * 2**20, dtype=torch.uint8)
+        del big
+    held = []
+    for _ in range(64):
+        held.append(torch.ones(2 * 2**20, dtype=torch.uint8))
+        held.append(torch.ones(256))
+    del held[::2]
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+    return libc.mallinfo2().fordblks / 2**20
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        return kept_mib()
+
+if __name__ == "__main__":
+    if sys.argv[1] == "fixed":
+        assert bound_host_heap()
+    for start in sys.argv[2:]:
+        loader = torch.utils.data.DataLoader(Probe(), batch_size=None, num_workers=1,
+                                             multiprocessing_context=start)
+        print(start, float(next(iter(loader))))
+"""
+
+
+@pytest.mark.slow
+def test_a_dataloader_worker_that_does_not_fork_is_bounded_too(tmp_path):
+    """mallopt is process state, which a worker started by spawn or forkserver does not
+    inherit; the environment it does. The worker's heap keeps the freed temporaries as glibc
+    starts, and not once the rank bounded its own."""
+    script = tmp_path / "worker_probe.py"
+    script.write_text(WORKER)
+
+    def kept(mode: str, *starts: str) -> dict[str, float]:
+        out = subprocess.run([sys.executable, str(script), mode, *starts], capture_output=True,
+                             text=True, timeout=300, env={"PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0, out.stderr[-2000:]
+        return {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines()}
+
+    assert kept("default", "spawn")["spawn"] > 100  # the probe sees glibc as it starts there
+    bounded = kept("fixed", "spawn", "forkserver")
+    assert bounded["spawn"] < 8 and bounded["forkserver"] < 8, bounded
 
 
 @pytest.mark.parametrize("mode,said", [
