@@ -15,28 +15,39 @@
 # checks that the chosen steps' limits fit 500 s: step 7 goes with step 1, `--only 1,7`, 450 s,
 # in a loan of its own), with the time each is expected to take on an H100
 # (estimates; the first H100 run, 2026-11-27, measured step 1 at 60 s and step 5 at 37 s):
-#   [1/7] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit);
+#   [1/10] environment (GPU, driver, CUDA/ROCm, torch, triton, flash-attn, foundryx commit);
 #         installs from the wheel folder when foundryx's dependencies do not import    90 s: ~15 s, ~60 s installing
-#   [2/7] the flagship path (benchmarks/flagship.py): a Llama-3.1-8B-shaped model, random bf16
+#   [2/10] the flagship path (benchmarks/flagship.py): a Llama-3.1-8B-shaped model, random bf16
 #         weights written once as 4 safetensors files (16 GB, kept for later runs), read shard
 #         by shard and LoRA-trained 3 steps (4096 tokens x 2) over a bf16, an FP8 and an NF4
 #         frozen base, offload 0 and 0.5: tokens/s, peak GPU and host memory against
 #         `foundryx plan`'s figures, load GB/s                                         230 s: ~30 s writing + 6 x ~30 s
-#   [3/7] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
+#   [3/10] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
 #         scores (benchmarks/gpu_runbook/icl.py)                                         30 s: ~26 s
-#   [4/7] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
+#   [4/10] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
 #         combination sweep left out: run pytest tests/test_triton_attention.py for it)    60 s: ~45 s
-#   [5/7] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
+#   [5/10] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
 #         128 (benchmarks/attention.py)                                                  40 s: 37 s
-#   [6/7] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
+#   [6/10] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
 #         train_throughput.py gpu; the other settings and sizes: run it without --settings) 50 s: ~30 s
-#   [7/7] foundryx against plain transformers + peft, side by side (issue 46; not in the
+#   [7/10] foundryx against plain transformers + peft, side by side (issue 46; not in the
 #         default set: --only 1,7): the 8B LoRA over a bf16 base, the peer (benchmarks/
 #         peer_lora.py) and foundryx with compile off and with the recipe's compile: auto,
 #         alternating, two rounds, 5 steps each, on the machine's own transformers 5.x (its
 #         site-packages put first); tokens/s and peak memory, the ratios foundryx / peer, and
 #         one profiled step per side (top kernels, memory breakdown) in <out>-profiles/, a
 #         few KB per file (benchmarks/flagship_vs_peer.py)                    360 s: ~30 s writing + 6 x ~30-90 s
+#   Issue 47's steps, not in the default set either: `--only 1,8,9` (480 s) and `--only 1,10` (390 s):
+#   [8/10] attn_impl auto's table for this GPU (benchmarks/attention.py --table): Triton vs SDPA
+#         (and flash-attn) fwd and fwd+bwd, seq 2048, head dims 64 and 128, one document / packed /
+#         ALiBi / both, causal, MHA and GQA: the rows as JSON in the report, to apply with
+#         `python benchmarks/attention.py --apply-table rows.json`                    150 s: ~2 min
+#   [9/10] MPT-1B compiled: no AC, selective AC, float8 rowwise and tensorwise (torchao): tokens/s
+#         and MFU (the 50% and 1.2x targets), the last step of each profiled (top 25 kernels,
+#         text + JSON in <out>-mfu-profiles/) (benchmarks/train_throughput.py gpu)   240 s: 4 x ~55 s
+#   [10/10] the MFU table's smaller models: MPT-125M and 350M x {eager, compiled, AC every block
+#         compiled, selective AC compiled} (the 1B's eager and AC rows: run train_throughput.py
+#         gpu --models 1b without --settings, ~8 min, in a loan of its own)            300 s: 8 x ~35 s
 # A failing or timed-out step records the tail of its output and the next step runs; the exit
 # code is 1 when any step failed. It writes ONE markdown file (default benchmarks/gpu-runbook-
 # <host>-<date>.md) to paste into benchmarks/RESULTS.md. --quick: every step at tiny sizes (a
@@ -81,7 +92,7 @@ VS_PEER=benchmarks/flagship_vs_peer.py
 WHEEL_NAMES=benchmarks/gpu_runbook/wheels.txt
 OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ONLY=1,2,3,4,5,6 ARGS="$*" # step 7: --only 1,7
 VENV=${XDG_CACHE_HOME:-$HOME/.cache}/foundryx-bench/gpu-runbook-venv
-N=7 BUDGET=500
+N=10 BUDGET=500
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 abspath() { case $1 in /*) echo "$1" ;; *) echo "$HERE/$1" ;; esac; }
@@ -119,16 +130,18 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ "${LIST:-0}" = 1 ]; then wheel_list; exit; fi
-[[ $ONLY =~ ^[1-7](,[1-7])*$ ]] || { echo "--only $ONLY: step numbers 1-7, comma-separated" >&2; exit 2; }
+[[ $ONLY =~ ^([1-9]|10)(,([1-9]|10))*$ ]] || { echo "--only $ONLY: step numbers 1-10, comma-separated" >&2; exit 2; }
 OUT=${OUT:-benchmarks/gpu-runbook-${HOSTNAME:-$(uname -n)}-$(date +%Y-%m-%d).md}
 if [ "$DRY" = 1 ]; then WORK="<tmp>"; else WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-runbook.XXXXXX") || exit 2; fi
 
-read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-90 230 30 60 40 50 360}"
+read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-90 230 30 60 40 50 360 150 240 300}"
 [ ${#LIMITS[@]} = $N ] || { echo "RUNBOOK_LIMITS: $N numbers of seconds, one per step" >&2; exit 2; }
 TOTAL=0; for i in "${!LIMITS[@]}"; do [[ ,$ONLY, != *,$((i + 1)),* ]] || TOTAL=$((TOTAL + LIMITS[i])); done # the chosen steps'
 TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 / 0.5"
   "ICL eval on the GPU against the CPU" "Triton attention tests on the GPU" "attention TFLOP/s table"
-  "MPT-1B tokens/s and MFU" "foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, profiled")
+  "MPT-1B tokens/s and MFU" "foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, profiled"
+  "attn_impl auto's attention table for this GPU" "MPT-1B compiled: no AC, selective AC, float8; one step profiled"
+  "MFU table: MPT-125M and 350M, eager / compiled / AC / selective AC")
 TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py)
 if [ "$QUICK" = 1 ]; then
   SHAPE=benchmarks/gpu_runbook/shapes/llama-tiny STEPS=2 MODEL=125m TP_ARGS=(--batches 8 --warmup 2)
@@ -136,10 +149,17 @@ if [ "$QUICK" = 1 ]; then
   EST=("~15 s" "~1 min" "~20 s" "~45 s" "~20 s" "~25 s" "~2 min")
   TITLES[1]="flagship path at a tiny Llama shape"; TITLES[5]="MPT-125M tokens/s and MFU"
   TITLES[6]="foundryx vs plain transformers + peft at a tiny Llama shape" PEER_STEPS=3
+  TABLE_ARGS=(--seqs 1024 --head-dims 64) MFU_ARGS=(--models 125m --settings compile fp8-rowwise
+    --batches 8 --warmup 2) SIZES_ARGS=(--models 125m --settings eager sel-compile --batches 8 --warmup 2)
+  EST+=("~40 s" "~1 min" "~1 min") TITLES[8]="MPT-125M compiled and float8; one step profiled"
 else
   SHAPE=yamls/shapes/llama-3.1-8b STEPS=3 MODEL=1b TP_ARGS=(--batches 15 --warmup 5)
   ATTN_ARGS=(--seqs 4096 --head-dims 128 --no-mpt)
   EST=("~15 s, ~60 s installing" "~3.5 min" "~26 s" "~45 s" "37 s" "~30 s" "~5 min") PEER_STEPS=5
+  TABLE_ARGS=(--seqs 2048 --head-dims 64 128) MFU_ARGS=(--models 1b --settings compile sel-compile
+    fp8-rowwise fp8-tensorwise --batches 12 --warmup 4) SIZES_ARGS=(--models 125m 350m --settings
+    eager compile ac-compile sel-compile --batches 12 --warmup 4)
+  EST+=("~2 min" "4 x ~55 s" "8 x ~35 s")
 fi
 
 commands() { # the steps' commands, shared by the run and --dry-run; again once step 1 picks PYTHON
@@ -156,6 +176,11 @@ commands() { # the steps' commands, shared by the run and --dry-run; again once 
     --time-limit $((LIMITS[6] > 20 ? LIMITS[6] - 10 : LIMITS[6])) --run-timeout 150
     --logs "$WORK/vs-peer" --profiles "${OUT%.md}-profiles" --json "$WORK/vs-peer.json"
     --out "$WORK/vs-peer.md")
+  CMD_TABLE=("$PYTHON" benchmarks/attention.py "${TABLE_ARGS[@]}" --table "$WORK/attention-table.json"
+    --out "$WORK/attention-table.md")
+  CMD_MFU=("$PYTHON" benchmarks/train_throughput.py gpu "${MFU_ARGS[@]}" --profile "${OUT%.md}-mfu-profiles"
+    --out "$WORK/mfu.json")
+  CMD_SIZES=("$PYTHON" benchmarks/train_throughput.py gpu "${SIZES_ARGS[@]}" --out "$WORK/sizes.json")
 }
 commands
 show() { # a command as one readable line
@@ -182,6 +207,9 @@ if [ "$DRY" = 1 ]; then
   step_head 5; echo "  \$ $(show "${CMD_ATTN[@]}")"
   step_head 6; echo "  \$ $(show "${CMD_TP[@]}")"
   step_head 7; echo "  \$ $(show "${CMD_VS_PEER[@]}")  # PYTHONPATH: $MACHINE_PYTHON's site-packages first when the run book's venv runs"
+  step_head 8; echo "  \$ $(show "${CMD_TABLE[@]}")"
+  step_head 9; echo "  \$ $(show "${CMD_MFU[@]}")"
+  step_head 10; echo "  \$ $(show "${CMD_SIZES[@]}")"
   n=0 bad=0
   check() { # check DESCRIPTION COMMAND...: one line per check
     n=$((n + 1))
@@ -193,7 +221,7 @@ if [ "$DRY" = 1 ]; then
     for a in "${@:2}"; do
       case $seen in *" $a "*) continue ;; esac
       seen+="$a "
-      case $a in --* | gpu | cuda | 125m | 350m | 1b | eager)
+      case $a in --* | gpu | cuda | 125m | 350m | 1b | eager | compile | ac-compile | sel-compile | fp8-rowwise | fp8-tensorwise)
         check "$1 accepts ${a%%=*}" grep -q -E -- "(^|[^[:alnum:]_-])${a%%=*}([^[:alnum:]_-]|$)" <<<"$help" ;;
       esac
     done
@@ -215,6 +243,10 @@ if [ "$DRY" = 1 ]; then
   accepts benchmarks/attention.py "${CMD_ATTN[@]:2}"
   accepts benchmarks/train_throughput.py "${CMD_TP[@]:2}"
   accepts "$VS_PEER" "${CMD_VS_PEER[@]:2}"
+  accepts benchmarks/attention.py "${CMD_TABLE[@]:2}"
+  accepts benchmarks/train_throughput.py "${CMD_MFU[@]:2}"
+  accepts benchmarks/train_throughput.py "${CMD_SIZES[@]:2}"
+  check "yamls/mpt-125m.yaml and yamls/mpt-350m.yaml exist" test -f yamls/mpt-125m.yaml -a -f yamls/mpt-350m.yaml
   check "benchmarks/peer_lora.py --help runs" "$PYTHON" benchmarks/peer_lora.py --help
   echo "dry run: $n checks, $bad failed"
   [ "$bad" = 0 ]
@@ -354,6 +386,52 @@ step_vs_peer() { # both sides on the machine's own transformers: its site-packag
   return $rc
 }
 
+step_table() { # issue 47: attn_impl auto's rows for this GPU, as JSON to apply with --apply-table
+  local rc
+  limited "${CMD_TABLE[@]}"; rc=$?
+  if [ -f "$WORK/attention-table.md" ]; then
+    sed -e '/^## Attention kernels on /d' -e "s|$WORK/||g" "$WORK/attention-table.md" | sed '/./,$!d' >"$1"
+  fi
+  if [ -f "$WORK/attention-table.json" ]; then
+    { echo; echo "The rows (save as rows.json, then \`python benchmarks/attention.py --apply-table rows.json\`):"
+      echo; echo '```json'; cat "$WORK/attention-table.json"; echo '```'; } >>"$1"
+  fi
+  if grep -q "wrong (max error" "$1"; then
+    echo "**A kernel's output disagreed with SDPA** (cells marked wrong)." >>"$1"; return 1
+  fi
+  return $rc
+}
+
+mfu_report() { # mfu_report JSON CMD...: the throughput table, failed cases, the MFU formula
+  { echo "Command: \`$(show "${@:2:$#-3}")\`"; echo
+    [ ! -f "$1" ] || { "$PYTHON" "$HELPER" throughput "$1"; echo; } # with the failed cases' reasons
+    echo "Random tokens, seq 2048, amp_bf16, one process, attn_impl of the yamls (torch), micro-batch"
+    echo "125m/350m 16, 1b 8. MFU as the speed monitor counts it: flops_per_batch / batch seconds /"
+    echo "peak, flops_per_batch = 3 * b * (2 * N * s + 4 * n_layers * d_model * s^2) (N: matmul"
+    echo "parameters), peak: the GPU's dense bf16 FLOP/s (foundryx/devices.py), float8 rows included."
+  }
+}
+
+step_mfu() {
+  local rc dir=${OUT%.md}-mfu-profiles f
+  rm -rf "$dir"
+  limited "${CMD_MFU[@]}"; rc=$?
+  mfu_report "$WORK/mfu.json" "${CMD_MFU[@]}" >"$1"
+  for f in "$dir"/*.txt; do
+    [ -f "$f" ] || continue
+    { echo; echo "Top kernels of one step, $(basename "$f" .txt) (all of it, and JSON, in $dir):"; echo
+      echo '```text'; head -n 16 "$f"; echo '```'; } >>"$1"
+  done
+  return $rc
+}
+
+step_sizes() {
+  local rc
+  limited "${CMD_SIZES[@]}"; rc=$?
+  mfu_report "$WORK/sizes.json" "${CMD_SIZES[@]}" >"$1"
+  return $rc
+}
+
 run_step() { # run_step N FUNCTION: runs it under its limit, appends its section to $OUT
   local n=$1 title=${TITLES[$1 - 1]} log="$WORK/step$1.log" body="$WORK/step$1.md" t0=$SECONDS rc status
   if [[ ,$ONLY, != *,$n,* ]]; then
@@ -387,6 +465,9 @@ run_step 4 step_tests
 run_step 5 step_attention
 run_step 6 step_throughput
 run_step 7 step_vs_peer
+run_step 8 step_table
+run_step 9 step_mfu
+run_step 10 step_sizes
 { echo; echo "Steps failed: $FAILED of $N. Total $(dur $((SECONDS - START)))."; } >>"$OUT"
 echo "wrote $OUT ($FAILED of $N steps failed, $(dur $((SECONDS - START))); logs in $WORK)" >&2
 [ "$FAILED" = 0 ]

@@ -39,9 +39,9 @@ def test_syntax():
 def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     r = runbook("--dry-run", *(["--quick"] if quick else []))
     assert r.returncode == 0, r.stdout + r.stderr
-    for n in range(1, 8):
-        assert f"[{n}/7]" in r.stdout
-    assert "time limits: 90 230 30 60 40 50 360 s; steps 1,2,3,4,5,6: 500 s in all" in r.stdout
+    for n in range(1, 11):
+        assert f"[{n}/10]" in r.stdout
+    assert "time limits: 90 230 30 60 40 50 360 150 240 300 s; steps 1,2,3,4,5,6: 500 s in all" in r.stdout
     assert "the time limits of steps 1,2,3,4,5,6 add up to at most 500 s (500)" in r.stdout
     assert "benchmarks/flagship_vs_peer.py --device cuda --shape " in r.stdout
     assert "--rounds 2 --steps " + ("3" if quick else "5") in r.stdout
@@ -54,15 +54,17 @@ def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     assert "-m venv --without-pip" in r.stdout and "--no-deps --no-index" in r.stdout
     assert "FAIL " not in r.stdout and ", 0 failed" in r.stdout
     for flag in ("--shape", "--bases", "--offload", "--steps", "--time-limit", "--settings",
-                 "--models", "--seqs", "--out", "--rounds", "--profiles"):
+                 "--models", "--seqs", "--out", "--rounds", "--profiles", "--table", "--profile",
+                 "fp8-rowwise", "sel-compile"):
         assert f"accepts {flag}" in r.stdout, flag
     assert "every name in benchmarks/gpu_runbook/wheels.txt has a pin" in r.stdout
     assert ("llama-3.1-8b" in r.stdout) != quick and ("shapes/llama-tiny" in r.stdout) == quick
-    assert ("--models 1b" in r.stdout) != quick and ("--models 125m" in r.stdout) == quick
+    step6 = "--models 125m --settings eager --batches 8" if quick else "--models 1b --settings eager --batches 15"
+    assert step6 in r.stdout
 
 
 def test_a_limit_that_does_not_fit_fails_the_dry_run():
-    r = runbook("--dry-run", RUNBOOK_LIMITS="100 300 35 60 45 50 360")
+    r = runbook("--dry-run", RUNBOOK_LIMITS="100 300 35 60 45 50 360 150 240 300")
     assert r.returncode == 1
     assert "FAIL  the time limits of steps 1,2,3,4,5,6 add up to at most 500 s (590)" in r.stdout
     assert runbook("--dry-run", RUNBOOK_LIMITS="1 2 3").returncode == 2
@@ -71,7 +73,22 @@ def test_a_limit_that_does_not_fit_fails_the_dry_run():
         runbook("--dry-run", "--only", "1,7").stdout
     r = runbook("--dry-run", "--only", "1,2,7")
     assert r.returncode == 1 and "FAIL  the time limits of steps 1,2,7 add up" in r.stdout
-    assert runbook("--dry-run", "--only", "8").returncode == 2
+    assert runbook("--dry-run", "--only", "11").returncode == 2
+    # issue 47's steps: the attention table and MPT-1B compiled in one loan, the sizes in another
+    assert "ok    the time limits of steps 1,8,9 add up to at most 500 s (480)" in \
+        runbook("--dry-run", "--only", "1,8,9").stdout
+    assert "ok    the time limits of steps 1,10 add up to at most 500 s (390)" in \
+        runbook("--dry-run", "--only", "1,10").stdout
+
+
+def test_issue_47_steps_in_the_dry_run():
+    r = runbook("--dry-run", "--only", "1,8,9")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "benchmarks/attention.py --seqs 2048 --head-dims 64 128 --table <tmp>/attention-table.json" in r.stdout
+    assert ("benchmarks/train_throughput.py gpu --models 1b --settings compile sel-compile fp8-rowwise "
+            "fp8-tensorwise --batches 12 --warmup 4 --profile ") in r.stdout
+    assert ("train_throughput.py gpu --models 125m 350m --settings eager compile ac-compile "
+            "sel-compile") in r.stdout
 
 
 def test_refuses_without_a_gpu(tmp_path):
@@ -164,11 +181,22 @@ elif args[:2] == ["-m", "pytest"]:
     print("1 failed, 2 passed")
     sys.exit(1)
 elif args[0].endswith("attention.py"):
+    if "--table" in args:
+        Path(value("--table")).write_text('[{"device": "Fake H100", "mask": "docs"}]\n')
     with open(value("--out"), "a") as f:
         f.write("\n## Attention kernels on Fake (today)\n\n| head_dim | fwd triton |\n|---|---|\n| 64 | 321 |\n")
-elif args[0].endswith("train_throughput.py"):
+elif args[0].endswith("train_throughput.py") and value("--out").endswith("throughput.json"):
     assert value("--models") == "1b" and value("--settings") == "eager", args
     rows = [{"case": "MPT-1B, no AC, eager", "tokens_per_sec": 1000.0, "mfu": 0.4}]
+    Path(value("--out")).write_text(json.dumps(rows))
+elif args[0].endswith("train_throughput.py"):  # issue 47's steps 9 and 10
+    rows = [{"case": "MPT-1B, no AC, compile", "tokens_per_sec": 2000.0, "mfu": 0.5},
+            {"case": "MPT-1B, no AC, compile, float8 rowwise", "tokens_per_sec": float("nan"),
+             "mfu": float("nan"), "error": "float8.enabled: true cannot run here"}]
+    if "--profile" in args:
+        folder = Path(value("--profile"))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "mpt-1b-no-ac-compile.txt").write_text("one step: 400.0 ms of GPU time\n 30.0% sm90_gemm\n")
     Path(value("--out")).write_text(json.dumps(rows))
 else:
     sys.exit(f"fake python: unexpected {args}")
@@ -192,10 +220,10 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     out = tmp_path / "report.md"
     r = runbook("--out", str(out), "--wheels", str(wheels), "--venv", str(venv),
                 python=str(python), FAKE_STATE=str(tmp_path), TMPDIR=str(tmp_path),
-                TRITON_INTERPRET="1", RUNBOOK_LIMITS="60 3 35 60 45 50 60",
+                TRITON_INTERPRET="1", RUNBOOK_LIMITS="60 3 35 60 45 50 60 60 60 60",
                 FAKE_FLAGSHIP_SLEEP="30")  # fmt: skip
     assert r.returncode == 1, r.stderr
-    assert "[3/7] ICL eval on the GPU against the CPU ... (limit 35 s, ~26 s; log: " in r.stderr
+    assert "[3/10] ICL eval on the GPU against the CPU ... (limit 35 s, ~26 s; log: " in r.stderr
     text = out.read_text()
     calls = (tmp_path / "calls").read_text()
     # step 1: the machine's Python lacks Composer and has transformers 5: the run book's own
@@ -228,7 +256,8 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     assert "| MPT-1B | no AC, eager | 1,000 | 1.00x | 40.0% |" in text
     assert "### 7. foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, " \
            "profiled: skipped (--only 1,2,3,4,5,6)" in text
-    assert "Steps failed: 2 of 7. Total 0 min" in text.rstrip().splitlines()[-1]
+    assert "### 9. MPT-1B compiled: no AC, selective AC, float8; one step profiled: skipped" in text
+    assert "Steps failed: 2 of 10. Total 0 min" in text.rstrip().splitlines()[-1]
     assert "TRITON_INTERPRET=None" in calls and "smoke run" not in text
 
     # a second run finds the venv ready: nothing made or installed again
@@ -414,7 +443,7 @@ def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
 
     venv = tmp_path / "venv"
     r = runbook("--install-only", "--wheels", str(wheels), "--venv", str(venv), python=str(machine),
-                script=script, RUNBOOK_LIMITS="300 230 35 60 45 50 360")  # fmt: skip
+                script=script, RUNBOOK_LIMITS="300 230 35 60 45 50 360 150 240 300")  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert f"Python: {venv}/bin/python" in r.stdout and "into the run book's venv" in r.stdout
     probe = subprocess.run([str(venv / "bin" / "python"), "benchmarks/gpu_runbook/report.py", "probe"],
@@ -430,3 +459,28 @@ def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
                             timeout=300).stdout.split()
     assert mine == [torch.__version__, "4.57.6"], mine  # the machine's torch, foundryx's transformers
     assert theirs == [torch.__version__, "5.17.0"], theirs  # the machine's Python untouched
+
+
+def test_issue_47_steps_on_a_fake_gpu(tmp_path):
+    """Steps 8-10 (`--only 1,8,9,10`): the attention table's rows as JSON in the report, the
+    MFU rows with a failed case's reason and the formula, one step's top kernels."""
+    python = fake_python(tmp_path)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "composer.whl").touch()
+    out = tmp_path / "report.md"
+    r = runbook("--out", str(out), "--only", "1,8,9,10", "--wheels", str(wheels), "--venv",
+                str(tmp_path / "venv"), python=str(python), FAKE_STATE=str(tmp_path),
+                TMPDIR=str(tmp_path))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "### 8. attn_impl auto's attention table for this GPU: ok" in text
+    assert '[{"device": "Fake H100", "mask": "docs"}]' in text and "--apply-table rows.json" in text
+    assert "### 9. MPT-1B compiled: no AC, selective AC, float8; one step profiled: ok" in text
+    assert "| MPT-1B | no AC, compile | 2,000 | 1.00x | 50.0% |" in text
+    assert "- MPT-1B, no AC, compile, float8 rowwise failed: float8.enabled: true cannot run here" in text
+    assert "flops_per_batch = 3 * b * (2 * N * s + 4 * n_layers * d_model * s^2)" in text
+    assert "Top kernels of one step, mpt-1b-no-ac-compile" in text and "30.0% sm90_gemm" in text
+    assert (tmp_path / "report-mfu-profiles" / "mpt-1b-no-ac-compile.txt").is_file()
+    assert "### 10. MFU table: MPT-125M and 350M, eager / compiled / AC / selective AC: ok" in text
+    assert "Steps failed: 0 of 10." in text

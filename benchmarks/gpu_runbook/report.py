@@ -191,7 +191,9 @@ def throughput(paths: list[Path]) -> str:
                 f"{'n/a' if math.isnan(tps / base) else f'{tps / base:.2f}x'} | "
                 f"{'n/a' if math.isnan(mfu) else f'{100 * mfu:.1f}%'} |"
             )
-    return "\n".join(lines)
+    failed = [f"- {r['case']} failed: {r['error']}" for path in paths
+              for r in json.loads(path.read_text()) if "error" in r]
+    return "\n".join(lines + ([""] + failed if failed else []))
 
 
 def main(argv=None) -> int:
