@@ -72,7 +72,7 @@ from foundryx.parallel.tp_kv import kv_rank_attrs, replicate_kv_projection, repl
 from foundryx.parallel.tp_lora import apply_lora
 from foundryx.parallel.tp_offload import KV_REPLICATED, offload_group, split_offloaded
 from foundryx.parallel.tp_plan import find_plan, missing_op_error, plan_problems
-from foundryx.parallel.tp_styles import _cut_params, _reorder_rows, _styles
+from foundryx.parallel.tp_styles import cut_params, reorder_fused_rows, styles_for
 from foundryx.parallel.vocab_rows import READERS
 
 log = logging.getLogger(__name__)
@@ -149,14 +149,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
             trainable = {n: p.requires_grad for n, p in module.named_parameters()}
             if style == KV_REPLICATED:  # the LoRA layer as a whole, when there is one
                 replicate_kv_projection(module, tp_mesh, kv["count"],
-                                        partial(_cut_params, defaultdict(Replicate)))
+                                        partial(cut_params, defaultdict(Replicate)))
             elif hasattr(module, "base_layer"):  # a LoRA layer (peft's, or a fused one)
                 apply_lora(module, style, tp_mesh, model_name)
             else:
                 split_logits |= style == "colwise_loss_parallel"
                 if style == "colwise_fused":
-                    _reorder_rows(module, tp)
-                for s in _styles(style, module):
+                    reorder_fused_rows(module, tp)
+                for s in styles_for(style, module):
                     parallelize_module(module, tp_mesh, s)
             base = getattr(module, "base_layer", module)
             if getattr(base, "offload", None) is not None:

@@ -7,7 +7,7 @@ import logging
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from foundryx.parallel.tp_styles import _reorder_rows, _styles
+from foundryx.parallel.tp_styles import reorder_fused_rows, styles_for
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,9 @@ def apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: s
     if style == "colwise_fused":  # LoRA on slices of a fused layer (MPT's q, k, v of Wqkv):
         # its rows reordered as without LoRA, each slice's lora_B split like the slice's rows
         tp = tp_mesh.size()
-        _reorder_rows(module.base_layer, tp)
+        reorder_fused_rows(module.base_layer, tp)
         module.slice_sizes = tuple(n // tp for n in module.slice_sizes)
-    for s in _styles(style, module.base_layer):
+    for s in styles_for(style, module.base_layer):
         parallelize_module(module.base_layer, tp_mesh, s)
     for key in module.lora_A:
         a, b = module.lora_A[key], module.lora_B[key]

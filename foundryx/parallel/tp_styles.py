@@ -1,7 +1,12 @@
 """The tensor-parallel styles a plan names (see :mod:`foundryx.parallel.tp`), as torch's
 ``ParallelStyle`` objects: linear layers cut by rows or columns (low-precision frozen layers
 too, by their own cut), fused projections reordered so each rank's rows are its heads, the
-vocabulary and sequence-parallel styles."""
+vocabulary and sequence-parallel styles.
+
+Shared with :mod:`~foundryx.parallel.tp` and :mod:`~foundryx.parallel.tp_lora`:
+:func:`styles_for` (a style's name to its ``ParallelStyle`` objects), :func:`reorder_fused_rows`
+(a fused projection's rows in TP order) and :func:`cut_params` (a module's parameters cut into
+DTensors, the partition function of torch's ``distribute_module``)."""
 
 from __future__ import annotations
 
@@ -32,7 +37,13 @@ def interleaved_rows(sizes: tuple[int, ...], tp: int) -> torch.Tensor:
     return torch.tensor(order)
 
 
-def _reorder_rows(module: nn.Module, tp: int) -> None:
+def reorder_fused_rows(module: nn.Module, tp: int) -> None:
+    """Put a fused projection's rows (``module._fused``: the sizes of its parts, q k v say) in
+    :func:`interleaved_rows` order, so the i-th of ``tp`` row blocks holds every part's i-th
+    slice; the order is kept on the module (``ROWS_ATTR``: materializing, the state dict and the
+    offload's re-cut read it). A low-precision layer reorders its own storage
+    (``reorder_rows``). Called before the layer's style cuts it (:mod:`foundryx.parallel.tp`,
+    :mod:`foundryx.parallel.tp_lora`)."""
     order = interleaved_rows(tuple(module._fused), tp)
     setattr(module, ROWS_ATTR, order)
     if callable(getattr(module, "reorder_rows", None)):  # a low-precision layer reorders its own
@@ -63,7 +74,12 @@ def _cut(p: torch.Tensor, mesh: DeviceMesh, placement: Any, part: Any = None) ->
                               stride=p.stride())
 
 
-def _cut_params(layout: dict[str, Any], name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+def cut_params(layout: dict[str, Any], name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace each parameter of ``module`` (its own, not its children's) by this rank's part of
+    it as a DTensor placed as ``layout`` says per parameter name (a low-precision layer's weight
+    by its own cut, ``tp_part``). The ``partition_fn`` of torch's ``distribute_module``
+    (``name`` is the module's name there, unused): for the styles here and for the modules a
+    plan leaves whole (:mod:`foundryx.parallel.tp`, every parameter replicated)."""
     part = getattr(module, "tp_part", None)  # a low-precision layer's cut of its weight
     for pname, p in list(module.named_parameters(recurse=False)):
         if p is not None:
@@ -84,14 +100,18 @@ def _any_linear(style_cls: type, layout: dict[str, Any], input_layouts: tuple[An
             if input_layouts is not None:
                 self.desired_input_layouts = input_layouts
             return distribute_module(
-                module, device_mesh, partial(_cut_params, layout),
+                module, device_mesh, partial(cut_params, layout),
                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
 
     return AnyLinear
 
 
-def _styles(style: str, module: nn.Module | None = None) -> list[Any]:
+def styles_for(style: str, module: nn.Module | None = None) -> list[Any]:
+    """The ``ParallelStyle`` objects that apply ``style`` (a name a plan gives a module, e.g.
+    ``colwise``, ``rowwise``, ``sequence_parallel``) to ``module``, in order; a linear style on a
+    layer that is not an ``nn.Linear`` (a frozen low-precision layer) cuts its parameters by the
+    layer's own cut. ValueError for a name this module does not know."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -152,4 +172,4 @@ class _VocabRows(ParallelStyle):
         from torch.distributed.tensor.parallel.style import distribute_module
 
         return distribute_module(module, device_mesh,
-                                 partial(_cut_params, {"weight": Shard(0), "bias": Shard(0)}))
+                                 partial(cut_params, {"weight": Shard(0), "bias": Shard(0)}))
