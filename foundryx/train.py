@@ -16,9 +16,10 @@ from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
 
-from foundryx import builders, host_heap, known_warnings
+from foundryx import builders, host_heap, known_warnings, preempt
 from foundryx.algorithms import check_algorithms
 from foundryx.callbacks.cpu_autocast import CpuAutocast
+from foundryx.callbacks.preemption import Preemption
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.load import read_resolved
@@ -196,6 +197,8 @@ def train(loaded: LoadedConfig):
         progress_bar=False,
         dist_timeout=cfg.dist_timeout,
     )
+    if not any(isinstance(c, Preemption) for c in trainer.state.callbacks):
+        preempt.watch((), training=False)  # preemption off: the signals are Composer's again
     # run.json beside the jsonl metrics (foundryx report), the W&B config, ...
     trainer.logger.log_hyperparameters({"foundryx/config": loaded.resolved,
                                         "foundryx/environment": environment()})
@@ -230,8 +233,8 @@ def run_callbacks(cfg: TrainConfig) -> dict[str, dict[str, Any] | None]:
         callbacks["preemption"] = {}
         if dist.get_global_rank() == 0:
             log.info("preemption: on (save_folder is set): on SIGTERM or SIGUSR1 the run saves a "
-                     "checkpoint after the current batch and exits 0; callbacks.preemption: null "
-                     "turns it off")
+                     "checkpoint after the current batch and exits 75 (preempted, saved); "
+                     "callbacks.preemption: null turns it off")
     return callbacks
 
 

@@ -9,15 +9,17 @@ other signals::
         signals: [SIGTERM, SIGUSR1]    # the default
 
 Slurm sends SIGTERM to every task of a job before it kills it (and SIGUSR1 ahead of time with
-``#SBATCH --signal=USR1@120``); Kubernetes and most schedulers send SIGTERM. The handler only
-notes the signal. After each batch the ranks agree in one small all-reduce whether any of
-them got one (a signal may reach one rank first), so every rank stops after the same batch.
-The run then stops as if that batch were the last: the Checkpointer saves it (the end of
-training is always saved), the end-of-training eval is skipped, and the process exits 0 with
-one log line saying why. Autoresume continues from that checkpoint and loses nothing. Once the
-run is stopping for a signal, the signal reaching a rank late (while it saves, closes its
-loggers or exits) does not kill it: the handler notes it while the checkpoint is written, and
-from the end of training the signals are ignored until the process exits.
+``#SBATCH --signal=USR1@120``); Kubernetes and most schedulers send SIGTERM. From ``fit_start``
+the handler (foundryx.preempt) only notes the signal. After each batch the ranks agree in one
+small all-reduce whether any of them got one (a signal may reach one rank first), so every rank
+stops after the same batch. The run then stops as if that batch were the last: the Checkpointer
+saves it (the end of training is always saved), the end-of-training eval is skipped, and the
+process exits 75 (foundryx.preempt.PREEMPTED: "preempted, saved, run me again") with one log
+line saying why. Autoresume continues from that checkpoint and loses nothing. Once the run is
+stopping for a signal, the signal reaching a rank late (while it saves, closes its loggers or
+exits) does not kill it: it is noted while the checkpoint is written, and from the end of
+training ignored until the process exits. A signal before ``fit_start`` (while the run starts)
+is foundryx.preempt's: one line, nothing to save, exit 75.
 Without a ``save_folder`` the run stops without a checkpoint (said when training starts).
 """
 
@@ -33,6 +35,7 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
+from foundryx import preempt
 from foundryx.checkpoint.callback import Checkpointer
 from foundryx.config.types import option, options_or_fields
 
@@ -56,18 +59,16 @@ class Preemption(Callback):
 
     def __init__(self, options: PreemptionOptions | None = None, **fields: Any):
         self.options = options_or_fields(PreemptionOptions, options, fields, "the 'preemption' callback")
-        self.received: int = 0  # the number of the first signal caught on this rank, 0: none
         self.stopped_at: int | None = None
-        self._previous: dict[int, Any] = {}
 
-    def _handle(self, signum: int, frame: Any) -> None:
-        if not self.received:
-            self.received = signum  # only a note: the training loop acts on it
+    @property
+    def received(self) -> int:
+        """The number of the first signal caught in this process, 0: none."""
+        return preempt.received()
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        for name in self.options.signals:
-            signum = getattr(signal, name)
-            self._previous[signum] = signal.signal(signum, self._handle)
+        # a signal noted before (while the run started) raises foundryx.preempt.Preempted here
+        preempt.watch(preempt.numbers(self.options.signals), training=True)
         if not any(isinstance(c, Checkpointer) and c.save_folder is not None for c in state.callbacks):
             if dist.get_global_rank() == 0:
                 log.warning("preemption: no save_folder, so on %s the run stops after the current "
@@ -76,8 +77,9 @@ class Preemption(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         # [signal number or 0, rank + 1 of a rank that got one or 0]: MAX over ranks
+        got = preempt.received()
         flags = state.device.tensor_to_device(torch.tensor(
-            [self.received, (dist.get_global_rank() + 1) if self.received else 0], dtype=torch.int64))
+            [got, (dist.get_global_rank() + 1) if got else 0], dtype=torch.int64))
         dist.all_reduce(flags, reduce_operation="MAX")
         signum, rank = (int(x) for x in flags.cpu())
         if not signum or self.stopped_at is not None:
@@ -88,25 +90,31 @@ class Preemption(Callback):
             evaluator.eval_interval = lambda state, event: False
         if dist.get_global_rank() == 0:
             log.warning("preemption: %s received (rank %d got it); stopping after batch %d with a "
-                        "checkpoint, exit 0; autoresume continues from it",
-                        signal.Signals(signum).name, rank - 1, self.stopped_at)
+                        "checkpoint, exit %d; autoresume continues from it",
+                        signal.Signals(signum).name, rank - 1, self.stopped_at, preempt.PREEMPTED)
 
     def fit_end(self, state: State, logger: Logger) -> None:
-        self._restore()
+        self._end(state)
 
     def close(self, state: State, logger: Logger) -> None:
-        self._restore()
+        self._end(state)
 
-    def _restore(self) -> None:
-        # A run stopping for a signal must not be killed by the same signal reaching it a moment
-        # later (Slurm signals every task) while it uploads, closes its loggers or exits. Python
-        # resets a Python-level handler to the default action when the interpreter shuts down
-        # (a late SIGTERM there kills the process: exit -15, a "crash" for the launcher), but it
-        # keeps SIG_IGN: so the signals are ignored from here on.
+    def _end(self, state: State) -> None:
+        """Stopped for a signal, or in ``foundryx train``'s own process: the signals are
+        ignored from here (foundryx.preempt.stop); else the handlers as they were."""
         if self.stopped_at is not None:
-            for signum in self._previous:
-                signal.signal(signum, signal.SIG_IGN)
-            return
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+            finished = _reached_max_duration(state)
+            preempt.stop(None if finished else self.stopped_at)
+        elif preempt.owned():
+            preempt.stop(None)
+        else:
+            preempt.restore()
+
+
+def _reached_max_duration(state: State) -> bool:
+    """Whether the batch the run stopped after was its last anyway (then it finished: exit 0)."""
+    try:
+        return bool(state.max_duration is not None
+                    and state.timestamp.get(state.max_duration.unit) >= state.max_duration)
+    except (ValueError, TypeError, AttributeError):  # a unit the timestamp does not count
+        return False

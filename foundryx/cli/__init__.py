@@ -22,7 +22,7 @@ import platform
 import sys
 from typing import NoReturn
 
-from foundryx import __version__, known_warnings
+from foundryx import __version__, known_warnings, preempt
 from foundryx.cli import (
     data_command,
     doctor_command,
@@ -153,10 +153,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.fn(args)
+    except preempt.Preempted as e:  # a scheduler's signal before training began
+        preempt.stop(None)  # the same signal again (the launcher repeats it) must not kill the exit
+        print(preempt.before_training_line(e.signum), file=sys.stderr, flush=True)
+        return preempt.PREEMPTED
     except FoundryxError as e:
+        if preempt.received():
+            return _preempted(e)
         if is_rank_zero() or not e.rank_zero_only:
             print(f"foundryx: error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        if preempt.received():
+            return _preempted(e)
+        raise
+
+
+def _preempted(error: BaseException) -> int:
+    """A failure after a preemption signal (another rank left first and broke a collective):
+    one line naming the signal, not the traceback; exit foundryx.preempt.PREEMPTED."""
+    preempt.stop(None)
+    print(preempt.failed_line(preempt.received(), error), file=sys.stderr, flush=True)
+    return preempt.PREEMPTED
 
 
 def run(argv: list[str] | None = None) -> NoReturn:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from foundryx import preempt
 from foundryx.config.help import component_help, config_help
 from foundryx.config.load import precheck
 from foundryx.config_paths import path_problems
@@ -22,7 +23,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     # machine cannot run after its plan (a GPU recipe checked on a laptop still shows one).
     precheck(args.config, args.overrides,
              checks=(run_config_icl_problems,) + (() if args.dry_run else (run_problems, path_problems)))
-    from foundryx import train as training  # torch + Composer: only when a run is loaded
+    if not args.dry_run:  # a signal from here: one line and exit 75 (foundryx.preempt)
+        preempt.take_over()
+    with preempt.kept():  # Composer's import sets its own SIGTERM handler (exit 143 at once)
+        from foundryx import train as training  # torch + Composer: only when a run is loaded
 
     if args.dry_run:  # the config, derived numbers and plan, then the problems (exit 2)
         text, problems = training.dry_run(args.config, args.overrides)
@@ -31,7 +35,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise ConfigError(problems, source=str(args.config))
         return 0
     training.train(training.load_run_config(args.config, args.overrides))
-    return 0
+    return preempt.exit_code()  # 75: stopped for a signal, with a checkpoint
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

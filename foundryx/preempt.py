@@ -1,0 +1,218 @@
+"""The preemption signals of one foundryx process: held while it starts, noted, then acted on.
+
+A scheduler sends SIGTERM (Slurm, Kubernetes) or SIGUSR1 (Slurm's ``--signal``) to every
+process of a job at any moment: while Python starts, while Composer is imported (its
+``composer.core.engine`` sets a SIGTERM handler that exits 143 at once), while the model is
+built, during a step, a save or an eval. Each of those moments ends in one of two ways:
+
+- training had begun (the ``preemption`` callback's ``fit_start``): the signal is only noted;
+  after each batch the ranks agree whether any got one, save that batch and exit
+  :data:`PREEMPTED` (foundryx.callbacks.preemption);
+- it had not: :class:`Preempted` is raised in the main thread, and the process prints one line
+  (:func:`before_training_line`) and exits :data:`PREEMPTED`: nothing of this job needs saving.
+
+The phases, in order: ``off`` (the handlers are not foundryx's), ``noting`` (a process started
+by foundryx's launcher with the signals held, :func:`release_held`: note only, nothing to act on
+yet), ``starting`` (``foundryx train`` from :func:`take_over`: note and raise), ``training``
+(:func:`watch`: note only) and ``stopping`` (:func:`stop`: ignored until the process exits).
+Composer's import sets its own SIGTERM handler; ``foundryx train`` imports it inside
+:func:`kept`, which leaves foundryx's in place. Standard library only: ``foundryx/__init__.py``
+calls :func:`release_held` before anything else is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+# EX_TEMPFAIL (sysexits.h): "a temporary failure; the user is invited to retry later". Not 0,
+# which a scheduler reads as "finished" (a Kubernetes Job would not run again, a Slurm
+# `afterok` dependency would start the next stage on an unfinished model); not 143 (128 +
+# SIGTERM), which reads as "killed", work lost. docs/operations.md, "preemption".
+PREEMPTED = 75
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+# Set by foundryx's launcher (foundryx.composer_launcher) for the ranks it starts with these
+# signals blocked: comma-separated signal numbers.
+HELD_ENV = "FOUNDRYX_HELD_SIGNALS"
+
+
+class Preempted(BaseException):
+    """A preemption signal before training began. A BaseException, like KeyboardInterrupt:
+    no ``except Exception`` on the way out catches it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_state: dict[str, Any] = {"received": 0, "phase": "off", "watched": (), "previous": {},
+                          "stopped_at": None, "owned": False}
+
+
+def numbers(names: Iterable[str]) -> tuple[int, ...]:
+    """``("SIGTERM", ...)`` -> their numbers."""
+    return tuple(int(getattr(signal, name)) for name in names)
+
+
+def received() -> int:
+    """The first preemption signal this process got, 0 for none."""
+    return _state["received"]
+
+
+def stopped_at() -> int | None:
+    """The batch the run stopped after for a preemption signal (its checkpoint), or None."""
+    return _state["stopped_at"]
+
+
+def _handle(signum: int, frame: Any) -> None:
+    if not _state["received"]:
+        _state["received"] = signum
+    if _state["phase"] == "starting":
+        _state["phase"] = "noting"  # raised once: the way out is not interrupted again
+        raise Preempted(signum)
+
+
+_OURS: list[Any] = [_handle]  # handlers that stay in place inside kept() (the launcher adds its own)
+
+
+def _install(signums: Iterable[int], phase: str) -> None:
+    """Our handler for ``signums`` (see :func:`install`), in ``phase``."""
+    install(_handle, signums)
+    _state["phase"] = phase
+
+
+def install(handler: Any, signums: Iterable[int]) -> None:
+    """``handler`` for ``signums``, the handlers before it kept (once) for :func:`watch` and
+    :func:`restore`; it stays in place inside :func:`kept`. (foundryx's launcher installs its
+    own this way.)"""
+    if handler not in _OURS:
+        _OURS.append(handler)
+    for signum in signums:
+        previous = signal.signal(signum, handler)
+        if previous not in _OURS:
+            _state["previous"].setdefault(signum, previous)
+    _state["watched"] = tuple(sorted(set(_state["watched"]) | set(signums)))
+
+
+@contextlib.contextmanager
+def held(signums: Iterable[int] = numbers(DEFAULT_SIGNALS)) -> Iterator[None]:
+    """Block ``signums`` in this thread for the block (a signal meanwhile waits); the mask as it
+    was after. Threads and processes started inside inherit the block."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, list(signums))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextlib.contextmanager
+def kept(signums: Iterable[int] = numbers(DEFAULT_SIGNALS)) -> Iterator[None]:
+    """Inside, ``signal.signal`` leaves foundryx's handler of ``signums`` in place and keeps the
+    new one as the handler to give back (:func:`watch`, :func:`restore`). For imports that set
+    their own: Composer's ``composer.core.engine`` sets a SIGTERM handler that exits 143 at once.
+    (Blocking the signal meanwhile would not do: a thread that does not block it takes it, and
+    Python runs the handler in place in the main thread.)"""
+    signums, real = set(signums), signal.signal
+
+    def keep(signum: int, handler: Any) -> Any:
+        if signum in signums and signal.getsignal(signum) in _OURS:
+            previous = _state["previous"].get(signum, signal.SIG_DFL)
+            _state["previous"][signum] = handler
+            return previous
+        return real(signum, handler)
+
+    signal.signal = keep
+    try:
+        yield
+    finally:
+        signal.signal = real
+
+
+def release_held() -> None:
+    """In a process foundryx's launcher started with the signals blocked (:data:`HELD_ENV`):
+    note them from here on and unblock them. Nothing otherwise."""
+    value = os.environ.pop(HELD_ENV, "")  # not for this process's own children
+    signums = tuple(int(s) for s in value.split(",") if s.strip().isdigit())
+    if signums:
+        _install(signums, "noting")
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, list(signums))
+
+
+def take_over(names: Iterable[str] = DEFAULT_SIGNALS) -> None:
+    """``foundryx train``: from here a signal raises :class:`Preempted` (one that came
+    earlier, held or noted, too) until :func:`watch` says training began."""
+    signums = numbers(names)
+    _state["owned"] = True
+    _install(signums, "starting")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, list(signums))  # one held arrives here: raised
+    if _state["received"]:
+        _state["phase"] = "noting"
+        raise Preempted(_state["received"])
+
+
+def watch(signums: Iterable[int], *, training: bool) -> None:
+    """The signals the run stops for (the ``preemption`` callback's; none when it is off):
+    others go back to the handlers they had before foundryx's. ``training``: from now a signal
+    is only noted (the callback acts on it after the batch). A signal noted before training
+    began raises :class:`Preempted` here."""
+    signums = tuple(signums)
+    before = _state["received"] if _state["phase"] in ("starting", "noting") else 0
+    for signum in [s for s in _state["watched"] if s not in signums]:
+        signal.signal(signum, _state["previous"].pop(signum, signal.SIG_DFL))
+    _state["watched"] = ()
+    if signums:
+        _install(signums, "training" if training else _state["phase"])
+    if before:  # raised once already, and caught on the way (a finalizer): raised again here
+        _state["phase"] = "noting"
+        raise Preempted(before)
+
+
+def owned() -> bool:
+    """Whether this process is ``foundryx train``'s (:func:`take_over`): its handlers are
+    foundryx's until it exits."""
+    return _state["owned"]
+
+
+def stop(batch: int | None) -> None:
+    """The run stops (after ``batch`` for a signal, or at its end: None): from here the
+    signals are ignored until the process exits. Python resets a Python-level handler to the
+    default action as the interpreter shuts down (a late SIGTERM there would kill the process:
+    exit -15, a "crash" for the launcher), but it keeps SIG_IGN."""
+    if batch is not None:
+        _state["stopped_at"] = batch
+    for signum in _state["watched"]:
+        signal.signal(signum, signal.SIG_IGN)
+    _state["phase"] = "stopping"
+
+
+def restore() -> None:
+    """The handlers as they were before foundryx's (a run that ends without a signal, in a
+    process that goes on: tests, a notebook)."""
+    for signum in _state["watched"]:
+        signal.signal(signum, _state["previous"].pop(signum, signal.SIG_DFL))
+    _state.update(watched=(), phase="off")
+
+
+def exit_code() -> int:
+    """What the process exits with after ``train`` returns: :data:`PREEMPTED` when it stopped
+    for a signal before the run's end, else 0."""
+    return PREEMPTED if _state["stopped_at"] is not None else 0
+
+
+def before_training_line(signum: int) -> str:
+    """The one line of a process stopped by a signal before training began."""
+    return (f"foundryx: preemption: {signal.Signals(signum).name} before training began: nothing "
+            f"of this job to save; exit {PREEMPTED} (the same command starts again, from the "
+            f"latest checkpoint if any)")
+
+
+def failed_line(signum: int, error: BaseException) -> str:
+    """The one line of a process that failed after a preemption signal (a rank that left first
+    broke a collective): the signal is the cause, the error its consequence."""
+    what = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
+    return (f"foundryx: preemption: {signal.Signals(signum).name} received; stopped at "
+            f"'{what[:200]}' as the ranks left; exit {PREEMPTED} (the same command starts "
+            f"again, from the latest checkpoint if any)")
