@@ -4,26 +4,25 @@ from __future__ import annotations
 
 import argparse
 
+from foundryx import doctor  # light: no torch until it probes
 from foundryx.config.load import precheck
 from foundryx.eval.config import run_config_icl_problems
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Exit 0, or 1 when a known-bad combination is found."""
-    from foundryx.doctor import check, config_facts, probe, render  # torch: only for a doctor
-
     cfg = None
     if args.config:
         precheck(args.config, args.overrides, checks=(run_config_icl_problems,))  # before torch
-        from foundryx import train as training
+        from foundryx import train as training  # torch + Composer: only with a config
 
         cfg = training.load_run_config(args.config, args.overrides).cfg
     save_folder = args.save_folder or (cfg.save_folder if cfg is not None else None)
-    facts = probe(save_folder=save_folder)
+    facts = doctor.probe(save_folder=save_folder)
     if cfg is not None:
-        facts = config_facts(facts, args.config, cfg)
-    findings = check(facts)
-    print(render(facts, findings, as_json=args.json))
+        facts = doctor.config_facts(facts, args.config, cfg)
+    findings = doctor.check(facts)
+    print(doctor.render(facts, findings, as_json=args.json))
     return 1 if any(f.bad for f in findings) else 0
 
 

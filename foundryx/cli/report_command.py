@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from foundryx import report  # light: it imports matplotlib when it plots
+
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from foundryx.report import make_report  # matplotlib: only for a report
-
-    path = make_report(args.run_folder, out=args.out, evals=args.eval)
+    path = report.make_report(args.run_folder, out=args.out, evals=args.eval)
     print(f"wrote {path} and its plots")
     return 0
 

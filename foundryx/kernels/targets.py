@@ -116,12 +116,7 @@ def compile_job(job: Job, lld: str | None) -> Result:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from foundryx.kernels.flash_bwd import (
-        flash_bwd_dkdv_kernel,
-        flash_bwd_dq_kernel,
-        flash_bwd_preprocess,
-    )
-    from foundryx.kernels.flash_fwd import flash_fwd_kernel
+    from foundryx.kernels import flash_bwd, flash_fwd  # Triton's @jit kernels: after the env
 
     if lld:
         os.environ["TRITON_HIP_LLD_PATH"] = lld
@@ -129,11 +124,11 @@ def compile_job(job: Job, lld: str | None) -> Result:
     block_d = max(16, triton.next_power_of_2(job.head_dim))
     consts: dict = {"HEAD_DIM": job.head_dim, "BLOCK_D": block_d}
     if job.kernel == "preprocess":
-        fn, options = flash_bwd_preprocess, {"num_warps": 4}
+        fn, options = flash_bwd.flash_bwd_preprocess, {"num_warps": 4}
         consts["BLOCK_M"] = PREPROCESS_ROWS
     else:
-        fn = {"fwd": flash_fwd_kernel, "bwd_dkdv": flash_bwd_dkdv_kernel,
-              "bwd_dq": flash_bwd_dq_kernel}[job.kernel]
+        fn = {"fwd": flash_fwd.flash_fwd_kernel, "bwd_dkdv": flash_bwd.flash_bwd_dkdv_kernel,
+              "bwd_dq": flash_bwd.flash_bwd_dq_kernel}[job.kernel]
         cfg = job.config
         options = cfg.launch_options()
         consts.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=None,

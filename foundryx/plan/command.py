@@ -31,8 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-rate", default=None, help="how fast a node reads the pretrained "
                    "weights, e.g. 2GB/s (default: the --gpu's reference node's local NVMe, "
                    "assumed; 1GB/s for a CPU run)")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help=f"model FLOPs utilisation for the throughput estimate (default {DEFAULT_MFU})")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="model FLOPs utilisation for the throughput estimate (default: the one "
+                   "measured for this GPU and kind of run, foundryx/plan/speed.py, else "
+                   f"{DEFAULT_MFU})")
     p.add_argument("--tp", type=int, default=None, help="plan at this tensor-parallel degree "
                    "(default: the config's parallelism.tp, else 1)")
     p.add_argument("--search", choices=("microbatch", "tp"), default=None,
@@ -49,15 +51,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         world = (args.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * (args.nodes or 1)
         precheck(args.config, args.overrides, world_size=world,
                  component_sections=("model", "optimizer"))
-    # torch + transformers: only for a plan
-    from foundryx.plan.planner import make_plan
-    from foundryx.plan.render import render, render_tp_table
+    from foundryx.plan import planner, render  # torch + transformers: only for a plan
 
-    plan = make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,
+    plan = planner.make_plan(args.config, args.overrides, gpus=args.gpus, nodes=args.nodes, gpu=args.gpu,
                      gpu_memory=args.gpu_memory, mfu=args.mfu, host_memory=args.host_memory,
                      read_rate=args.read_rate, tp=args.tp)
     if args.search == "tp":
-        print(render_tp_table(plan))
+        print(render.render_tp_table(plan))
         return 0 if any(o.per_device_bytes <= plan.capacity for o in plan.tp_options) else 1
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
@@ -66,5 +66,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"largest microbatch that fits on {plan.device} "
               f"({plan.capacity / GiB:,.2f} GiB): {mb or 'none (even 1 does not fit)'}")
     else:
-        print(render(plan))
+        print(render.render(plan))
     return 0 if plan.fits else 1
