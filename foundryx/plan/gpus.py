@@ -31,7 +31,7 @@ from foundryx.errors import ConfigError, did_you_mean
 
 GiB = 2**30
 DEFAULT_GPU = "h100"
-DEFAULT_MFU = 0.40  # the throughput estimate's model FLOPs utilisation
+DEFAULT_MFU = 0.40  # the throughput estimate's MFU where no measured row matches (plan/speed.py)
 CONTENTION = 0.8  # the share of a link's peak rate collectives reach (nccl-tests' bus bandwidth)
 
 

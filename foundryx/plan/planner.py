@@ -21,6 +21,7 @@ from foundryx.plan.host import HostFix, HostPlan, host_fixes, host_plan
 from foundryx.plan.memory import Setup, by_stage, terms
 from foundryx.plan.node import machine, shape_override
 from foundryx.plan.settings import plan_setup
+from foundryx.plan.speed import Choice, Run, choose
 from foundryx.plan.tp import (
     Comm,
     Links,
@@ -62,6 +63,7 @@ class Plan:
     comm: Comm | None = None
     tp_options: list[TpOption] = field(default_factory=list)  # the run at each TP degree
     tp_proposal: TpOption | None = None  # a TP degree that fits, or ends all-gather binding
+    speed: Choice | None = None  # where the MFU came from (None: no peak FLOP/s, no estimate)
 
     @property
     def per_device_bytes(self) -> int:
@@ -106,6 +108,7 @@ class Plan:
                            "trainable": self.setup.lora_params or self.census.total},
             "throughput": {"flops_per_token": self.flops_per_token, "peak_flops": self.peak_flops,
                            "mfu": self.mfu, "tokens_per_s": tps,
+                           "mfu_source": self.speed.to_json() if self.speed else None,
                            "hours_per_1b_tokens": 1e9 / tps / 3600 if tps else None},
             "parallel": {"tp": self.setup.tp, "sequence_parallel": self.setup.sequence_parallel,
                          "shard_degree": self.setup.shard_degree},
@@ -125,13 +128,14 @@ def flops_per_token(c: Census, seq_len: int) -> int:
 
 def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: int | None = None,
               nodes: int | None = None, gpu: str | None = None, gpu_memory: str | None = None,
-              mfu: float = DEFAULT_MFU, host_memory: str | None = None,
+              mfu: float | None = None, host_memory: str | None = None,
               read_rate: str | None = None, tp: int | None = None) -> Plan:
     """Plan the run ``config`` (with ``key=value`` overrides) on ``nodes`` x ``gpus`` devices,
     nodes of ``host_memory`` (default: the GPU's reference node's, this machine's for a CPU)
     reading the weights at ``read_rate`` (e.g. ``2GB/s``); ``tp``: at this tensor-parallel
-    degree instead of the config's ``parallelism.tp``."""
-    if not 0 < mfu <= 1:
+    degree instead of the config's ``parallelism.tp``; ``mfu``: this MFU instead of the
+    measured table's (foundryx/plan/speed.py)."""
+    if mfu is not None and not 0 < mfu <= 1:
         raise ConfigError([f"--mfu: {mfu} is not a fraction in (0, 1]; e.g. --mfu 0.4"])
     if (nodes is not None and nodes < 1) or (gpus is not None and gpus < 1):
         raise ConfigError(["--gpus and --nodes: at least 1 each"])
@@ -189,13 +193,15 @@ def _host_spec(memory: str | None, rate: str | None, default: HostSpec,
 
 
 def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
-                device_name: str | None, capacity: int, mfu: float = DEFAULT_MFU,
+                device_name: str | None, capacity: int, mfu: float | None = None,
                 notes: list[str] | None = None, host: HostSpec | None = None,
-                links: Links | None = None, tp: int | None = None) -> Plan:
+                links: Links | None = None, tp: int | None = None, here: bool = False) -> Plan:
     """Plan an already loaded run config on its world size of ``device`` (``kind``: cuda, rocm
     or cpu; ``device_name`` as torch names it, for the peak FLOP/s) of ``capacity`` bytes, on
     nodes of ``host`` (default: this machine) whose devices talk at ``links`` (None: no
-    communication times), at TP degree ``tp`` (default: the config's)."""
+    communication times), at TP degree ``tp`` (default: the config's); ``mfu``: given, else
+    the measured table's for this device and run (:func:`foundryx.plan.speed.choose`);
+    ``here``: the run is this process's (its environment's FOUNDRYX_COMPILE=0 counts)."""
     notes = list(notes or [])
     peak = None
     if device_name is not None:
@@ -207,6 +213,12 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
     c, s = planned.census, planned.setup
     t = terms(c, s)
     fpt = flops_per_token(c, s.seq_len)
+    speed = None
+    if peak is not None:
+        speed = (choose(speed_run(loaded, s, device_name, kind, here)) if mfu is None
+                 else Choice(mfu, None, "--mfu"))
+        notes += list(speed.notes)
+    mfu = speed.mfu if speed else (mfu or DEFAULT_MFU)
     comm = communication(c, s, fpt, peak, mfu, links)
     options = tp_options(c, s, fpt, peak, mfu, links)
     fits = sum(t.values()) <= capacity
@@ -223,11 +235,28 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         notes=notes + planned.notes,
         host=hp,
         host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
-        comm=comm, tp_options=options, tp_proposal=proposal,
+        comm=comm, tp_options=options, tp_proposal=proposal, speed=speed,
     )
 
 
-def plan_here(loaded: LoadedConfig, mfu: float = DEFAULT_MFU) -> Plan:
+MODEL_KINDS = {"hf_causal_lm": "hf", "mpt_causal_lm": "mpt"}  # the speed table's model kinds
+
+
+def speed_run(loaded: LoadedConfig, s: Setup, device_name: str | None, kind: str,
+              here: bool = False) -> Run:
+    """What the speed table's rule reads of a run: its device, precision, model kind, what
+    trains, the frozen base, offload, compile (``auto``: on a GPU, as training resolves it;
+    ``here``, this process's FOUNDRYX_COMPILE=0 turns it off as it does training's) and
+    activation checkpointing."""
+    enabled = getattr(getattr(loaded.cfg, "compile", None), "enabled", False)
+    if enabled == "auto":
+        enabled = kind in ("cuda", "rocm") and not (here and os.environ.get("FOUNDRYX_COMPILE") == "0")
+    name = str(loaded.cfg.model.get("name"))
+    return Run(device_name, s.precision, MODEL_KINDS.get(name, name), "lora" if s.lora else "full",
+               s.frozen_dtype, s.offload_fraction > 0, bool(enabled), s.activation_checkpointing)
+
+
+def plan_here(loaded: LoadedConfig, mfu: float | None = None) -> Plan:
     """Plan a loaded run where it would run: this machine's GPU (its name and the memory torch
     reports) when there is one and the config does not ask for the CPU; a CPU process for
     ``device: cpu``; else the default GPU, with a note (``foundryx plan --gpu`` picks another)."""
@@ -243,7 +272,7 @@ def plan_here(loaded: LoadedConfig, mfu: float = DEFAULT_MFU) -> Plan:
         name = torch.cuda.get_device_name()
         capacity = torch.cuda.get_device_properties(0).total_memory
         return plan_loaded(loaded, per_node, name, "rocm" if torch.version.hip else "cuda", name,
-                           capacity, mfu, None, this_machine())
+                           capacity, mfu, None, this_machine(), here=True)
     target = machine(loaded.resolved.get("node"), None, None, None, None)
     if target.gpu is not None:  # the recipe's node (a login node plans the cluster's)
         spec = find_gpu(target.gpu)

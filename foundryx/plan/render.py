@@ -215,5 +215,7 @@ def render(p: Plan) -> str:
     if tps:
         lines[-1] += (f"; at {p.mfu:.0%} MFU of {p.peak_flops / 1e12:,.0f} TFLOP/s x "
                       f"{s.world_size}: {tps:,.0f} tokens/s, {1e9 / tps / 3600:,.1f} h per 1B tokens")
+    if tps and p.speed is not None:  # where the MFU came from: the measured row, or why none
+        lines.append(f"  MFU {p.mfu:.1%}, {p.speed.line}")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
