@@ -145,7 +145,7 @@ def take_over(names: Iterable[str] = DEFAULT_SIGNALS) -> None:
     """``foundryx train``: from here a signal raises :class:`Preempted` (one that came
     earlier, held or noted, too) until :func:`watch` says training began."""
     signums = numbers(names)
-    _state["owned"] = True
+    new_run()
     _install(signums, "starting")
     signal.pthread_sigmask(signal.SIG_UNBLOCK, list(signums))  # one held arrives here: raised
     if _state["received"]:
@@ -159,6 +159,8 @@ def watch(signums: Iterable[int], *, training: bool) -> None:
     is only noted (the callback acts on it after the batch). A signal noted before training
     began raises :class:`Preempted` here."""
     signums = tuple(signums)
+    if training:
+        new_run()
     before = _state["received"] if _state["phase"] in ("starting", "noting") else 0
     for signum in [s for s in _state["watched"] if s not in signums]:
         signal.signal(signum, _state["previous"].pop(signum, signal.SIG_DFL))
@@ -170,10 +172,23 @@ def watch(signums: Iterable[int], *, training: bool) -> None:
         raise Preempted(before)
 
 
+def new_run() -> None:
+    """A run starting in a process where an earlier one ended (tests, a notebook): what that
+    one noted is not this one's."""
+    if _state["phase"] in ("off", "stopping"):
+        _state.update(received=0, stopped_at=None)
+
+
+def whole_process() -> None:
+    """This process ends when its command does (the ``foundryx`` command, ``train.py``):
+    after a run, the signals stay foundryx's (ignored) until it exits (:func:`owned`)."""
+    _state["owned"] = True
+
+
 def owned() -> bool:
-    """Whether this process is ``foundryx train``'s (:func:`take_over`): its handlers are
-    foundryx's until it exits."""
-    return _state["owned"]
+    """Whether this process is a command's (:func:`whole_process`) that took the signals over
+    (:func:`take_over`): they stay foundryx's until it exits."""
+    return _state["owned"] and _state["phase"] != "off"
 
 
 def stop(batch: int | None) -> None:

@@ -1,7 +1,7 @@
 """Guards and loggers in real 2-process runs (composer launcher, gloo, the quickstart MPT):
 
 - preemption: SIGTERM sent to each training process (as Slurm signals every task; rank 1
-  first, rank 0 a moment later), a checkpoint at the next batch, exit 0, and the autoresumed
+  first, rank 0 a moment later), a checkpoint at the next batch, exit 75, and the autoresumed
   run ends with the losses of an uninterrupted run; the same runs log to W&B (offline; the
   resumed run continues the same W&B run id) and TensorBoard (event files read back);
 - hang watchdog: rank 1 stalls at the end of batch 3; both ranks print their stacks, the
@@ -73,7 +73,7 @@ def wait_for(test, what: str, p: subprocess.Popen, timeout: float = 300) -> None
 
 
 @pytest.mark.slow
-def test_sigterm_saves_at_the_next_batch_exits_0_and_autoresume_ends_as_uninterrupted(
+def test_sigterm_saves_at_the_next_batch_exits_75_and_autoresume_ends_as_uninterrupted(
         quickstart_data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -92,7 +92,8 @@ def test_sigterm_saves_at_the_next_batch_exits_0_and_autoresume_ends_as_uninterr
     time.sleep(0.3)
     os.kill(int(pids[0].read_text()), signal.SIGTERM)
     rc, said = finish(p, out)
-    assert rc == 0, said[-3000:]
+    assert rc == 75, said[-3000:]  # preempted and saved (foundryx.preempt.PREEMPTED)
+    assert "foundryx: preempted by a preemption signal" in said and "Traceback" not in said
     lines = [ln for ln in said.splitlines() if "preemption: SIGTERM received" in ln]
     assert len(lines) == 1, said[-3000:]
     stop = int(lines[0].split("stopping after batch ")[1].split()[0])

@@ -1,6 +1,6 @@
 """Preemption is on wherever a save_folder is set: a scheduler's SIGTERM to a run whose config
-never mentions ``callbacks.preemption`` ends it with a checkpoint and exit 0 (not exit 143 and
-nothing saved); ``callbacks.preemption: null`` turns it off. The 2-process preemption run
+never mentions ``callbacks.preemption`` ends it with a checkpoint and exit 75 (preempted and
+saved: foundryx.preempt.PREEMPTED; not exit 143 and nothing saved); ``callbacks.preemption: null`` turns it off. The 2-process preemption run
 with autoresume to the same numbers is tests/test_guards_e2e.py."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_preemption_is_added_where_a_save_folder_is_set(overrides, on, quickstar
 
 
 @pytest.mark.slow
-def test_sigterm_without_a_preemption_section_saves_and_exits_0(quickstart_data, tmp_path):
+def test_sigterm_without_a_preemption_section_saves_and_exits_75(quickstart_data, tmp_path):
     """A real process (python train.py, as `make train` runs it), SIGTERM after a few batches."""
     out = tmp_path / "run"
     cmd = [sys.executable, "train.py", "yamls/quickstart.yaml", f"variables.data_root={quickstart_data}",
@@ -60,7 +60,8 @@ def test_sigterm_without_a_preemption_section_saves_and_exits_0(quickstart_data,
     p.send_signal(signal.SIGTERM)
     rc = p.wait(timeout=600)
     said = log.read_text()
-    assert rc == 0, said[-3000:]
+    assert rc == 75, said[-3000:]
+    assert "Traceback" not in said
     assert "preemption: on (save_folder is set)" in said
     stop = int(said.split("stopping after batch ")[1].split()[0])
     (ckpt, manifest), *_ = complete_checkpoints(out / "checkpoints")

@@ -60,6 +60,7 @@ class Preemption(Callback):
     def __init__(self, options: PreemptionOptions | None = None, **fields: Any):
         self.options = options_or_fields(PreemptionOptions, options, fields, "the 'preemption' callback")
         self.stopped_at: int | None = None
+        self.finished = False  # the batch it stopped after was the run's last anyway
 
     @property
     def received(self) -> int:
@@ -85,6 +86,7 @@ class Preemption(Callback):
         if not signum or self.stopped_at is not None:
             return
         self.stopped_at = int(state.timestamp.batch)
+        self.finished = _reached_max_duration(state)  # before stop_training() moves max_duration
         state.stop_training()  # the Checkpointer saves this batch: it is now the last one
         for evaluator in state.evaluators:  # no end-of-training eval: time is short
             evaluator.eval_interval = lambda state, event: False
@@ -103,8 +105,7 @@ class Preemption(Callback):
         """Stopped for a signal, or in ``foundryx train``'s own process: the signals are
         ignored from here (foundryx.preempt.stop); else the handlers as they were."""
         if self.stopped_at is not None:
-            finished = _reached_max_duration(state)
-            preempt.stop(None if finished else self.stopped_at)
+            preempt.stop(None if self.finished else self.stopped_at)
         elif preempt.owned():
             preempt.stop(None)
         else:

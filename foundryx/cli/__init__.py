@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"foundryx: error: {problem}", file=sys.stderr)
         return 2
+    preempt.new_run()  # in a process that ran a command before (tests): its signal is not ours
     try:
         return args.fn(args)
     except preempt.Preempted as e:  # a scheduler's signal before training began
@@ -186,6 +187,7 @@ def run(argv: list[str] | None = None) -> NoReturn:
     every module's cleanup still run; only cyclic garbage is left to the operating system (not in
     a process that loaded Triton's nanobind extension: :func:`_nanobind_extension_loaded`)."""
     atexit.register(_release_process_group)  # first in, so last out: after Composer's own
+    preempt.whole_process()  # a run's signals stay foundryx's until the process exits
     code = main(argv)
     if not _nanobind_extension_loaded():
         gc.freeze()

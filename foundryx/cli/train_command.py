@@ -34,8 +34,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         if problems:
             raise ConfigError(problems, source=str(args.config))
         return 0
-    training.train(training.load_run_config(args.config, args.overrides))
-    return preempt.exit_code()  # 75: stopped for a signal, with a checkpoint
+    try:
+        training.train(training.load_run_config(args.config, args.overrides))
+        return preempt.exit_code()  # 75: stopped for a signal, with a checkpoint
+    finally:
+        if not preempt.owned():  # called in a process that goes on (tests): handlers given back
+            preempt.restore()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
