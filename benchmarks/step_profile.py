@@ -11,12 +11,13 @@ benchmarks/flagship_vs_peer.py are profiled the same way.
 - ``<side>-kernels.md``: the step's top kernels by device time (torch.profiler: every CUDA /
   HIP kernel, memcpy and memset of the step, summed by name), with the step's kernel count
   and total device time; on a CPU, the top operators by self CPU time instead.
-- ``<side>-memory.md``: the allocator's figures for the step (``torch.cuda.memory_stats``:
-  peak allocated, reserved, allocation retries), the memory that persists across steps split
-  into parameters (trainable / frozen, by dtype), gradients and optimizer state, the step's
-  transient peak (the peak less what was allocated when the step began), and, on a GPU, the
-  allocations alive at the step's peak grouped by the first frame outside torch that made
-  them (``torch.cuda.memory._record_memory_history``: the snapshot, replayed to its peak).
+- ``<side>-memory.md``: the allocator's figures (``torch.cuda.memory_stats``: peak allocated
+  and reserved of the run so far, which the profile leaves as they are, so a run's own peak
+  figures still cover every step; allocation retries), the memory that persists across steps
+  split into parameters (trainable / frozen, by dtype), gradients and optimizer state, and, on
+  a GPU, the step's own peak and the allocations alive there grouped by the first frame
+  outside torch that made them (``torch.cuda.memory._record_memory_history``: the snapshot,
+  replayed to its peak).
 
 Each file is a few KB (``top`` rows each). A failure to summarise is written into the file
 instead of stopping the run.
@@ -122,9 +123,12 @@ def state_breakdown(model: Any, optimizer: Any, device_type: str) -> dict[str, i
 
 def peak_sites(trace: list[dict], start_bytes: int = 0, top: int = TOP) -> tuple[int, list]:
     """Replay one device's allocator trace (``torch.cuda.memory._snapshot()['device_traces']
-    [i]``) to its peak: (the peak's bytes above ``start_bytes``, [(site, bytes, blocks)] of the
-    allocations alive there, largest first). A site is the first frame outside torch (the
-    model code, transformers, peft, foundryx, Composer) that made the allocation."""
+    [i]``, recorded from a moment ``start_bytes`` were allocated) to its peak: (the peak's
+    bytes, [(site, bytes, blocks)] of the recorded allocations alive there, largest first).
+    Bytes count from ``free_requested`` (where torch's allocated figure drops), so a block
+    allocated before the recording and freed during it lowers the count. A site is the first
+    frame outside torch (the model code, transformers, peft, foundryx, Composer) that made the
+    allocation."""
     alive: dict[int, tuple[int, str]] = {}
     now = best = 0
     best_alive: dict[int, tuple[int, str]] = {}
@@ -135,8 +139,8 @@ def peak_sites(trace: list[dict], start_bytes: int = 0, top: int = TOP) -> tuple
             now += size
             if now > best:
                 best, best_alive = now, dict(alive)
-        elif action in ("free_requested", "free") and addr in alive:
-            now -= alive.pop(addr)[0]
+        elif action in ("free_requested", "free"):
+            now -= alive.pop(addr)[0] if addr in alive else size  # the latter: from before
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for size, site in best_alive.values():
         sites[site][0] += size
@@ -171,8 +175,7 @@ class StepProfile:
         self.errors: list[str] = []
         if self.cuda:
             torch.cuda.synchronize()
-            self.start_bytes = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+            self.start_bytes = torch.cuda.memory_allocated()  # the peaks are not reset
             try:
                 torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_ENTRIES,
                                                          stacks="python")
@@ -221,13 +224,12 @@ class StepProfile:
         held = sum(state.values())
         if self.cuda:
             s = torch.cuda.memory_stats()
-            peak = s.get("allocated_bytes.all.peak", 0)
-            lines += ["| allocator (torch.cuda.memory_stats, this step) | size |", "|---|---:|",
-                      f"| peak allocated | {_gib(peak)} |",
+            lines += ["| allocator (torch.cuda.memory_stats) | size |", "|---|---:|",
+                      f"| peak allocated, the run so far | "
+                      f"{_gib(s.get('allocated_bytes.all.peak', 0))} |",
                       f"| allocated when the step began | {_gib(self.start_bytes)} |",
-                      f"| transient peak (peak less that) | {_gib(peak - self.start_bytes)} |",
                       f"| allocated after the step | {_gib(s.get('allocated_bytes.all.current', 0))} |",
-                      f"| peak reserved | {_gib(s.get('reserved_bytes.all.peak', 0))} |",
+                      f"| peak reserved, the run so far | {_gib(s.get('reserved_bytes.all.peak', 0))} |",
                       f"| peak inactive split (fragmentation) | "
                       f"{_gib(s.get('inactive_split_bytes.all.peak', 0))} |",
                       f"| allocation retries / OOMs | {s.get('num_alloc_retries', 0)} / "
@@ -240,8 +242,9 @@ class StepProfile:
             traces = snapshot.get("device_traces") or []
             trace = traces[index] if index < len(traces) else []
             peak, sites = peak_sites(trace, self.start_bytes, self.top)
-            lines += ["", f"Allocations alive at the step's peak ({_gib(peak)}: "
-                      f"{_gib(self.start_bytes)} allocated before the step, the rest below; "
+            lines += ["", f"This step's peak allocated: {_gib(peak)} ({_gib(self.start_bytes)} "
+                      f"allocated before the step, {_gib(peak - self.start_bytes)} during it). "
+                      "Allocations of the step alive at its peak ("
                       f"{len(trace):,} allocator events), by the first frame outside torch that "
                       "made them:", "", "| site | size | blocks |", "|---|---:|---:|"]
             lines += [f"| {_short(site)} | {_gib(b)} | {n:,} |" for site, b, n in sites]

@@ -27,15 +27,16 @@ def test_the_snapshot_replays_to_its_peak_and_names_who_allocated():
              {"filename": "/x/transformers/models/llama/modeling_llama.py", "line": 7,
               "name": "forward"}]
     loss = [{"filename": "/x/transformers/loss/loss_utils.py", "line": 3, "name": "ce"}]
-    trace = [{"action": "alloc", "addr": 1, "size": 100, "frames": model},
+    trace = [{"action": "free_requested", "addr": 99, "size": 70},  # allocated before the trace
+             {"action": "free_completed", "addr": 99, "size": 70},
+             {"action": "alloc", "addr": 1, "size": 100, "frames": model},
              {"action": "alloc", "addr": 2, "size": 300, "frames": loss},
              {"action": "alloc", "addr": 3, "size": 50, "frames": model},
              {"action": "free_requested", "addr": 2, "size": 300},
              {"action": "free_completed", "addr": 2, "size": 300},
-             {"action": "alloc", "addr": 4, "size": 200, "frames": []},
-             {"action": "free_requested", "addr": 99, "size": 7}]  # allocated before the trace
+             {"action": "alloc", "addr": 4, "size": 200, "frames": []}]
     peak, sites = step_profile.peak_sites(trace, start_bytes=1000)
-    assert peak == 1000 + 450
+    assert peak == 1000 - 70 + 450
     assert sites == [("loss/loss_utils.py:3 ce", 300, 1),
                      ("llama/modeling_llama.py:7 forward", 150, 2)]
 
