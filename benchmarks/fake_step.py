@@ -19,8 +19,9 @@ autograd engine initialises the CUDA device for it), run as the GPU runs them:
   is pinned.
 
 A step is the trainer's: zero the gradients, forward and loss under autocast, backward with
-the forward's outputs still referenced (Composer keeps ``state.outputs`` through backward; the
-peer's loop holds ``out``), the optimizer step. Two steps run; the second is the one measured
+the forward's outputs still referenced where the trainer holds them (Composer keeps
+``state.outputs`` through backward; the peer's loop keeps only ``.loss``, as
+benchmarks/peer_lora.py does), the optimizer step. Two steps run; the second is the one measured
 (the optimizer's state exists from the first, as in the measured steps 2..5).
 """
 
@@ -66,42 +67,58 @@ class FakeStep:
 # ---------------------------------------------------------------------------------------
 class _FlashLikeAttention(torch.autograd.Function):
     """FlashAttention-2's memory: forward keeps q, k, v, the output and a float32 log-sum-exp
-    per query; backward allocates a float32 dq accumulator and the three gradients."""
+    per query; backward allocates a float32 dq accumulator and the three gradients. Each call
+    is recorded in ATTENTION_CALLS with its FLOPs."""
 
     @staticmethod
-    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, causal):  # noqa: ANN001, ANN205
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.flops = attention_flops(q.shape, k.shape, causal)
+        recompute = torch._C._current_graph_task_id() != -1
+        ATTENTION_CALLS.append(("recompute" if recompute else "forward", ctx.flops))
         return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: ANN001, ANN205
         q, k, v, out, lse = ctx.saved_tensors
         dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # noqa: F841
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        ATTENTION_CALLS.append(("backward", int(2.5 * ctx.flops)))
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
 
 
-ATTENTION_CALLS: list[tuple[tuple[int, ...], tuple[int, ...], bool]] = []  # (q shape, k shape, causal)
+def attention_flops(q_shape: torch.Size, k_shape: torch.Size, causal: bool) -> int:
+    """A flash forward's FLOPs: 4·b·h·s_q·s_k·d (QK^T and PV), half of it when causal."""
+    b, h, s, d = q_shape
+    return 4 * b * h * s * k_shape[2] * d // (2 if causal else 1)
+
+
+ATTENTION_CALLS: list[tuple[str, int]] = []  # (forward | recompute | backward, FLOPs)
 
 
 def flash_like_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,  # noqa: ANN001, ANN201
                     scale=None, enable_gqa=False, **_):
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
     q, k, v = (t.to(dtype) for t in (query, key, value))
-    ATTENTION_CALLS.append((tuple(q.shape), tuple(k.shape), bool(is_causal or attn_mask is None)))
-    return _FlashLikeAttention.apply(q, k, v)
+    return _FlashLikeAttention.apply(q, k, v, bool(is_causal or attn_mask is None))
 
 
 @contextlib.contextmanager
 def gpu_kernels() -> Iterator[None]:
-    """F.scaled_dot_product_attention served as a flash kernel (see the module doc)."""
+    """F.scaled_dot_product_attention served as a flash kernel (see the module doc), and NF4
+    weights decoded in the chunks a GPU decodes them in."""
+    from foundryx.models.peft import frozen_base
+
     real = torch.nn.functional.scaled_dot_product_attention
+    chunks = dict(frozen_base.NF4_CHUNK_BLOCKS)
     torch.nn.functional.scaled_dot_product_attention = flash_like_sdpa
+    frozen_base.NF4_CHUNK_BLOCKS["cpu"] = chunks["gpu"]  # NF4 decoded in the GPU's chunks
     try:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = real
+        frozen_base.NF4_CHUNK_BLOCKS.update(chunks)
 
 
 # ---------------------------------------------------------------------------------------
@@ -129,17 +146,20 @@ def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
     config = AutoConfig.for_model(**{k: v for k, v in shape_config(shape).items()
                                      if k not in ("architectures", "torch_dtype")})
     config._attn_implementation = "sdpa"
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-    model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(target_modules="all-linear", **LORA))
+    # built on meta, then given fake storage (peft 0.21 on torch 2.15 cannot swap a fake
+    # parameter for its cast: the fake mode holds weak references to it)
+    with unfaked(), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = get_peft_model(model, LoraConfig(target_modules="all-linear", **LORA))
+    model.to_empty(device="cpu")
     frozen = {id(m.weight) for name, m in model.named_modules()
               if name.endswith("base_layer") and isinstance(m, nn.Linear)}
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
 
     def forward_loss(b: dict) -> tuple[object, torch.Tensor]:
-        out = model(**b)
-        return out, out.loss
+        return None, model(**b).loss  # as peer_lora.py: the outputs (logits) not held
 
     return FakeStep("peer", model, opt, random_batch(config.vocab_size, batch, seq),
                     forward_loss, frozen, config.vocab_size)
@@ -159,6 +179,7 @@ def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str
 def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
     """foundryx's recipe as the flagship benchmark runs it on one GPU (see the module doc)."""
     from foundryx import builders, registry
+    from foundryx.loading.dtypes import keep_dtype
     from foundryx.models.peft.frozen_base import LowPrecisionLinear
     from foundryx.train import load_run_config
 
@@ -168,6 +189,9 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
     cfg = loaded.cfg
     with unfaked():  # built on meta, as the recipe builds it (torchmetrics cannot deepcopy fakes)
         model = builders.build_model(cfg, tokenizer=None)
+        # the loader's dtype rule for a bf16 checkpoint (the shapes' torch_dtype): frozen-only
+        # units keep bf16 (foundryx.loading.dtypes)
+        keep_dtype(model, lambda places: torch.bfloat16, cfg.parallelism, cfg.precision)
     model = builders.build_parallelism(cfg, model)  # materialised here: fake tensors
     fill_frozen(model)
     opt = builders.build_optimizer(cfg, model)
@@ -209,6 +233,7 @@ def _on_meta(t: torch.Tensor) -> bool:
 def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
     if side not in SIDES:
         raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES)}")
+    shape_config(shape)  # a Llama shape, or NotTraceable
     try:
         return build_peer(shape, batch, seq) if side == "peer" else \
             build_foundryx(shape, side, batch, seq)
@@ -216,7 +241,13 @@ def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
         raise
     except Exception as e:  # noqa: BLE001 - said with where it stopped
         raise NotTraceable(f"{side}: building the model on fake tensors stopped at "
-                           f"{where(e)}: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+                           f"{where(e)}: {type(e).__name__}: {said(e)}") from e
+
+
+def said(e: BaseException) -> str:
+    """An exception's message on one line (a ConfigError's problems joined), at most 400
+    characters."""
+    return " ".join(str(e).split())[:400]
 
 
 def where(e: BaseException) -> str:

@@ -61,7 +61,7 @@ def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
         except Exception as e:  # noqa: BLE001 - said with where it stopped
             raise fake_step.NotTraceable(
                 f"{side}: the step on fake tensors stopped at {fake_step.where(e)}: "
-                f"{type(e).__name__}: {str(e).splitlines()[0][:300]}") from e
+                f"{type(e).__name__}: {fake_step.said(e)}") from e
         row = tracker.report()
         if check_torch:
             row["memtracker_peak_gib"] = _memtracker_peak(step)

@@ -7,8 +7,12 @@ model's top level (the input embedding, the final norm, the output projection) i
 and read from the files: those weights keep the checkpoint's dtype (bf16: half the bytes of
 float32, and no conversion while loading). FSDP2's mixed-precision policy gathers them in its
 ``param_dtype`` for the forward, so the compute sees what float32 parameters would give (bf16
-to float32 is exact). Without a policy that casts (one process, ``mixed_precision: FULL``)
-nothing changes: the compute would see the stored dtype.
+to float32 is exact). One process under ``precision: amp_bf16`` keeps them too (issue 46:
+the flagship's fp32 embedding and head held 2 GiB more than the peer's, and its fp32 residual
+stream twice the checkpointed activations): there is no FSDP2 there, and the compute sees the
+bf16 weights, as an FSDP2 run's does after its gather (autocast computes the head in bf16
+either way; the embedding's output, and so the residual stream, is bf16 as in a multi-rank
+run). Otherwise (``mixed_precision: FULL``, fp32 precision) nothing changes.
 """
 
 from __future__ import annotations
@@ -28,26 +32,45 @@ from foundryx.parallel.policy import blocks
 log = logging.getLogger(__name__)
 
 
+def computes_in(parallelism: Any, precision: str) -> torch.dtype | None:
+    """The dtype the compute gathers or casts frozen weights to, when it is not theirs: FSDP2's
+    ``param_dtype`` on several processes; bf16 for one process under ``amp_bf16``; else None
+    (the weights keep the model's dtype)."""
+    if dist.world_size() < 2:
+        return torch.bfloat16 if precision == "amp_bf16" else None
+    if parallelism is None:
+        return None
+    return mixed_precision_policy(parallelism.mixed_precision, precision).param_dtype
+
+
 def keep_stored_dtype(model: nn.Module, plan: Any, parallelism: Any, precision: str) -> list[str]:
     """Before :func:`foundryx.parallel.parallelize`: give the meta parameters of each FSDP2
     unit whose parameters are all frozen and all read from the files in one floating dtype
     that dtype (see the module doc); returns their names, logged in one line."""
-    if parallelism is None or dist.world_size() < 2:
-        return []
-    if mixed_precision_policy(parallelism.mixed_precision, precision).param_dtype is None:
-        return []
     target_of = {(id(m), n): t for t in plan.targets if t.kind == "param" for m, n in t.holders}
+
+    def stored(places: list) -> torch.dtype | None:
+        targets = [target_of.get((id(m), n)) for m, n in places]
+        dtypes = {t.entry.dtype for t in targets if t is not None}
+        return dtypes.pop() if None not in targets and len(dtypes) == 1 else None
+
+    return keep_dtype(model, stored, parallelism, precision)
+
+
+def keep_dtype(model: nn.Module, stored: Any, parallelism: Any, precision: str) -> list[str]:
+    """:func:`keep_stored_dtype` for any source of dtypes: ``stored(places)`` gives the dtype
+    a unit's weights are read in (None: not one)."""
+    compute = computes_in(parallelism, precision)
+    if compute is None:
+        return []
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     kept, nbytes = [], 0
     for places in unit_parameters(model, [m for _, m in blocks(model)]):
-        targets = [target_of.get((id(m), n)) for m, n in places]
         params = [m._parameters[n] for m, n in places]
-        stored = {t.entry.dtype for t in targets if t is not None}
-        if (not places or None in targets or len(stored) != 1
-                or any(isinstance(m, LowPrecisionLinear) for m, _ in places)
+        dtype = stored(places) if places else None
+        if (dtype is None or any(isinstance(m, LowPrecisionLinear) for m, _ in places)
                 or any(p.requires_grad or not p.is_meta for p in params)):
             continue
-        dtype = stored.pop()
         if not dtype.is_floating_point or all(p.dtype == dtype for p in params):
             continue
         new: dict[int, nn.Parameter] = {}
@@ -59,10 +82,10 @@ def keep_stored_dtype(model: nn.Module, plan: Any, parallelism: Any, precision: 
                 nbytes += p.numel() * dtype.itemsize
             m._parameters[n] = new[id(p)]
     if kept and dist.rank() == 0:
-        log.info("loading: %d frozen weights keep the checkpoint's %s (%s; %s in all): an FSDP2 "
-                 "unit of frozen weights only, gathered as %s for compute", len(kept),
+        log.info("loading: %d frozen weights keep the checkpoint's %s (%s; %s in all): a unit "
+                 "of frozen weights only (FSDP2's, or the model's top level on one process), "
+                 "computed in %s", len(kept),
                  str(dtype).removeprefix("torch."), ", ".join(kept[:4]) + (" ..." if len(kept) > 4
                                                                          else ""),
-                 gb(nbytes), str(mixed_precision_policy(parallelism.mixed_precision, precision)
-                                 .param_dtype).removeprefix("torch."))
+                 gb(nbytes), str(compute).removeprefix("torch."))
     return kept

@@ -23,21 +23,26 @@ import torch
 from composer.metrics.nlp import LanguageCrossEntropy, LanguagePerplexity
 from packaging.version import Version
 from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.hf_compat import newer_transformers_hint
 from foundryx.hub import looks_like_path, resolve_source
-from foundryx.models.composer_base import CausalLMBase
+from foundryx.models.composer_base import CausalLMBase, FusedLossLM, labels_of
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.hf_tp import hf_tp_plan
+from foundryx.models.layers.loss import linear_cross_entropy
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
 
 log = logging.getLogger(__name__)
 
 NAME = "hf_causal_lm"
+# model types whose causal-LM forward is ``lm_head(decoder(...).last_hidden_state)`` and a
+# token-mean cross entropy: no logit scaling, soft-capping or auxiliary loss
+FUSABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"})
 
 
 @dataclass
@@ -72,6 +77,11 @@ class HFCausalLMOptions:
     frozen_base: FrozenBaseOptions | None = option(
         "with peft_config: store the frozen linear weights as nf4, fp8, int8 or bf16 and "
         "offload a share of them to host memory (docs/finetuning.md)", default=None)
+    fused_loss: bool | None = option(
+        "a training step takes the loss chunk by chunk from the last hidden states and the "
+        "output projection, never holding the tokens x vocab logits (null: on for the model "
+        "types whose head is a plain linear layer: " + ", ".join(sorted(FUSABLE)) + ")",
+        default=None)
 
     def problems(self) -> list[str]:
         """Combinations, and the config of a local folder or dict (no weights are read)."""
@@ -93,7 +103,7 @@ class HFCausalLMOptions:
         return override_problems(hf_config, self.config_overrides, "config_overrides")
 
 
-class ComposerHFCausalLM(CausalLMBase):
+class ComposerHFCausalLM(FusedLossLM):
     """A Hugging Face ``AutoModelForCausalLM`` as a Composer model:
     ``ComposerHFCausalLM(tokenizer, options=HFCausalLMOptions(...))`` or with the options as
     keywords, ``ComposerHFCausalLM(tokenizer, pretrained_model_name_or_path=...)`` (see
@@ -124,8 +134,9 @@ class ComposerHFCausalLM(CausalLMBase):
         )
         self.n_matmul_params = matmul_params(self.model)
         self._warned_packing = False
+        self.fuses_loss = fused_loss_choice(self.model, o.fused_loss)
 
-    def forward(self, batch: Mapping[str, Any]):
+    def _forward(self, batch: Mapping[str, Any], fused: bool):
         if batch.get("sequence_id") is not None and not self._warned_packing:
             self._warned_packing = True
             log.warning("hf_causal_lm: the batches carry sequence_id (packed examples), which "
@@ -133,7 +144,21 @@ class ComposerHFCausalLM(CausalLMBase):
                         "set packing_ratio: null in the loader to keep them apart")
         # No KV cache in a training/eval forward: none is reused, and under activation
         # checkpointing the recomputed forward would append to it again (shapes differ).
-        return super().forward({**batch, "use_cache": False})
+        batch = {**batch, "use_cache": False}
+        head = self.model.get_output_embeddings()
+        if fused and not getattr(head.weight, "device_mesh", None):  # a TP head: loss_parallel
+            return self._fused_forward(batch, head.weight)
+        return CausalLMBase.forward(self, batch)  # Composer's: the model's own forward
+
+    def _fused_forward(self, batch: Mapping[str, Any], weight: torch.Tensor):
+        """The decoder's last hidden states, and the loss from them fused with the output
+        projection (``linear_cross_entropy``): no logits."""
+        inputs = {k: v for k, v in batch.items()
+                  if k in self.model_forward_args and k not in ("labels", "logits_to_keep")}
+        hidden = self.model.get_decoder()(**inputs).last_hidden_state
+        labels = labels_of(batch)
+        loss = linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
+        return CausalLMOutputWithPast(loss=loss, logits=None)
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         """Training FLOPs of a batch: ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``,
@@ -141,6 +166,27 @@ class ComposerHFCausalLM(CausalLMBase):
         b, s = batch["input_ids"].shape[:2]
         cfg = self.model.config
         return 3 * b * (2 * self.n_matmul_params * s + 4 * cfg.num_hidden_layers * cfg.hidden_size * s * s)
+
+
+def fused_loss_choice(model: nn.Module, asked: bool | None) -> bool:
+    """Whether a training step fuses the loss with the output projection: ``asked``, or (None)
+    for the model types in FUSABLE with a bias-free linear head and a ``get_decoder``, said in
+    one line either way."""
+    model_type = getattr(model.config, "model_type", "?")
+    head = model.get_output_embeddings()
+    can = (isinstance(head, nn.Linear) and head.bias is None
+           and callable(getattr(model, "get_decoder", None)))
+    if asked and not can:
+        raise ConfigError([f"model.fused_loss: true, but {type(model).__name__}'s output head "
+                           "is not a bias-free linear layer after a get_decoder(); set "
+                           "fused_loss: false"])
+    fused = can and model_type in FUSABLE if asked is None else asked
+    if asked is None:
+        log.info("hf_causal_lm: fused loss %s (model_type %s%s; model.fused_loss sets it)",
+                 "on" if fused else "off", model_type,
+                 ": the training loss is taken chunk by chunk, never holding the whole logits"
+                 if fused else ": not one whose head is known to be a plain linear layer")
+    return fused
 
 
 def build_config(

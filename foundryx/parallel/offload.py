@@ -100,6 +100,7 @@ class Offloaded:
         self.backward_task = -1  # the autograd graph task whose backward last took the weight
         self.pending: tuple[torch.device, torch.Tensor, object] | None = None
         self.copies = 0  # host -> device copies made (tests count them)
+        self.prefetches = 0  # copies started ahead of use (numbers them)
 
     def set_host(self, host: torch.Tensor) -> None:
         """Hold ``host`` (this rank's rows when sharded; a meta placeholder until a loader
@@ -170,14 +171,16 @@ class Offloaded:
         if self.pending is not None:
             return
         self.pending = (device, *self._copy(device))
-        task = torch._C._current_graph_task_id()
-        if task != -1:
-            pending = self.pending
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._drop(pending))
+        self.prefetches += 1
+        if torch._C._current_graph_task_id() != -1:
+            # the callback names the copy by its number: a closure holding the copy itself
+            # would keep every copy made in backward alive until backward ends (the flagship
+            # estimate saw it: all offloaded weights on the device at once)
+            number = self.prefetches
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._drop(number))
 
-    def _drop(self, pending: tuple) -> None:
-        if self.pending is pending:
+    def _drop(self, number: int) -> None:
+        if self.pending is not None and self.prefetches == number:
             self.pending = None
 
     def take(self, device: torch.device, backward: bool = False) -> torch.Tensor:

@@ -46,6 +46,14 @@ class VocabShard(Protocol):
     def sum_(self, t: torch.Tensor) -> None: ...
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross entropy of position t predicting ``labels[:, t + 1]``; labels equal to
+    -100 are ignored (the unfused loss, from whole logits)."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
 def chunk_tokens(vocab_size: int, device: str = "cuda") -> int:
     """Tokens per chunk so that a chunk's fp32 logits take about ``CHUNK_LOGIT_BYTES``
     (``CPU_CHUNK_LOGIT_BYTES`` on ``device`` "cpu")."""

@@ -14,18 +14,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from foundryx import registry
 from foundryx.models.layers.head import output_logits
-from foundryx.models.layers.loss import linear_cross_entropy
+from foundryx.models.layers.loss import causal_lm_loss, linear_cross_entropy
 from foundryx.models.layers.positions import alibi_slopes, apply_rope, rope_cos_sin, token_positions
 from foundryx.models.mpt.configuration import MPTConfig
-
-IGNORE_INDEX = -100
 
 
 def _norm(config: MPTConfig, dim: int) -> nn.Module:
@@ -361,14 +358,6 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
     ) -> dict[str, Any]:
         """The whole prefix at every step (no KV cache)."""
         return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Token-mean cross entropy of position t predicting ``labels[:, t + 1]``; labels equal to
-    -100 are ignored."""
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX
-    )
 
 
 def param_count(cfg: Mapping[str, Any]) -> int:

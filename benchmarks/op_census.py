@@ -1,0 +1,232 @@
+"""An op census of one training step on fake tensors, with its time on paper (issues 46, 47).
+
+    python benchmarks/op_census.py --shape yamls/shapes/llama-3.1-8b [--sides peer,bf16] [--json F]
+
+For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
+``fp8-offload0.5``) the measured (second) step is dispatched op by op:
+
+- GEMM FLOPs by torch's ``FlopCounterMode`` (matmuls, linear layers), plus attention's as a
+  flash kernel does them (forward 4·b·h·s²·d, halved when causal; backward 2.5x that);
+- every other op that launches a kernel: bytes read (its tensor inputs) and written (its
+  outputs); views and metadata ops launch none and are left out;
+- the kernel count (one per op that launches one);
+- the time on paper at an H100's dense bf16 peak and memory bandwidth (989 TFLOP/s,
+  3.35 TB/s): each op at the larger of its FLOP time and its byte time, summed; and the
+  launch floor at 4 µs a kernel (eager PyTorch, no CUDA graphs).
+
+Each op is charged to where it ran: the innermost module (its dotted name, block numbers
+as N) in a forward, the autograd node in backward, ``optimizer`` in the step. ``--vs peer``
+(default when both are traced) lists the places where a side moves more bytes or launches
+more kernels than the peer: the casts, copies and kept tensors it adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import fake_step  # noqa: E402
+from step_memory import inner_tensors  # noqa: E402
+
+H100 = {"name": "NVIDIA H100 80GB HBM3 (SXM)", "flops": 989e12, "bytes_per_s": 3.35e12,
+        "launch_s": 4e-6}
+GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "_int_mm"}
+NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
+             "unsqueeze", "squeeze", "detach", "alias", "as_strided", "split", "chunk",
+             "unbind", "reshape", "_reshape_alias", "lift_fresh", "empty", "empty_like",
+             "empty_strided", "new_empty", "new_empty_strided", "_local_scalar_dense",
+             "is_same_size", "_to_copy_noop", "view_as", "split_with_sizes", "diagonal",
+             "expand_as", "narrow", "unflatten", "flatten", "movedim", "set_", "resize_",
+             "device", "dim", "size", "stride", "sym_size", "sym_stride", "sym_numel",
+             "is_contiguous", "is_pinned", "_has_compatible_shallow_copy_type"}
+
+
+def _bytes(ts) -> int:  # noqa: ANN001
+    total = 0
+    for t in ts:
+        if isinstance(t, torch.Tensor):
+            for leaf in inner_tensors(t):
+                total += leaf.numel() * leaf.element_size()
+    return total
+
+
+class OpCensus(TorchDispatchMode):
+    """Per place and op: kernels, bytes read + written, GEMM FLOPs."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        super().__init__()
+        self.names = names  # id(module) -> dotted name
+        self.stack: list[str] = []
+        self.phase = "forward"
+        self.rows: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0, 0.0])
+        self.flops: dict[str, int] = {}  # set by the FlopCounterMode around it
+
+    def place(self) -> str:
+        if self.phase == "optimizer":
+            return "optimizer"
+        if self.stack:
+            return ("recompute: " if self.phase == "backward" else "") + self.stack[-1]
+        if self.phase == "backward":
+            node = torch._C._current_autograd_node()
+            return f"backward: {type(node).__name__ if node is not None else '?'}"
+        return self.phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if name in NO_KERNEL:
+            return out
+        flat_in, _ = tree_flatten((args, kwargs))
+        flat_out, _ = tree_flatten(out)
+        moved = _bytes(flat_in) + (0 if name.endswith("_") else _bytes(flat_out))
+        row = self.rows[(self.place(), name)]
+        row[0] += 1
+        row[1] += moved
+        if name in GEMMS:
+            a, b = [t for t in flat_in if isinstance(t, torch.Tensor)][-2:]
+            row[2] += gemm_flops(name, a, b, flat_out)
+        return out
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: str):
+        before, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = before
+
+    @contextlib.contextmanager
+    def watching_modules(self):
+        def pre(module, args):  # noqa: ANN001, ANN202
+            self.stack.append(self.names.get(id(module), type(module).__name__))
+
+        def post(module, args, out):  # noqa: ANN001, ANN202
+            if self.stack:
+                self.stack.pop()
+
+        h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+        h2 = nn.modules.module.register_module_forward_hook(post, always_call=True)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
+
+
+def gemm_flops(name: str, a: torch.Tensor, b: torch.Tensor, out) -> int:  # noqa: ANN001
+    """2·M·N·K of a matmul from its output and the contraction of its operands."""
+    o = next(t for t in out if isinstance(t, torch.Tensor)) if isinstance(out, list) else out
+    k = a.shape[-1]
+    return 2 * o.numel() * k
+
+
+def normalise(place: str) -> str:
+    """A place with block numbers as N and the wrappers' prefixes dropped, so that foundryx's
+    and the peer's names meet (``base_model.model.model.layers.3.mlp`` -> ``layers.N.mlp``)."""
+    place = re.sub(r"\.\d+(\.|$)", r".N\1", place)
+    place = re.sub(r"^(recompute: )?(?:[\w.]*?\.)?(layers\.N)", r"\1\2", place)
+    place = re.sub(r"(_checkpoint_wrapped_module\.|_fsdp_wrapped_module\.|_orig_mod\.)", "", place)
+    return place.replace(".default", "")
+
+
+def census(side: str, shape: Path, batch: int = 2, seq: int = 4096) -> dict:
+    with fake_step.fake_mode(), fake_step.gpu_kernels():
+        step = fake_step.build(side, shape, batch, seq)
+        names = {id(m): n for n, m in step.model.named_modules()}
+        c = OpCensus(names)
+        fake_step.run_step(step, lambda name: contextlib.nullcontext())  # optimizer state
+        fake_step.ATTENTION_CALLS.clear()
+        flops = FlopCounterMode(display=False)
+        with c, c.watching_modules(), flops:
+            fake_step.run_step(step, c.in_phase)
+        calls = list(fake_step.ATTENTION_CALLS)
+    rows = defaultdict(lambda: [0, 0, 0.0])
+    for (place, op), (n, moved, f, _) in c.rows.items():
+        r = rows[(normalise(place), op)]
+        r[0] += n
+        r[1] += moved
+        r[2] += f
+    return summarise(side, rows, flops.get_total_flops(), sum(f for _, f in calls), len(calls))
+
+
+def summarise(side: str, rows: dict, gemm: int, attn: int, attention_calls: int) -> dict:
+    kernels = sum(r[0] for r in rows.values()) + attention_calls
+    other_bytes = sum(r[1] for (place, op), r in rows.items() if op not in GEMMS)
+    # per op: the larger of its FLOP time and its byte time
+    paper = sum(max(r[2] / H100["flops"], r[1] / H100["bytes_per_s"]) for r in rows.values())
+    paper += attn / H100["flops"]
+    return {"side": side, "gemm_flops": gemm, "attention_flops": attn,
+            "other_bytes": other_bytes, "kernels": kernels,
+            "paper_s": paper, "launch_floor_s": kernels * H100["launch_s"],
+            "places": {f"{place} | {op}": [n, moved, f] for (place, op), (n, moved, f)
+                       in rows.items()}}
+
+
+def differences(side: dict, peer: dict, top: int = 15) -> list[tuple[str, int, int]]:
+    """Places where ``side`` moves more bytes than ``peer``: (place | op, extra bytes, extra
+    kernels), largest first."""
+    out = []
+    for key, (n, moved, _) in side["places"].items():
+        pn, pmoved, _ = peer["places"].get(key, (0, 0, 0))
+        if moved > pmoved or n > pn:
+            out.append((key, moved - pmoved, n - pn))
+    return sorted(out, key=lambda x: -x[1])[:top]
+
+
+def report(results: dict[str, dict]) -> str:
+    lines = ["| side | GEMM TFLOP | attention TFLOP | other GB moved | kernels | on paper s | "
+             "launch floor s |", "|---|---|---|---|---|---|---|"]
+    for s, r in results.items():
+        lines.append(f"| {s} | {r['gemm_flops'] / 1e12:.1f} | {r['attention_flops'] / 1e12:.1f} | "
+                     f"{r['other_bytes'] / 1e9:.1f} | {r['kernels']} | {r['paper_s']:.3f} | "
+                     f"{r['launch_floor_s']:.3f} |")
+    peer = results.get("peer")
+    for s, r in results.items():
+        if peer is None or s == "peer":
+            continue
+        lines += ["", f"{s}: more than the peer (place | op: extra GB, extra kernels)"]
+        lines += [f"  {k}: {b / 1e9:+.2f} GB, {n:+d} kernels" for k, b, n in differences(r, peer)]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=Path, default=Path("yamls/shapes/llama-3.1-8b"))
+    p.add_argument("--sides", default="peer,bf16")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    if not (a.shape / "config.json").is_file():
+        print(f"op_census: --shape {a.shape}: no config.json there", file=sys.stderr)
+        return 2
+    results = {}
+    for side in a.sides.split(","):
+        try:
+            results[side] = census(side, a.shape, a.batch, a.seq)
+        except fake_step.NotTraceable as e:
+            print(f"op_census: {e}", file=sys.stderr)
+            return 2
+    print(report(results))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""The CPU instruments that predict a GPU step (issue 46): benchmarks/flagship_estimate.py's
+device memory by category on fake tensors, and benchmarks/op_census.py's FLOPs, bytes and
+kernels, at a tiny Llama shape; their refusals (exit 2, naming what stopped them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fake_step  # noqa: E402
+import flagship_estimate  # noqa: E402
+import op_census  # noqa: E402
+from step_memory import CATEGORIES, CategoryTracker  # noqa: E402
+
+TINY = ROOT / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
+
+
+def test_the_tracker_counts_each_storage_once_and_its_categories_add_up_to_the_peak():
+    t = CategoryTracker(vocab_size=7)
+    w = torch.empty(256, 256)  # 256 KiB
+    t.add(w, "frozen base")
+    with t, t.in_phase("forward"):
+        a = torch.empty(64, 256)  # 64 KiB, kept
+        v = a.view(-1)  # a view: the same storage, not counted again
+        logits = torch.empty(10, 7)  # the vocabulary's last dimension
+        tmp = torch.empty(128, 256)  # 128 KiB, freed below
+        del tmp
+        with t.in_phase("backward"):
+            g = torch.empty(32, 256)  # noqa: F841
+    assert t.peak == (256 + 64 + 128) * 1024 + 10 * 7 * 4
+    assert sum(t.at_peak.values()) == t.peak
+    assert t.at_peak["activations kept"] == (64 + 128) * 1024 and t.at_peak["logits + loss"] == 280
+    assert t.total == (256 + 64 + 32) * 1024 + 280 and v.numel() == a.numel() and logits.dim() == 2
+
+
+@pytest.mark.parametrize("side", fake_step.SIDES)
+def test_every_side_traces_at_a_tiny_shape_and_its_categories_sum_to_its_peak(side):
+    row = flagship_estimate.estimate(side, TINY, batch=2, seq=64)
+    cats = row["categories"]
+    assert set(CATEGORIES) <= set(cats)
+    assert sum(cats.values()) == pytest.approx(row["peak_gib"], rel=1e-9)
+    assert cats["frozen base"] > 0 and cats["adapters + optimizer"] > 0
+    assert cats["activations kept"] > 0
+    if side == "fp8-offload0.5":  # half the frozen layers live in host memory
+        fp8 = flagship_estimate.estimate("fp8", TINY, batch=2, seq=64)
+        assert cats["frozen base"] < 0.75 * fp8["categories"]["frozen base"]
+
+
+def test_foundryx_fuses_the_loss_where_the_peer_holds_vocabulary_sized_tensors(tmp_path):
+    """At a large vocabulary (Llama 3's 128k is the 8B step's peak) the peer's loss holds the
+    logits, their log-softmax and gradients: the peak; foundryx's fused loss holds one chunk
+    of them at a time (issue 46's largest category)."""
+    cfg = json.loads((TINY / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32768}))
+    peer = flagship_estimate.estimate("peer", tmp_path, batch=2, seq=1024)
+    ours = flagship_estimate.estimate("bf16", tmp_path, batch=2, seq=1024)
+    vocab_bytes = 2 * 1024 * 32768 * 4  # one float32 tokens x vocab tensor
+    assert peer["categories"]["logits + loss"] * 2**30 >= 2.5 * vocab_bytes
+    assert ours["categories"]["logits + loss"] * 2**30 < 0.5 * vocab_bytes
+    assert ours["peak_gib"] < peer["peak_gib"]
+
+
+def test_the_estimate_and_census_commands_write_json_and_refuse_what_they_cannot_trace(
+        tmp_path, capsys):
+    out = tmp_path / "est.json"
+    assert flagship_estimate.main(["--shape", str(TINY), "--seq", "32", "--sides", "peer,fp8",
+                                   "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert set(rows) == {"peer", "fp8"} and rows["fp8"]["peak_gib"] > 0
+    gpt = tmp_path / "gpt"
+    gpt.mkdir()
+    (gpt / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    capsys.readouterr()
+    assert flagship_estimate.main(["--shape", str(gpt), "--sides", "bf16"]) == 2
+    assert "model_type 'gpt2'" in capsys.readouterr().err
+    assert op_census.main(["--shape", str(tmp_path / "none")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_a_step_that_stops_says_which_module_stopped_it(monkeypatch):
+    from foundryx.models.peft import frozen_base
+
+    def broken(*a, **k):
+        raise RuntimeError("cannot trace this")
+
+    monkeypatch.setattr(frozen_base, "dequantize", broken)
+    with pytest.raises(fake_step.NotTraceable, match=r"fp8: the step .* frozen_base.py:\d+ .*"
+                                                     r"cannot trace this"):
+        flagship_estimate.estimate("fp8", TINY, batch=1, seq=32)
+
+
+def test_the_census_counts_the_same_gemm_work_on_both_sides_and_names_the_extra_bytes():
+    """Same model, same LoRA, same checkpointing: the GEMM FLOPs of both sides agree (the
+    fused loss does the head's two matmuls chunk by chunk, nothing more); each side's FLOPs
+    match the matmuls a checkpointed LoRA step must do."""
+    peer = op_census.census("peer", TINY, batch=2, seq=64)
+    ours = op_census.census("bf16", TINY, batch=2, seq=64)
+    cfg = json.loads((TINY / "config.json").read_text())
+    d, f, n, v = (cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"],
+                  cfg["vocab_size"])
+    kv = d // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    tokens, r = 2 * 64, fake_step.LORA["r"]
+    shapes = [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)]  # q k v o gate up down
+    base = n * sum(i * o for i, o in shapes)
+    lora = n * sum(r * (i + o) for i, o in shapes)
+    # every frozen layer's forward, recompute and input gradient; the head's forward and input
+    # gradient; each adapter's forward, recompute, input and weight gradients
+    expected = 2 * tokens * (3 * base + 2 * v * d + 4 * lora)
+    for side in (peer, ours):  # less: the first block's input needs no gradient (foundryx)
+        assert 0.85 * expected <= side["gemm_flops"] <= 1.01 * expected, \
+            side["gemm_flops"] / expected
+    assert peer["gemm_flops"] == pytest.approx(expected, rel=0.01)
+    assert ours["kernels"] > 0 and ours["paper_s"] > 0
+    assert op_census.differences(ours, peer)  # where foundryx does more: listed
