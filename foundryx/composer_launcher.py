@@ -9,8 +9,9 @@ SIGKILLed them after 30 s, and a signal while it was still importing ``composer`
 by an import (the ranks never heard of it: the run went on). For a foundryx training script
 this module's :func:`main` runs instead of Composer's ``main``:
 
-- the preemption signals (foundryx.preempt.DEFAULT_SIGNALS) are held (blocked) from the
-  moment torch is imported until foundryx's handler is set, so none is lost or kills it;
+- foundryx's handler of the preemption signals (foundryx.preempt.DEFAULT_SIGNALS) is set as
+  torch's import ends, and Composer's import leaves it in place (foundryx.preempt.kept), so
+  none is lost or kills it;
 - the ranks start with them held too (``FOUNDRYX_HELD_SIGNALS``: foundryx's import releases
   them into a handler that notes them, foundryx.preempt), so a rank that has not set its
   handler yet is not killed by one either;
@@ -25,7 +26,7 @@ How it gets there: ``[project.entry-points."torch.backends"]`` names :func:`auto
 torch calls at the end of every ``import torch`` (its hook for out-of-tree device backends,
 the only foundryx code Composer's launcher process runs before ``composer`` sets its
 handler: ``import composer`` imports torch first). In any process but the ``composer`` command
-it returns at once. There it holds the signals and adds an import hook that, once
+it returns at once. There it sets the handler and adds an import hook that, once
 ``composer.cli.launcher`` has run, replaces its ``main`` with this module's :func:`main` (what
 the command's ``from composer.cli.launcher import main`` then gets). A signal in the command's
 first seconds, before torch is imported, ends it as it would any process (exit 143, no line):
@@ -65,8 +66,9 @@ FORWARD_EVERY_S = 1.0
 
 def autoload() -> None:
     """The ``torch.backends`` entry point: in the ``composer`` command, before it imports
-    Composer's launcher, hold the signals and have :class:`_Swap` give it foundryx's ``main``.
-    Anywhere else, nothing. Never raises: torch's import would fail with it."""
+    Composer's launcher, set foundryx's signal handler and have :class:`_Swap` give the
+    command foundryx's ``main``. Anywhere else, nothing. Never raises: torch's import would
+    fail with it."""
     if not _composer_command() or os.environ.get("FOUNDRYX_LAUNCHER") == "0":
         return
     try:

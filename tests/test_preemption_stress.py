@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -130,8 +131,8 @@ def _when(moment: str, out: Path, start: float) -> bool:
         if "MFU: not reported" in said and not began.exists():
             began.write_text("")
         return began.exists() and time.time() - began.stat().st_mtime >= 2
-    if kind == "eval":  # eval_interval=4ba: the eval runs after batch 4
-        return "batch 4/" in said
+    if kind == "eval":  # eval_interval=4ba: the eval runs after batch 4 (console: "batch     4/")
+        return re.search(r"^batch\s+4/", said, re.MULTILINE) is not None
     raise ValueError(moment)
 
 
