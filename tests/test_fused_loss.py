@@ -129,3 +129,68 @@ def test_training_step_never_holds_the_whole_vocabulary_logits(monkeypatch):
     with LargestTensor() as unfused:
         model.loss(model.model(input_ids=b["input_ids"]), b).backward()
     assert unfused.largest >= whole  # the check would see the logits if they were built
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("labels", ["given", "padded"])
+def test_a_hugging_face_llama_fuses_its_training_loss_with_the_same_numbers(labels, caplog):
+    """A Llama's training step returns its loss fused with the output projection and no
+    logits (issue 46: the whole logits were the 8B step's peak), equal to the model's own loss
+    and gradients; eval keeps the logits; foundryx's choice is said in one line."""
+    import logging
+
+    from foundryx.models.hf import ComposerHFCausalLM
+
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        model = ComposerHFCausalLM(config=LLAMA, pretrained=False)
+    assert [r.getMessage() for r in caplog.records if "fused loss" in r.getMessage()] == [
+        "hf_causal_lm: fused loss on (model_type llama: the training loss is taken chunk by "
+        "chunk, never holding the whole logits; model.fused_loss sets it)"]
+    ids = torch.randint(0, 512, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0  # padding: -100 labels when labels come from input_ids
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if labels == "given":
+        batch["labels"] = ids.masked_fill(mask == 0, -100)
+    model.train()
+    out = model(batch)
+    assert out.logits is None
+    fused = model.loss(out, batch)
+    fused.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.fuses_loss = False
+    out = model(batch)
+    assert out.logits is not None
+    plain = model.loss(out, batch)
+    plain.backward()
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    model.eval()
+    with torch.no_grad():
+        assert model.eval_forward(batch).shape == (2, 24, 512)
+
+
+def test_fused_loss_off_or_refused_where_the_head_is_not_a_plain_linear_layer():
+    from foundryx.errors import ConfigError
+    from foundryx.models.hf import ComposerHFCausalLM
+
+    gpt2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 32, "n_layer": 1, "n_head": 2}
+    assert not ComposerHFCausalLM(config=gpt2, pretrained=False).fuses_loss  # not in FUSABLE
+    assert not ComposerHFCausalLM(config=LLAMA, pretrained=False, fused_loss=False).fuses_loss
+    neox = {"model_type": "gpt_neox", "vocab_size": 256, "hidden_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    assert ComposerHFCausalLM(config=neox, pretrained=False, fused_loss=True).fuses_loss
+    with pytest.raises(ConfigError, match="fused_loss: true, but"):
+        from torch import nn
+
+        from foundryx.models import hf
+
+        model = ComposerHFCausalLM(config=LLAMA, pretrained=False).model
+        model.lm_head = nn.Linear(64, 512, bias=True)
+        hf.fuses_loss(model, True)

@@ -100,7 +100,14 @@ def test_activation_checkpointing_and_microbatch_move_activations(tmp_path):
     assert ac.terms["activations"] < base.terms["activations"]
     double = make_plan(_write(tmp_path, LLAMA, device_train_microbatch_size=4), gpu="h100")
     assert double.terms["activations"] > 1.9 * base.terms["activations"]
-    assert double.terms["logits_and_loss"] == 2 * base.terms["logits_and_loss"]
+    # the fused loss holds one chunk of logits, whatever the microbatch; the model's own
+    # loss (fused_loss: false) holds them all
+    assert base.census.shape.fused_loss
+    assert double.terms["logits_and_loss"] < 2 * base.terms["logits_and_loss"]
+    whole = {**LLAMA, "fused_loss": False}
+    one, two = (make_plan(_write(tmp_path, whole, device_train_microbatch_size=m), gpu="h100")
+                for m in (2, 4))
+    assert two.terms["logits_and_loss"] == 2 * one.terms["logits_and_loss"]
 
 
 def test_suggestions_replan_to_what_they_promise(tmp_path):

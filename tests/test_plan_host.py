@@ -204,11 +204,12 @@ def test_load_time_and_read_rate(tmp_path, capsys):
 
 
 def test_wording_hf_loss_and_lora_counts(tmp_path, capsys):
-    """An HF model's loss is not MPT's fused loss; a LoRA count prints in a unit that shows it."""
+    """A Llama's loss is planned as the fused loss (models/hf.py fuses it), not named MPT's; a
+    LoRA count prints in a unit that shows it."""
     path = _config(tmp_path)
     assert main(["plan", str(path), "--gpus", "2", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "MPT" not in out and "fused" not in out
+    assert "MPT" not in out and "(the fused loss: one chunk, in place)" in out
     head = out.splitlines()[0]
     assert "107k parameters" in head and "0.000B" not in head
     assert "8.19k trainable" in head
@@ -252,8 +253,9 @@ def test_prelaunch_refuses_a_run_the_node_cannot_hold(tmp_path, monkeypatch, cap
 def test_frozen_embedding_and_head_read_shard_by_shard_count_in_the_checkpoint_dtype(tmp_path):
     """Under LoRA on 2+ ranks, read shard by shard with a casting mixed-precision policy, the
     loader keeps the frozen embedding, final norm and head in the checkpoint's bf16
-    (foundryx/loading/dtypes.py); the planner counts them so. Every rank loading, one rank, or
-    a policy that does not cast: the stored (master) bytes."""
+    (foundryx/loading/dtypes.py); the planner counts them so, and so on one rank under
+    amp_bf16 (autocast computes in bf16 there). Every rank loading, a policy that does not
+    cast, or one rank in fp32: the stored (master) bytes."""
     from foundryx.plan.memory import frozen_linear_bytes, tp_other
 
     path = _config(tmp_path, init_device="meta", frozen_base={"dtype": "int8"})
@@ -262,7 +264,8 @@ def test_frozen_embedding_and_head_read_shard_by_shard_count_in_the_checkpoint_d
     assert s.frozen_other_bytes == 2 and s.master_bytes == 4
     want = (frozen_linear_bytes(c, s) + tp_other(c, s.tp, s.tp_vocab) * 2) / 2
     assert terms(c, s)["frozen_weights"] == math.ceil(want)
-    for overrides, gpus in ((["model.init_device=cpu"], 2), ([], 1),
+    assert make_plan(path, gpus=1, gpu="h100").setup.frozen_other_bytes == 2
+    for overrides, gpus in ((["model.init_device=cpu"], 2), (["precision=fp32"], 1),
                             (["parallelism.mixed_precision=FULL"], 2)):
         other = make_plan(path, overrides, gpus=gpus, gpu="h100")
         assert other.setup.frozen_other_bytes == 0, overrides

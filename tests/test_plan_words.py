@@ -21,8 +21,11 @@ def test_counts_in_the_unit_that_shows_them():
 
 @pytest.mark.parametrize("config, overrides, loss", [
     ("yamls/finetune/llama-lora.yaml", ["variables.model_path=yamls/shapes/llama-3.1-8b"],
+     "(the fused loss: one chunk, in place)"),
+    ("yamls/mpt-1b.yaml", [], "(the fused loss: one chunk, in place)"),
+    ("yamls/finetune/llama-lora.yaml", ["variables.model_path=yamls/shapes/llama-3.1-8b",
+                                        "model.fused_loss=false"],
      "(whole: the model's own loss)"),
-    ("yamls/mpt-1b.yaml", [], "(MPT's fused loss: one chunk, in place)"),
 ])
 def test_plan_header_and_loss_term(config, overrides, loss, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)

@@ -26,21 +26,10 @@ from torch import nn
 from foundryx.loading.reader import gb
 from foundryx.models.peft.frozen_base import LowPrecisionLinear
 from foundryx.parallel import dist
-from foundryx.parallel.fsdp import mixed_precision_policy, unit_parameters
+from foundryx.parallel.fsdp import frozen_compute_dtype, unit_parameters
 from foundryx.parallel.policy import blocks
 
 log = logging.getLogger(__name__)
-
-
-def computes_in(parallelism: Any, precision: str) -> torch.dtype | None:
-    """The dtype the compute gathers or casts frozen weights to, when it is not theirs: FSDP2's
-    ``param_dtype`` on several processes; bf16 for one process under ``amp_bf16``; else None
-    (the weights keep the model's dtype)."""
-    if dist.world_size() < 2:
-        return torch.bfloat16 if precision == "amp_bf16" else None
-    if parallelism is None:
-        return None
-    return mixed_precision_policy(parallelism.mixed_precision, precision).param_dtype
 
 
 def keep_stored_dtype(model: nn.Module, plan: Any, parallelism: Any, precision: str) -> list[str]:
@@ -60,7 +49,7 @@ def keep_stored_dtype(model: nn.Module, plan: Any, parallelism: Any, precision: 
 def keep_dtype(model: nn.Module, stored: Any, parallelism: Any, precision: str) -> list[str]:
     """:func:`keep_stored_dtype` for any source of dtypes: ``stored(places)`` gives the dtype
     a unit's weights are read in (None: not one)."""
-    compute = computes_in(parallelism, precision)
+    compute = frozen_compute_dtype(parallelism, precision, dist.world_size())
     if compute is None:
         return []
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}

@@ -168,11 +168,10 @@ class ComposerHFCausalLM(FusedLossLM):
         return 3 * b * (2 * self.n_matmul_params * s + 4 * cfg.num_hidden_layers * cfg.hidden_size * s * s)
 
 
-def fused_loss_choice(model: nn.Module, asked: bool | None) -> bool:
-    """Whether a training step fuses the loss with the output projection: ``asked``, or (None)
-    for the model types in FUSABLE with a bias-free linear head and a ``get_decoder``, said in
-    one line either way."""
-    model_type = getattr(model.config, "model_type", "?")
+def fuses_loss(model: nn.Module, asked: bool | None) -> bool:
+    """Whether a training step of the Hugging Face ``model`` fuses the loss with the output
+    projection: ``asked``, or (None) for the model types in FUSABLE with a bias-free linear
+    head and a ``get_decoder``. ConfigError when asked for where the model cannot."""
     head = model.get_output_embeddings()
     can = (isinstance(head, nn.Linear) and head.bias is None
            and callable(getattr(model, "get_decoder", None)))
@@ -180,7 +179,13 @@ def fused_loss_choice(model: nn.Module, asked: bool | None) -> bool:
         raise ConfigError([f"model.fused_loss: true, but {type(model).__name__}'s output head "
                            "is not a bias-free linear layer after a get_decoder(); set "
                            "fused_loss: false"])
-    fused = can and model_type in FUSABLE if asked is None else asked
+    return can and getattr(model.config, "model_type", "?") in FUSABLE if asked is None else asked
+
+
+def fused_loss_choice(model: nn.Module, asked: bool | None) -> bool:
+    """:func:`fuses_loss`, said in one line when foundryx chose."""
+    model_type = getattr(model.config, "model_type", "?")
+    fused = fuses_loss(model, asked)
     if asked is None:
         log.info("hf_causal_lm: fused loss %s (model_type %s%s; model.fused_loss sets it)",
                  "on" if fused else "off", model_type,

@@ -49,6 +49,18 @@ def mixed_precision_policy(mixed_precision: str | dict[str, str], precision: str
     return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
 
 
+def frozen_compute_dtype(parallelism: Any, precision: str, world_size: int) -> torch.dtype | None:
+    """The dtype the compute sees frozen weights in when it is not theirs: FSDP2's
+    ``param_dtype`` on several processes; bf16 for one process under ``amp_bf16`` (autocast, no
+    FSDP2); else None (the weights' own). A frozen-only unit may then be stored in it (the
+    loader keeps a bf16 checkpoint's dtype: foundryx/loading/dtypes.py; the planner counts it)."""
+    if world_size < 2:
+        return torch.bfloat16 if precision == "amp_bf16" else None
+    if parallelism is None:
+        return None
+    return mixed_precision_policy(parallelism.mixed_precision, precision).param_dtype
+
+
 def mesh_shape(parallelism: ParallelismConfig, world_size: int, local_world_size: int) -> tuple[int, int]:
     """(replicate, shard) sizes of the device mesh."""
     hybrid = parallelism.sharding_strategy == "HYBRID_SHARD"

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from foundryx.config.types import options_or_fields, to_data
 from foundryx.errors import ConfigError
-from foundryx.models.hf import HFCausalLMOptions, build_config
+from foundryx.models.hf import HFCausalLMOptions, build_config, fuses_loss
 from foundryx.models.hf import matmul_params as hf_matmul_params
 from foundryx.models.mpt.composer import matmul_params as mpt_matmul_params
 from foundryx.models.mpt.configuration import MPTConfig
@@ -50,6 +50,9 @@ class Shape:
     # measured, benchmarks/RESULTS.md) or "" (never: flash / memory-efficient kernels)
     scores_kept: str = ""
     qkv_fused: bool = False  # q, k, v one projection (MPT's Wqkv): replicated whole then
+    # the loss stays fused under tensor parallelism (MPT: vocabulary-parallel chunks,
+    # parallel/vocab_rows.py); a Hugging Face model's TP head takes its own loss (models/hf.py)
+    fused_under_tp: bool = True
 
 
 @dataclass
@@ -101,8 +104,9 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     rotary = getattr(c, "rope_theta", None) is not None or getattr(c, "rotary_dim", None) is not None
     impl = opts.attn_implementation or "sdpa"  # transformers' default where a model has it
     scores = "always" if impl == "eager" else "cpu" if impl == "sdpa" and kv_heads < n_heads else ""
-    shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size, fused_loss=False,
-                  rotary=rotary, scores_kept=scores)
+    shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size,
+                  fused_loss=fuses_loss(model, opts.fused_loss), rotary=rotary, scores_kept=scores,
+                  fused_under_tp=False)
     return model, shape
 
 

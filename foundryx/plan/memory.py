@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 from foundryx.models.layers.loss import chunk_tokens
-from foundryx.plan.census import Census
+from foundryx.plan.census import Census, Shape
 
 GiB = 2**30
 
@@ -109,6 +109,11 @@ class Setup:
         return 2 if self.mixed_precision == "PURE" and self.precision != "fp32" else 4
 
 
+def loss_is_fused(sh: Shape, s: Setup) -> bool:
+    """Whether the run's loss is fused with the output projection at its TP degree."""
+    return sh.fused_loss and (s.tp == 1 or sh.fused_under_tp)
+
+
 def terms(c: Census, s: Setup) -> dict[str, int]:
     """Bytes per device, by term; zero terms are kept (the table shows every line)."""
     sh = c.shape
@@ -158,7 +163,8 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     vocab = sh.vocab_size / (s.tp if mode == "parallel" else 1)  # loss parallel
     head = sh.vocab_size / (s.tp if mode != "replicated" else 1)
     out_grad = 0.0 if s.lora else head * d * 4
-    if sh.fused_loss:
+    fused = loss_is_fused(sh, s)
+    if fused:
         # one chunk's fp32 logits, reused by every chunk and turned into their gradient in
         # place (under mixed precision also the chunk's logits and gradient in the compute
         # dtype), then the saved weight gradient beside its accumulator; plus the input
@@ -187,7 +193,7 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     # the earlier microbatches are held through every forward pass after the first.
     counted = t["gradients"] + acts + work + t["logits_and_loss"]
     held = t["gradients"] if s.grad_accum > 1 else 0
-    start = acts + work + (t["logits_and_loss"] if not sh.fused_loss else 2 * out_grad)
+    start = acts + work + (t["logits_and_loss"] if not fused else 2 * out_grad)
     peak = held + max(acts + t["logits_and_loss"], start, t["gradients"] - held + work)
     t["not_held_together"] = -(counted - peak)
 

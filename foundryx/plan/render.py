@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from foundryx.plan.gpus import GiB
 from foundryx.plan.host import HOST_DOCS, LOAD_MODES
-from foundryx.plan.memory import TERM_DOCS
+from foundryx.plan.memory import TERM_DOCS, loss_is_fused
 from foundryx.plan.planner import Plan, data_parallel
 from foundryx.plan.tp import ACTIVATION_TERMS
 
@@ -28,7 +28,7 @@ def count(n: float) -> str:
 def term_doc(name: str, p: Plan) -> str:
     if name != "logits_and_loss":
         return TERM_DOCS[name]
-    how = ("MPT's fused loss: one chunk, in place" if p.census.shape.fused_loss
+    how = ("the fused loss: one chunk, in place" if loss_is_fused(p.census.shape, p.setup)
            else "whole: the model's own loss")
     return f"{TERM_DOCS[name]} ({how})"
 

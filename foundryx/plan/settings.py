@@ -13,7 +13,7 @@ from torch import nn
 from foundryx.config.load import LoadedConfig
 from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.models.peft.lora import apply_lora, inner_model
-from foundryx.parallel.fsdp import mixed_precision_policy
+from foundryx.parallel.fsdp import frozen_compute_dtype
 from foundryx.plan.census import Census, NotPlannable, build_meta, take_census
 from foundryx.plan.host import HostSetup
 from foundryx.plan.memory import Setup
@@ -210,12 +210,12 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
 
 def kept_stored_bytes(s: Setup, h: HostSetup, c: Census, par: Any, precision: str) -> int:
     """Bytes per element of the frozen weights outside the blocks when the loader keeps the
-    checkpoint's dtype for them (foundryx/loading/dtypes.py: LoRA, read shard by shard on 2+
-    ranks, a mixed-precision policy that casts, a checkpoint narrower than the stored
-    weights); 0 otherwise."""
-    if not (s.lora and h.load == "shard" and h.stored_bytes and s.world_size >= 2):
+    checkpoint's dtype for them (foundryx/loading/dtypes.py: LoRA, read shard by shard, a
+    compute dtype other than theirs: FSDP2's mixed precision on 2+ ranks, amp_bf16 on one; a
+    checkpoint narrower than the stored weights); 0 otherwise."""
+    if not (s.lora and h.load == "shard" and h.stored_bytes):
         return 0
-    if par is None or mixed_precision_policy(par.mixed_precision, precision).param_dtype is None:
+    if frozen_compute_dtype(par, precision, s.world_size) is None:
         return 0
     per_elem = round(h.stored_bytes / max(c.total, 1))
     return per_elem if 0 < per_elem < s.master_bytes else 0
