@@ -216,11 +216,12 @@ def fill_frozen(model: nn.Module) -> None:
     for m in model.modules():
         if not isinstance(m, LowPrecisionLinear):
             continue
-        dense = lambda: torch.empty(m.out_features, m.in_features)  # noqa: E731
+        shape = (m.out_features, m.in_features)
         if m.offload is not None and _on_meta(m.offload.host):
-            m.offload.set_host(to_storage(dense(), m.storage, m.name))
+            m.offload.set_host(to_storage(torch.empty(shape), m.storage, m.name))
         elif m.weight is not None and _on_meta(m.weight):
-            m.weight = nn.Parameter(to_storage(dense(), m.storage, m.name), requires_grad=False)
+            m.weight = nn.Parameter(to_storage(torch.empty(shape), m.storage, m.name),
+                                    requires_grad=False)
 
 
 def _on_meta(t: torch.Tensor) -> bool:
@@ -230,11 +231,42 @@ def _on_meta(t: torch.Tensor) -> bool:
         or any(getattr(t, n).device.type == "meta" for n in ("nf4",) if hasattr(t, n))
 
 
+def build_mpt(recipe: Path, batch: int, seq: int) -> FakeStep:
+    """A pretraining recipe's MPT (yamls/mpt-1b.yaml) as the GPU runs it on one process:
+    its own precision, attention and checkpointing, compile off (issue 47's census)."""
+    from foundryx import builders, registry
+    from foundryx.train import load_run_config
+
+    if "fake_step" not in registry.dataloaders:
+        registry.dataloaders.register("fake_step", lambda *a, **k: None)
+    loaded = load_run_config(recipe, [
+        f"max_seq_len={seq}", "model.init_device=meta", "device=cpu", "compile.enabled=false",
+        "cpu_matmul=blas", "train_loader.name=fake_step", "eval_loader=null", "save_folder=null",
+        "icl_tasks=null", f"device_train_microbatch_size={batch}",
+        f"global_train_batch_size={batch}"], world_size=1)
+    cfg = loaded.cfg
+    with unfaked():
+        model = builders.build_model(cfg, tokenizer=None)
+    model = builders.build_parallelism(cfg, model)
+    opt = builders.build_optimizer(cfg, model)
+    vocab = model.model.config.vocab_size
+
+    def forward_loss(b: dict) -> tuple[object, torch.Tensor]:
+        out = model(b)
+        return out, model.loss(out, b)
+
+    return FakeStep("mpt", model, opt, random_batch(vocab, batch, seq), forward_loss, set(), vocab)
+
+
 def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
-    if side not in SIDES:
-        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES)}")
-    shape_config(shape)  # a Llama shape, or NotTraceable
+    """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe)."""
+    if side not in SIDES and side != "mpt":
+        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES)}, or mpt")
+    if side != "mpt":
+        shape_config(shape)  # a Llama shape, or NotTraceable
     try:
+        if side == "mpt":
+            return build_mpt(shape, batch, seq)
         return build_peer(shape, batch, seq) if side == "peer" else \
             build_foundryx(shape, side, batch, seq)
     except NotTraceable:

@@ -1,6 +1,7 @@
 """An op census of one training step on fake tensors, with its time on paper (issues 46, 47).
 
     python benchmarks/op_census.py --shape yamls/shapes/llama-3.1-8b [--sides peer,bf16] [--json F]
+    python benchmarks/op_census.py --mpt yamls/mpt-1b.yaml --batch 8 --seq 2048   # issue 47
 
 For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
 ``fp8-offload0.5``) the measured (second) step is dispatched op by op:
@@ -211,8 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--json", type=Path)
+    p.add_argument("--mpt", type=Path, metavar="RECIPE",
+                   help="census of a pretraining recipe's MPT instead (e.g. yamls/mpt-1b.yaml, "
+                        "with --batch 8 --seq 2048 as the H100 run)")
     a = p.parse_args(argv)
-    if not (a.shape / "config.json").is_file():
+    if a.mpt is not None:
+        a.shape, a.sides = a.mpt, "mpt"
+        if not a.mpt.is_file():
+            print(f"op_census: --mpt {a.mpt}: no such recipe", file=sys.stderr)
+            return 2
+    elif not (a.shape / "config.json").is_file():
         print(f"op_census: --shape {a.shape}: no config.json there", file=sys.stderr)
         return 2
     results = {}

@@ -236,3 +236,46 @@ def test_nf4_on_load_equals_torchao_bit_for_bit():
         ref, mine = to_nf4(w.to(dtype), 64, 256), nf4_shard.nf4(w, to_nf4(w.to(dtype), 64, 256), dtype)
         for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
             assert torch.equal(getattr(mine, part), getattr(ref, part)), (dtype, part)
+
+
+@pytest.mark.parametrize("precision", ["amp_bf16", "fp32"])
+def test_one_process_under_amp_bf16_keeps_the_frozen_weights_read_in_bf16(good, precision,
+                                                                           caplog):
+    """One process, LoRA, a bf16 checkpoint read shard by shard under amp_bf16: every frozen
+    weight that is not a frozen linear layer's (embedding, head, norms in and outside the
+    blocks) keeps bf16, as an FSDP2 run computes them, said in one line; the adapters stay
+    float32, and the loss under autocast equals the fp32 model's within bf16 rounding. In fp32
+    nothing changes (issue 46)."""
+    import logging
+    from types import SimpleNamespace
+
+    from hf_tiny import token_batch
+
+    from foundryx import builders
+
+    section = {"name": "hf_causal_lm", "pretrained_model_name_or_path": good,
+               "init_device": "meta", "frozen_base": {"dtype": "bf16"},
+               "peft_config": {"target_modules": "all-linear", "r": 4, "lora_alpha": 16}}
+    model = builders.build_model(SimpleNamespace(model=section), None)
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        model = builders.parallelize_and_load(model, None, device=torch.device("cpu"),
+                                              precision=precision)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad
+              and any(k in n for k in ("norm", "embed", "lm_head"))}
+    assert {n.split(".")[-2] for n in frozen} >= {"embed_tokens", "lm_head", "input_layernorm",
+                                                  "post_attention_layernorm", "norm"}
+    lines = [r.getMessage() for r in caplog.records if "keep the checkpoint" in r.getMessage()]
+    if precision == "fp32":
+        assert lines == [] and all(d == torch.float32 for d in dtypes.values())
+        return
+    assert {dtypes[n] for n in frozen} == {torch.bfloat16}, dtypes
+    assert {d for n, d in dtypes.items() if "lora_" in n} == {torch.float32}
+    assert len(lines) == 1 and "computed in bfloat16" in lines[0]
+    batch = token_batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = model.loss(model(batch), batch).item()
+    model.float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        wide = model.loss(model(batch), batch).item()
+    assert kept == pytest.approx(wide, rel=2e-2)

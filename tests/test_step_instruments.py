@@ -4,6 +4,7 @@ kernels, at a tiny Llama shape; their refusals (exit 2, naming what stopped them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -119,3 +120,43 @@ def test_the_census_counts_the_same_gemm_work_on_both_sides_and_names_the_extra_
     assert peer["gemm_flops"] == pytest.approx(expected, rel=0.01)
     assert ours["kernels"] > 0 and ours["paper_s"] > 0
     assert op_census.differences(ours, peer)  # where foundryx does more: listed
+
+
+def test_the_tracker_peak_equals_torch_memtracker_where_memtracker_can_run():
+    """torch's MemTracker refuses a model with frozen parameters (a LoRA model); on a step it
+    can run (a small Llama, every parameter trainable, bf16 autocast, checkpointed blocks,
+    AdamW) both trackers see the same storages: the same peak."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((TINY / "config.json").read_text())
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items()
+                                     if k not in ("architectures", "torch_dtype")})
+    config._attn_implementation = "sdpa"
+    with fake_step.fake_mode(), fake_step.gpu_kernels():
+        with fake_step.unfaked(), torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        step = fake_step.FakeStep("full", model, opt, fake_step.random_batch(512, 2, 64),
+                                  lambda b: (None, model(**b).loss), vocab=512)
+        none = lambda name: contextlib.nullcontext()  # noqa: E731
+        fake_step.run_step(step, none)  # the optimizer's state exists from here on
+        ours = CategoryTracker(512, list(model.parameters()))
+        ours.register_model(model, set())
+        ours.add(step.batch["input_ids"], "other")
+        for s in opt.state.values():
+            for t in s.values():
+                ours.add(t, "adapters + optimizer")
+        with ours:
+            fake_step.run_step(step, ours.in_phase)
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            fake_step.run_step(step, none)
+        peak = sum(mt.get_tracker_snapshot("peak")[torch.device("cpu")].get(k, 0)
+                   for k in ("Parameter", "Buffer", "Gradient", "Activation", "Temp",
+                             "Optstate", "Other"))
+    assert ours.peak == pytest.approx(peak, rel=0.01), (ours.peak, peak)

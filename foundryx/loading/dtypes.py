@@ -12,7 +12,10 @@ the flagship's fp32 embedding and head held 2 GiB more than the peer's, and its 
 stream twice the checkpointed activations): there is no FSDP2 there, and the compute sees the
 bf16 weights, as an FSDP2 run's does after its gather (autocast computes the head in bf16
 either way; the embedding's output, and so the residual stream, is bf16 as in a multi-rank
-run). Otherwise (``mixed_precision: FULL``, fp32 precision) nothing changes.
+run). With no FSDP2 unit to keep uniform, every frozen weight read in bf16 keeps it there, the
+norms inside the blocks too (a float32 norm weight made each block's normed input float32:
+LoRA's dropout copies of it twice the bytes, and every frozen layer's input cast again; the op
+census). Otherwise (``mixed_precision: FULL``, fp32 precision) nothing changes.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def keep_dtype(model: nn.Module, stored: Any, parallelism: Any, precision: str) 
         return []
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     kept, nbytes = [], 0
-    for places in unit_parameters(model, [m for _, m in blocks(model)]):
+    for places in _groups(model):
         params = [m._parameters[n] for m, n in places]
         dtype = stored(places) if places else None
         if (dtype is None or any(isinstance(m, LowPrecisionLinear) for m, _ in places)
@@ -78,3 +81,17 @@ def keep_dtype(model: nn.Module, stored: Any, parallelism: Any, precision: str) 
                                                                          else ""),
                  gb(nbytes), str(compute).removeprefix("torch."))
     return kept
+
+
+def _groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The parameters that keep one dtype together: an FSDP2 unit's (torch 2.7 wants one
+    dtype per unit); on one process, with no FSDP2, each parameter alone (with every place
+    that holds it), so a frozen norm beside trainable adapters keeps bf16 too."""
+    units = unit_parameters(model, [m for _, m in blocks(model)])
+    if dist.world_size() > 1:
+        return units
+    by_param: dict[int, list[tuple[nn.Module, str]]] = {}
+    for places in units:
+        for m, n in places:
+            by_param.setdefault(id(m._parameters[n]), []).append((m, n))
+    return list(by_param.values())

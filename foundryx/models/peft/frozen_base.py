@@ -172,8 +172,12 @@ class _FrozenLinearFn(torch.autograd.Function):
         w = layer.stored_weight(x.device)
         ctx.fp8 = layer.fp8_gemm is not None and isinstance(w, RowScaledTensor)
         if not ctx.fp8:  # a tensor-parallel weight (a DTensor) is dequantized too
-            bias = None if layer.bias is None else layer.bias.to(x.dtype)
-            return F.linear(x, dequantize(w, x.dtype), bias)
+            # straight to the dtype the product runs in: under autocast a float32 input (a
+            # float32 norm's output) would have the weight dequantized to float32 and then
+            # cast again to bf16 by autocast (two weight-sized copies a call; the op census)
+            dtype = _compute_dtype(x)
+            bias = None if layer.bias is None else layer.bias.to(dtype)
+            return F.linear(x, dequantize(w, dtype), bias)
         y = fp8_gemm.linear(x, w.qdata, w.scale, layer.fp8_gemm, _compute_dtype(x))
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
