@@ -25,6 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -49,7 +52,7 @@ class Preempted(BaseException):
 
 
 _state: dict[str, Any] = {"received": 0, "phase": "off", "watched": (), "previous": {},
-                          "stopped_at": None, "owned": False}
+                          "stopped_at": None, "owned": False, "began": False, "said": False}
 
 
 def numbers(names: Iterable[str]) -> tuple[int, ...]:
@@ -147,6 +150,7 @@ def take_over(names: Iterable[str] = DEFAULT_SIGNALS) -> None:
     signums = numbers(names)
     new_run()
     _install(signums, "starting")
+    _Deadline.start(signums)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, list(signums))  # one held arrives here: raised
     if _state["received"]:
         _state["phase"] = "noting"
@@ -167,6 +171,7 @@ def watch(signums: Iterable[int], *, training: bool) -> None:
     _state["watched"] = ()
     if signums:
         _install(signums, "training" if training else _state["phase"])
+    _state["began"] = _state["began"] or training
     if before:  # raised once already, and caught on the way (a finalizer): raised again here
         _state["phase"] = "noting"
         raise Preempted(before)
@@ -176,7 +181,7 @@ def new_run() -> None:
     """A run starting in a process where an earlier one ended (tests, a notebook): what that
     one noted is not this one's."""
     if _state["phase"] in ("off", "stopping"):
-        _state.update(received=0, stopped_at=None)
+        _state.update(received=0, stopped_at=None, began=False, said=False)
 
 
 def whole_process() -> None:
@@ -209,12 +214,68 @@ def restore() -> None:
     for signum in _state["watched"]:
         signal.signal(signum, _state["previous"].pop(signum, signal.SIG_DFL))
     _state.update(watched=(), phase="off")
+    _Deadline.end()
 
 
 def exit_code() -> int:
     """What the process exits with after ``train`` returns: :data:`PREEMPTED` when it stopped
     for a signal before the run's end, else 0."""
     return PREEMPTED if _state["stopped_at"] is not None else 0
+
+
+class _Deadline:
+    """A signal before training began ends the process within :attr:`GRACE_S` s, even when its
+    main thread is blocked in C, where Python cannot run the handler (a rendezvous or a
+    collective waiting for a rank that already left): a thread reads the signal numbers Python
+    writes to its wakeup fd as each signal arrives, and, the grace passed with training not
+    begun, says the line and exits :data:`PREEMPTED` (nothing of the job to save)."""
+
+    GRACE_S = 10.0
+    fds: tuple[int, int] | None = None
+
+    @classmethod
+    def start(cls, signums: tuple[int, ...]) -> None:
+        if cls.fds is not None or threading.current_thread() is not threading.main_thread():
+            return
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        cls.fds = (read, write)
+        threading.Thread(target=cls._watch, args=(read, set(signums)), daemon=True,
+                         name="foundryx-preempt-deadline").start()
+
+    @classmethod
+    def end(cls) -> None:
+        if cls.fds is None:
+            return
+        if threading.current_thread() is threading.main_thread():
+            signal.set_wakeup_fd(-1)
+        os.close(cls.fds[1])  # the thread's read ends
+        cls.fds = None
+
+    @classmethod
+    def _watch(cls, read: int, signums: set[int]) -> None:
+        while True:
+            try:
+                got = os.read(read, 64)
+            except OSError:
+                return
+            if not got:
+                return os.close(read)
+            signum = next((n for n in got if n in signums), 0)
+            if signum and not _state["began"] and _state["phase"] != "off":
+                time.sleep(cls.GRACE_S)
+                if not _state["began"] and _state["phase"] != "off":
+                    if not _state["said"]:
+                        sys.stderr.write(before_training_line(signum) + "\n")
+                        sys.stderr.flush()
+                    os._exit(PREEMPTED)
+
+
+def said(line: str) -> str:
+    """``line``, noted as this process's one line about the signal (not said twice)."""
+    _state["said"] = True
+    return line
 
 
 def before_training_line(signum: int) -> str:
@@ -225,9 +286,11 @@ def before_training_line(signum: int) -> str:
 
 
 def failed_line(signum: int, error: BaseException) -> str:
-    """The one line of a process that failed after a preemption signal (a rank that left first
-    broke a collective): the signal is the cause, the error its consequence."""
+    """The one line of a process that failed after a preemption signal: the signal is the
+    cause, the error its consequence (a collective broken by a rank that left first, an import
+    it interrupted that turned :class:`Preempted` into an ImportError)."""
     what = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
-    return (f"foundryx: preemption: {signal.Signals(signum).name} received; stopped at "
-            f"'{what[:200]}' as the ranks left; exit {PREEMPTED} (the same command starts "
-            f"again, from the latest checkpoint if any)")
+    when = "after training began" if _state["began"] else "before training began"
+    return (f"foundryx: preemption: {signal.Signals(signum).name} {when}; it ended the run in "
+            f"'{what[:200]}'; exit {PREEMPTED} (the same command starts again, from the latest "
+            f"checkpoint if any)")

@@ -93,6 +93,32 @@ def test_a_held_signal_is_noted_then_acted_on_and_an_import_does_not_replace_the
     assert got.returncode == 0 and got.stdout.strip() == "preempted 15", got.stderr[-2000:]
 
 
+SWALLOWED = r"""
+import os, signal, time
+from foundryx import preempt
+preempt._Deadline.GRACE_S = 1.0
+preempt.take_over()
+try:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+except preempt.Preempted:
+    pass  # swallowed, as a library's finalizer or import machinery may; then stuck
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_a_signal_before_training_ends_the_process_even_when_its_raise_is_swallowed():
+    """The rank that hung in the stress test: its Preempted lost on the way, then waiting on a
+    rank that had left. The deadline thread ends it: one line, exit 75, within its grace."""
+    started = time.monotonic()
+    got = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert got.returncode == preempt.PREEMPTED, got.stderr[-2000:]
+    assert got.stderr.strip().splitlines() == [preempt.before_training_line(signal.SIGTERM)]
+    assert time.monotonic() - started < 60
+
+
 # ---------------------------------------------------------------------------------- slow
 
 
@@ -183,7 +209,7 @@ def check(t: Try) -> str:
     if last.startswith("foundryx: SIGTERM before the ranks"):  # the launcher's own line
         return "before the ranks started"
     why = [ln for ln in t.said.splitlines() if ln.startswith("foundryx: preemption: SIGTERM")
-           and ("before training began" in ln or "as the ranks left" in ln)]  # rank 0's line
+           and "training began" in ln]  # rank 0's line
     assert len(why) == 1, head
     return why[0].removeprefix("foundryx: preemption: ")[:60]
 

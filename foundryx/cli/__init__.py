@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except preempt.Preempted as e:  # a scheduler's signal before training began
         preempt.stop(None)  # the same signal again (the launcher repeats it) must not kill the exit
-        print(preempt.before_training_line(e.signum), file=sys.stderr, flush=True)
+        print(preempt.said(preempt.before_training_line(e.signum)), file=sys.stderr, flush=True)
         return preempt.PREEMPTED
     except FoundryxError as e:
         if preempt.received():
@@ -174,7 +174,7 @@ def _preempted(error: BaseException) -> int:
     """A failure after a preemption signal (another rank left first and broke a collective):
     one line naming the signal, not the traceback; exit foundryx.preempt.PREEMPTED."""
     preempt.stop(None)
-    print(preempt.failed_line(preempt.received(), error), file=sys.stderr, flush=True)
+    print(preempt.said(preempt.failed_line(preempt.received(), error)), file=sys.stderr, flush=True)
     return preempt.PREEMPTED
 
 
