@@ -41,6 +41,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "yamls/finetune/llama-8b-lora-fp8.yaml"
 SIDES = ("peer", "bf16", "fp8", "nf4", "fp8-offload0.5")
+# the FP8 base with its GEMMs on FP8 tensor cores (row-wise torch._scaled_mm), as an H100 runs
+# it; traced where this torch has a CPU _scaled_mm (2.15: .venv-modern), not the emulation
+TENSOR_CORE_SIDES = ("fp8-tc",)
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
 
 
@@ -107,18 +110,22 @@ def flash_like_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 @contextlib.contextmanager
 def gpu_kernels() -> Iterator[None]:
     """F.scaled_dot_product_attention served as a flash kernel (see the module doc), and NF4
-    weights decoded in the chunks a GPU decodes them in."""
+    weights and the fused loss's logits in the chunks a GPU takes them in."""
+    from foundryx.models.layers import loss
     from foundryx.models.peft import frozen_base
 
     real = torch.nn.functional.scaled_dot_product_attention
     chunks = dict(frozen_base.NF4_CHUNK_BLOCKS)
+    cpu_logits = loss.CPU_CHUNK_LOGIT_BYTES
     torch.nn.functional.scaled_dot_product_attention = flash_like_sdpa
     frozen_base.NF4_CHUNK_BLOCKS["cpu"] = chunks["gpu"]  # NF4 decoded in the GPU's chunks
+    loss.CPU_CHUNK_LOGIT_BYTES = loss.CHUNK_LOGIT_BYTES  # the fused loss in the GPU's chunks
     try:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = real
         frozen_base.NF4_CHUNK_BLOCKS.update(chunks)
+        loss.CPU_CHUNK_LOGIT_BYTES = cpu_logits
 
 
 # ---------------------------------------------------------------------------------------
@@ -166,7 +173,7 @@ def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
 
 
 def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str]:
-    base, _, offload = side.partition("-offload")
+    base, _, offload = side.removesuffix("-tc").partition("-offload")
     return [f"variables.model_path={Path(shape).resolve()}", f"variables.max_seq_len={seq}",
             "model.pretrained=false", "model.init_device=meta",
             f"model.frozen_base.dtype={base}",
@@ -258,17 +265,42 @@ def build_mpt(recipe: Path, batch: int, seq: int) -> FakeStep:
     return FakeStep("mpt", model, opt, random_batch(vocab, batch, seq), forward_loss, set(), vocab)
 
 
+@contextlib.contextmanager
+def fp8_tensor_cores(side: str) -> Iterator[None]:
+    """For ``fp8-tc``: the frozen FP8 layers run their GEMMs as ``torch._scaled_mm`` (what
+    foundryx.models.peft.fp8_gemm chooses on an H100), forced here on the fake CPU tensors."""
+    from foundryx.models.peft import fp8_gemm
+
+    if side not in TENSOR_CORE_SIDES:
+        yield
+        return
+    with unfaked():  # a fake tensor's _scaled_mm always "runs": ask the real CPU
+        fp8_gemm._scaled_mm_runs_on.cache_clear()
+        runs = fp8_gemm._scaled_mm_runs_on("cpu")
+    if not runs:
+        raise NotTraceable(f"{side}: this torch ({torch.__version__}) has no CPU _scaled_mm to "
+                           "trace the FP8 GEMMs with (torch 2.15 has: .venv-modern)")
+    before, fp8_gemm.MODE = fp8_gemm.MODE, "force"
+    try:
+        yield
+    finally:
+        fp8_gemm.MODE = before
+
+
 def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
     """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe)."""
-    if side not in SIDES and side != "mpt":
-        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES)}, or mpt")
+    if side not in SIDES + TENSOR_CORE_SIDES and side != "mpt":
+        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES + TENSOR_CORE_SIDES)}, "
+                           "or mpt")
     if side != "mpt":
         shape_config(shape)  # a Llama shape, or NotTraceable
     try:
         if side == "mpt":
             return build_mpt(shape, batch, seq)
-        return build_peer(shape, batch, seq) if side == "peer" else \
-            build_foundryx(shape, side, batch, seq)
+        if side == "peer":
+            return build_peer(shape, batch, seq)
+        with fp8_tensor_cores(side):
+            return build_foundryx(shape, side, batch, seq)
     except NotTraceable:
         raise
     except Exception as e:  # noqa: BLE001 - said with where it stopped

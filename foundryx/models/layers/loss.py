@@ -29,10 +29,11 @@ from foundryx.kernels import cpu_matmul
 
 IGNORE_INDEX = -100
 # One chunk's fp32 logits: on a GPU large enough for full-speed matmuls (each chunk reads the
-# whole output projection: with 64 MB of logits a chunk was 130 tokens at Llama 3's 128k
-# vocabulary, 130 FLOPs a byte of weight, under an H100's 295 ridge, and the 8B step's loss
-# moved 273 GB more than the peer's: the op census, benchmarks/RESULTS.md; 256 MB gives 523
-# tokens there, 1,330 at MPT's 50k); on a CPU small enough to stay in its caches through the
+# whole output projection, forward and for the input's gradient: with 64 MB of logits a chunk
+# was 130 tokens at Llama 3's 128k vocabulary, 130 FLOPs a byte of weight, under an H100's
+# ridge of 295, and the 8B step's loss read the 1 GB head 126 times; 256 MB gives 523 tokens
+# there, 32 reads, and 1,330 tokens at MPT's 50k: the op census, benchmarks/RESULTS.md); on a
+# CPU small enough to stay in its caches through the
 # in-place passes over them (16 MB measured 1.5% faster per training step than 64 MB for
 # vocabulary 8192 on the 2-core benchmark VM, benchmarks/RESULTS.md)
 CHUNK_LOGIT_BYTES = 256 * 2**20
