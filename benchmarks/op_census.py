@@ -11,9 +11,10 @@ For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
 - every other op that launches a kernel: bytes read (its tensor inputs) and written (its
   outputs); views and metadata ops launch none and are left out;
 - the kernel count (one per op that launches one);
-- the time on paper at an H100's dense bf16 peak and memory bandwidth (989 TFLOP/s,
-  3.35 TB/s): each op at the larger of its FLOP time and its byte time, summed; and the
-  launch floor at 4 µs a kernel (eager PyTorch, no CUDA graphs).
+- the time on paper at an H100's dense peaks and memory bandwidth (989 TFLOP/s bf16, 1,979
+  FP8 for ``_scaled_mm``, 3.35 TB/s): each op at the larger of its FLOP time and its byte
+  time, summed; and the launch floor at 4 µs a kernel (eager PyTorch, no CUDA graphs). The
+  H100 runs the flagship's steps at 0.80-0.86 of this sum (benchmarks/RESULTS.md).
 
 Each op is charged to where it ran: the innermost module (its dotted name, block numbers
 as N) in a forward, the autograd node in backward, ``optimizer`` in the step. ``--vs peer``
@@ -43,8 +44,8 @@ sys.path.insert(0, str(HERE))
 import fake_step  # noqa: E402
 from step_memory import inner_tensors  # noqa: E402
 
-H100 = {"name": "NVIDIA H100 80GB HBM3 (SXM)", "flops": 989e12, "bytes_per_s": 3.35e12,
-        "launch_s": 4e-6}
+H100 = {"name": "NVIDIA H100 80GB HBM3 (SXM)", "flops": 989e12, "fp8_flops": 1979e12,
+        "bytes_per_s": 3.35e12, "launch_s": 4e-6}
 GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "_int_mm"}
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
              "unsqueeze", "squeeze", "detach", "alias", "as_strided", "split", "chunk",
@@ -168,8 +169,9 @@ def census(side: str, shape: Path, batch: int = 2, seq: int = 4096) -> dict:
 def summarise(side: str, rows: dict, gemm: int, attn: int, attention_calls: int) -> dict:
     kernels = sum(r[0] for r in rows.values()) + attention_calls
     other_bytes = sum(r[1] for (place, op), r in rows.items() if op not in GEMMS)
-    # per op: the larger of its FLOP time and its byte time
-    paper = sum(max(r[2] / H100["flops"], r[1] / H100["bytes_per_s"]) for r in rows.values())
+    # per op: the larger of its FLOP time (FP8 tensor cores for _scaled_mm) and its byte time
+    paper = sum(max(r[2] / H100["fp8_flops" if op == "_scaled_mm" else "flops"],
+                    r[1] / H100["bytes_per_s"]) for (_, op), r in rows.items())
     paper += attn / H100["flops"]
     return {"side": side, "gemm_flops": gemm, "attention_flops": attn,
             "other_bytes": other_bytes, "kernels": kernels,
