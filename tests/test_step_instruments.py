@@ -187,3 +187,31 @@ def test_the_fp8_tensor_core_side_runs_scaled_mm_where_this_torch_can_trace_it()
     assert not any(k.endswith("| _scaled_mm") for k in cast["places"])
     row = flagship_estimate.estimate("fp8-tc", TINY, batch=2, seq=64)
     assert sum(row["categories"].values()) == pytest.approx(row["peak_gib"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_the_commands_docs_planning_shows_run_as_written_at_a_tiny_size(tmp_path):
+    """docs/planning.md's instrument commands, each run as a user runs it in its own process,
+    only the model's size swapped (the tiny Llama shape; MPT-1B at 1 x 64 tokens)."""
+    import re
+    import shlex
+    import subprocess
+
+    text = (ROOT / "docs" / "planning.md").read_text()
+    section = text.split("### A step's device memory and time, predicted on a CPU", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert [c[1] for c in commands] == ["benchmarks/flagship_estimate.py",
+                                        "benchmarks/op_census.py", "benchmarks/op_census.py"]
+    for argv in commands:
+        argv = [sys.executable if a == "python" else a for a in argv]
+        argv = [str(TINY) if a == "yamls/shapes/llama-3.1-8b" else a for a in argv]
+        argv = [str(tmp_path / "est.json") if a == "est.json" else a for a in argv]
+        if "--mpt" in argv:
+            argv[argv.index("--batch") + 1], argv[argv.index("--seq") + 1] = "1", "64"
+        else:
+            argv += ["--seq", "64"]
+        run = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "| side |" in run.stdout
+    assert set(json.loads((tmp_path / "est.json").read_text())) == set(fake_step.SIDES)
