@@ -225,7 +225,7 @@ def fill_frozen(model: nn.Module) -> None:
             continue
         shape = (m.out_features, m.in_features)
         if m.offload is not None and _on_meta(m.offload.host):
-            m.offload.set_host(to_storage(torch.empty(shape), m.storage, m.name))
+            m.offload.host = to_storage(torch.empty(shape), m.storage, m.name)
         elif m.weight is not None and _on_meta(m.weight):
             m.weight = nn.Parameter(to_storage(torch.empty(shape), m.storage, m.name),
                                     requires_grad=False)
@@ -324,6 +324,23 @@ def where(e: BaseException) -> str:
         if any(k in f.filename for k in ("foundryx", "transformers", "peft", "torchao")):
             return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def each_side(prog: str, shape: Path | None, sides: str,
+              fn: Callable[[str], dict]) -> dict[str, dict] | None:
+    """``{side: fn(side)}`` for the comma-separated ``sides``; None after saying on stderr why
+    not (``shape``, when given, has no config.json; a side cannot be traced): exit code 2."""
+    if shape is not None and not (Path(shape) / "config.json").is_file():
+        print(f"{prog}: --shape {shape}: no config.json there", file=sys.stderr)
+        return None
+    out = {}
+    for side in sides.split(","):
+        try:
+            out[side] = fn(side)
+        except NotTraceable as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return None
+    return out
 
 
 def run_step(step: FakeStep, on_phase: Callable[[str], contextlib.AbstractContextManager]) -> None:

@@ -108,18 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write {side: {peak_gib, categories}} here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if not (a.shape / "config.json").is_file():
-        print(f"flagship_estimate: --shape {a.shape}: no config.json there", file=sys.stderr)
+    def one(side: str) -> dict:
+        row = estimate(side, a.shape, a.batch, a.seq)
+        print(f"{side}: peak {row['peak_gib']:.2f} GiB ({row['seconds']:.0f} s)", flush=True)
+        return row
+
+    rows = fake_step.each_side("flagship_estimate", a.shape, a.sides, one)
+    if rows is None:
         return 2
-    rows = {}
-    for side in a.sides.split(","):
-        try:
-            rows[side] = estimate(side, a.shape, a.batch, a.seq)
-        except fake_step.NotTraceable as e:
-            print(f"flagship_estimate: {e}", file=sys.stderr)
-            return 2
-        print(f"{side}: peak {rows[side]['peak_gib']:.2f} GiB ({rows[side]['seconds']:.0f} s)",
-              flush=True)
     print(table(rows))
     if a.json:
         a.json.write_text(json.dumps({s: {"peak_gib": r["peak_gib"], "categories": r["categories"]}

@@ -33,7 +33,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
@@ -42,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fake_step  # noqa: E402
-from step_memory import inner_tensors  # noqa: E402
+from step_memory import inner_tensors, module_hooks, setting  # noqa: E402
 
 H100 = {"name": "NVIDIA H100 80GB HBM3 (SXM)", "flops": 989e12, "fp8_flops": 1979e12,
         "bytes_per_s": 3.35e12, "launch_s": 4e-6}
@@ -104,16 +103,10 @@ class OpCensus(TorchDispatchMode):
             row[2] += gemm_flops(name, a, b, flat_out)
         return out
 
-    @contextlib.contextmanager
-    def in_phase(self, phase: str):
-        before, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = before
+    def in_phase(self, phase: str) -> contextlib.AbstractContextManager:
+        return setting(self, "phase", phase)
 
-    @contextlib.contextmanager
-    def watching_modules(self):
+    def watching_modules(self) -> contextlib.AbstractContextManager:
         def pre(module, args):  # noqa: ANN001, ANN202
             self.stack.append(self.names.get(id(module), type(module).__name__))
 
@@ -121,13 +114,7 @@ class OpCensus(TorchDispatchMode):
             if self.stack:
                 self.stack.pop()
 
-        h1 = nn.modules.module.register_module_forward_pre_hook(pre)
-        h2 = nn.modules.module.register_module_forward_hook(post, always_call=True)
-        try:
-            yield
-        finally:
-            h1.remove()
-            h2.remove()
+        return module_hooks(pre, post)
 
 
 def gemm_flops(name: str, a: torch.Tensor, b: torch.Tensor, out) -> int:  # noqa: ANN001
@@ -223,16 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         if not a.mpt.is_file():
             print(f"op_census: --mpt {a.mpt}: no such recipe", file=sys.stderr)
             return 2
-    elif not (a.shape / "config.json").is_file():
-        print(f"op_census: --shape {a.shape}: no config.json there", file=sys.stderr)
+    results = fake_step.each_side("op_census", a.shape if a.mpt is None else None, a.sides,
+                                  lambda side: census(side, a.shape, a.batch, a.seq))
+    if results is None:
         return 2
-    results = {}
-    for side in a.sides.split(","):
-        try:
-            results[side] = census(side, a.shape, a.batch, a.seq)
-        except fake_step.NotTraceable as e:
-            print(f"op_census: {e}", file=sys.stderr)
-            return 2
     print(report(results))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))

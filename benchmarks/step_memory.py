@@ -143,24 +143,13 @@ class CategoryTracker(TorchDispatchMode):
         return out
 
     # -- phases ---------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def in_phase(self, phase: str) -> Iterator[None]:
-        before, self.phase = self.phase, phase
-        try:
-            yield
-        finally:
-            self.phase = before
+    def in_phase(self, phase: str) -> contextlib.AbstractContextManager:
+        return setting(self, "phase", phase)
 
-    @contextlib.contextmanager
-    def tagged(self, category: str) -> Iterator[None]:
-        before, self.tag = self.tag, category
-        try:
-            yield
-        finally:
-            self.tag = before
+    def tagged(self, category: str) -> contextlib.AbstractContextManager:
+        return setting(self, "tag", category)
 
-    @contextlib.contextmanager
-    def watching_modules(self) -> Iterator[None]:
+    def watching_modules(self) -> contextlib.AbstractContextManager:
         """Count module forwards (a checkpointed block's recompute runs them in backward)."""
 
         def pre(module, args):  # noqa: ANN001, ANN202
@@ -169,19 +158,37 @@ class CategoryTracker(TorchDispatchMode):
         def post(module, args, out):  # noqa: ANN001, ANN202
             self.module_depth -= 1
 
-        h1 = nn.modules.module.register_module_forward_pre_hook(pre)
-        h2 = nn.modules.module.register_module_forward_hook(post, always_call=True)
-        try:
-            yield
-        finally:
-            h1.remove()
-            h2.remove()
+        return module_hooks(pre, post)
 
     def report(self) -> dict:
         """``{"peak_gib": x, "categories": {name: gib}}`` at the peak (every category named)."""
         cats = {c: self.at_peak.get(c, 0) / GiB for c in CATEGORIES}
         extra = {c: v / GiB for c, v in self.at_peak.items() if c not in CATEGORIES}
         return {"peak_gib": self.peak / GiB, "categories": {**cats, **extra}}
+
+
+@contextlib.contextmanager
+def setting(obj: object, attr: str, value: object) -> Iterator[None]:
+    """``obj.attr`` set to ``value`` for a while."""
+    before = getattr(obj, attr)
+    setattr(obj, attr, value)
+    try:
+        yield
+    finally:
+        setattr(obj, attr, before)
+
+
+@contextlib.contextmanager
+def module_hooks(pre, post) -> Iterator[None]:  # noqa: ANN001
+    """Global forward pre- and post-hooks on every module (``post`` runs even when the
+    forward raises) for a while."""
+    h1 = nn.modules.module.register_module_forward_pre_hook(pre)
+    h2 = nn.modules.module.register_module_forward_hook(post, always_call=True)
+    try:
+        yield
+    finally:
+        h1.remove()
+        h2.remove()
 
 
 _VIEWS = {torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.t,
