@@ -95,6 +95,19 @@ def _fresh_logging():
         lg.propagate = True
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (small tensors: threads cost more than they give, and
+    results do not depend on the machine's core count); a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def quickstart_data(tmp_path_factory) -> Path:
     """The quickstart's generated corpus, tokenizer and MDS shards, built once per session."""

@@ -34,12 +34,7 @@ LAYER_TOL = 0.035
 LOSS_TOL, GRAD_TOL, GRAD_COS = 0.02, 0.4, 0.9
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- the capability rule ------------------------------------------------------------------

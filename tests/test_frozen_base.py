@@ -28,12 +28,7 @@ SIZES = {**MPT_TINY, "d_model": 64, **LLAMA_STYLE}
 LORA = LoraOptions(target_modules=["Wqkv", "out_proj", "up_proj"], r=4, lora_alpha=8)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def lora_model(dtype: str | None, offload: float = 0.0, seed: int = 0, **sizes):
@@ -375,13 +370,13 @@ def test_offloaded_weights_move_into_one_buffer_a_layer_at_a_time():
     layers then read from the buffer are the ones they had."""
     import weakref
 
-    from foundryx.parallel.offload import _inner, pack_offloaded
+    from foundryx.parallel.offload_pack import inner_tensors, pack_offloaded
 
     model = lora_model("int8", offload=1.0)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]
     want = [m.offload.host.dequantize(torch.float32).clone() for m in layers]
     for m in layers:  # separate tensors again, as the shard-on-read loader leaves them
-        names, meta = _inner(m.offload.host)
+        names, meta = inner_tensors(m.offload.host)
         m.offload.host = type(m.offload.host).__tensor_unflatten__(
             {n: getattr(m.offload.host, n).clone() for n in names}, meta, m.offload.host.shape,
             m.offload.host.stride())
@@ -403,10 +398,10 @@ def test_a_checkpointed_recompute_leaves_no_copy_waiting_after_backward():
     backward no offloaded layer holds a copy, at most three copies are ever alive at once
     (the estimate once saw a copy made in backward held to its end by the callback that drops
     it), and the losses equal the run without offload."""
+    import weakref
+
     from foundryx.config.schema import ActivationCheckpointingConfig
     from foundryx.parallel import parallelize
-
-    import weakref
 
     losses, alive, most = {}, [], [0]
 

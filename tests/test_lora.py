@@ -31,13 +31,8 @@ SECTIONS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is several times faster than two on a loaded CI box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny models: one intra-op thread is several times faster than two on a loaded CI box
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(kind: str, **peft) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -21,12 +21,7 @@ from foundryx.parallel import parallelize
 GQA = {**LLAMA_STYLE, "attn_config": {"rope": True, "kv_n_heads": 2}}  # q 32 rows, k and v 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mpt(targets, init_device="cpu", seed=0, **peft):
