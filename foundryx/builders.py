@@ -33,7 +33,9 @@ from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.models.peft.parts import STORAGE_ROWS
 from foundryx.parallel import parallelize
-from foundryx.parallel.offload import offload_layers, pack_offloaded, process_world_size
+from foundryx.parallel.dist import world_size
+from foundryx.parallel.offload import offload_layers
+from foundryx.parallel.offload_pack import pack_offloaded
 from foundryx.parallel.parallelize import default_device
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1,
     layers offloaded to host memory by the offload runtime (parallel.offload), handed the
     storages' row cuts and ``device``, the run's (None: the current GPU when there is one), which
     decides whether their host buffer is pinned and whether an fp8 base multiplies in FP8."""
-    world = process_world_size()
+    world = world_size()
     device = device if device is not None else default_device()
     model = apply_frozen_base(model, options, tp=tp, world=world, device=device)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]

@@ -23,7 +23,7 @@ from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora
 from foundryx.models.peft.options import LoraOptions
 from foundryx.parallel import pinning
-from foundryx.parallel.offload import _inner, pack_offloaded
+from foundryx.parallel.offload_pack import inner_tensors, pack_offloaded
 from foundryx.parallel.pinning import HostPin
 
 SIZES = {**MPT_TINY, "d_model": 64, **LLAMA_STYLE}
@@ -93,10 +93,10 @@ def recut(layers) -> None:
     """What tensor parallelism's split_for_tp leaves: each layer's host weight a tensor of its
     own again, out of the buffer (which the layers still hold)."""
     for m in layers:
-        names, meta = _inner(m.offload.host)
-        m.offload.set_host(type(m.offload.host).__tensor_unflatten__(
+        names, meta = inner_tensors(m.offload.host)
+        m.offload.host = type(m.offload.host).__tensor_unflatten__(
             {n: getattr(m.offload.host, n).clone() for n in names}, meta, m.offload.host.shape,
-            m.offload.host.stride()))
+            m.offload.host.stride())
 
 
 def test_a_pinned_buffer_is_unregistered_once_before_it_is_freed_on_repack_and_release(fake_cuda):

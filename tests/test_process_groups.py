@@ -77,6 +77,7 @@ def _host_collectives(which: str) -> list[float]:
     from foundryx.models.peft.rowwise import RowScaledTensor
     from foundryx.models.peft.torchao_nf4 import to_nf4
     from foundryx.parallel.offload import Offloaded
+    from foundryx.parallel.tp_offload import split_for_tp
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     weight = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
@@ -89,7 +90,7 @@ def _host_collectives(which: str) -> list[float]:
     off = Offloaded(RowScaledTensor(int8.qdata[rank * 32:(rank + 1) * 32], int8.scale[rank * 32:(rank + 1) * 32],
                                     dtype=torch.float32), STORAGE_ROWS, rows=64, world=world, name="layer")
     mesh = init_device_mesh("cpu", (world,))
-    off.split_for_tp(mesh, Shard(1), mesh.get_group(0))  # row-wise: this rank's columns, its rows
+    split_for_tp(off, mesh, Shard(1), mesh.get_group(0))  # row-wise: this rank's columns, its rows
     cut = slice(rank * 32, (rank + 1) * 32), slice(rank * 128, (rank + 1) * 128)
     return [float(off.host.qdata.float().sum()), float(int8.qdata[cut].float().sum())]
 

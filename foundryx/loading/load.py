@@ -43,7 +43,7 @@ from foundryx.models.peft.lora import inner_model
 from foundryx.models.peft.parts import nf4_part
 from foundryx.parallel import dist
 from foundryx.parallel.materialize import LOADED_ATTR
-from foundryx.parallel.offload import pack_offloaded
+from foundryx.parallel.offload_pack import pack_offloaded
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def _place(t: Target, like: torch.Tensor, local: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor
 
     if t.kind == "offload":
-        t.holders[0][0].offload.set_host(local)
+        t.holders[0][0].offload.host = local
         return
     value = local
     if isinstance(like, DTensor):
