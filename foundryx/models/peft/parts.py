@@ -170,7 +170,7 @@ def join_rows(local: torch.Tensor, rows: int, world: int,
               gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The whole weight (``rows`` rows) from the row shards of ``world`` ranks, ``local``
     being this rank's: ``gather(t)`` is every rank's ``t`` concatenated along dim 0 in rank
-    order, a collective the caller runs (foundryx.parallel.offload); this only takes the
+    order, a collective the caller runs (foundryx.parallel.offload_gather); this only takes the
     storage apart and puts it together. Row-scaled shards are padded to equal size (the last
     ranks may hold fewer rows); NF4 shards are equal (to_nf4 checked it)."""
     if isinstance(local, RowScaledTensor):
