@@ -161,9 +161,51 @@ def test_matches_float64_reference(case):
     check(batch=2, seq=48 * SCALE, n_heads=4, **kw)
 
 
+@pytest.fixture
+def atomic_backward(monkeypatch):
+    """FlashAttention-2's one-kernel backward (dQ added atomically), whatever the table says;
+    the split backward's dQ kernel is gone, so a test that ran it fails."""
+    monkeypatch.setattr(fa, "flash_bwd_dq_kernel", None)
+    with tuning.forced(bwd="atomic"):
+        yield
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_atomic_backward_matches_float64_reference(case, atomic_backward):
+    test_matches_float64_reference(case)
+
+
 def test_single_block_and_ragged_lengths():
     check(batch=1, seq=16, n_heads=2, kv_heads=1, head_dim=16, dtype=torch.float32, packed=True)
     check(batch=1, seq=37, n_heads=2, kv_heads=2, head_dim=24, dtype=torch.float16, window=3)
+
+
+def test_atomic_backward_single_block_and_ragged_lengths(atomic_backward):
+    test_single_block_and_ragged_lengths()
+    whole = tuning.KernelConfig(64, 64)  # one key tile larger than the sequence
+    with tuning.forced(bwd_atomic=whole):
+        check(batch=1, seq=40, n_heads=4, kv_heads=2, head_dim=16, dtype=torch.float32,
+              packed=True, window=5, alibi=True)  # fmt: skip
+
+
+def test_backward_mode_is_the_tables_and_split_when_deterministic(monkeypatch, caplog):
+    device = torch.device(DEVICE)
+    for family, modes in tuning.BWD.items():
+        assert len(modes) == len(tuning.BUCKETS) and set(modes) <= set(tuning.BWD_MODES), family
+    # every family runs the split backward until a GPU has measured the atomic one
+    assert {m for modes in tuning.BWD.values() for m in modes} == {"split"}
+    assert tuning.bwd_mode(64, device) == "split"
+    with tuning.forced(bwd="atomic"):
+        assert tuning.bwd_mode(64, device) == "atomic"
+        assert fa._bwd_mode(64, device) == "atomic"
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+        with caplog.at_level("INFO", logger=fa.__name__):
+            assert fa._bwd_mode(64, device) == "split"
+        assert "deterministic algorithms are on" in caplog.text
+    assert tuning.bwd_mode(64, device) == "split"
+    with pytest.raises(ValueError, match="unknown backward 'fused'"):
+        with tuning.forced(bwd="fused"):
+            pass
 
 
 def test_tuning_table_and_forced_tiles():
@@ -247,24 +289,26 @@ def test_bf16_on_gpu(case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("bwd", tuning.BWD_MODES)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "mqa"])  # GQA: fast cases
 @pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
 @pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
 @pytest.mark.parametrize("window", [None, 7], ids=["", "window"])
 @pytest.mark.parametrize("padding", [False, True], ids=["", "padding"])
-def test_every_combination(causal, kv_heads, packed, alibi, window, padding):
+def test_every_combination(bwd, causal, kv_heads, packed, alibi, window, padding):
     # 2 heads: the interpreter's time grows with heads; the masks are what vary here
-    check(
-        batch=2,
-        seq=40 * SCALE,
-        n_heads=2,
-        kv_heads=kv_heads,
-        head_dim=32,
-        dtype=torch.float32,
-        causal=causal,
-        packed=packed,
-        alibi=alibi,
-        window=window,
-        padding=padding,
-    )
+    with tuning.forced(bwd=bwd):  # both backwards: the split kernels and the atomic one
+        check(
+            batch=2,
+            seq=40 * SCALE,
+            n_heads=2,
+            kv_heads=kv_heads,
+            head_dim=32,
+            dtype=torch.float32,
+            causal=causal,
+            packed=packed,
+            alibi=alibi,
+            window=window,
+            padding=padding,
+        )

@@ -1,13 +1,15 @@
 """FlashAttention-2 in Triton as a ``torch.autograd.Function``: :func:`flash_attention`.
 
 Runs on NVIDIA (CUDA) and AMD (ROCm) GPUs, and on CPU tensors in Triton's interpreter
-(``TRITON_INTERPRET=1`` set before this module is imported; for tests). Tile sizes come from
+(``TRITON_INTERPRET=1`` set before this module is imported; for tests). Tile sizes, and which
+backward runs (two kernels, or FlashAttention-2's one with dQ added atomically), come from
 :mod:`foundryx.kernels.tuning`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
@@ -15,6 +17,7 @@ import triton
 
 from foundryx.kernels import tuning
 from foundryx.kernels.flash_bwd import (
+    flash_bwd_atomic_kernel,
     flash_bwd_dkdv_kernel,
     flash_bwd_dq_kernel,
     flash_bwd_preprocess,
@@ -25,6 +28,7 @@ from foundryx.kernels.flash_fwd import flash_fwd_kernel
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+log = logging.getLogger(__name__)
 
 
 def unsupported(
@@ -99,6 +103,7 @@ class _Args:
         self.scale = scale
         self.window = window or 0
         self.block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+        self.bwd = _bwd_mode(self.block_d, q.device)
         unused_int, unused_int8, unused_float = _placeholders(q.device)  # for absent features
         self.doc_start, self.doc_end = bounds if bounds is not None else (unused_int,) * 2
         self.kpm = kpm if kpm is not None else unused_int8
@@ -118,7 +123,7 @@ class _Args:
         """``kernel[grid](*tensors, masks, strides of each of strided, *scalars, constexprs)``
         with the tile config of ``kind`` and ``grid_rows`` tiled by its block_m or block_n."""
         cfg = tuning.config(kind, self.block_d, tensors[0].device)
-        tile = cfg.block_n if kind == "bwd_dkdv" else cfg.block_m
+        tile = cfg.block_n if kind in ("bwd_dkdv", "bwd_atomic") else cfg.block_m
         strides = [s for t in strided for s in (t.stride(0), t.stride(1), t.stride(2))]
         kernel[(triton.cdiv(grid_rows, tile), grid_heads)](
             *tensors, self.doc_start, self.doc_end, self.kpm, self.slopes,
@@ -126,6 +131,24 @@ class _Args:
             HEAD_DIM=head_dim, BLOCK_D=self.block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             **self.flags, **cfg.launch_options(),
         )  # fmt: skip
+
+
+def _bwd_mode(block_d: int, device: torch.device) -> str:
+    """The tuning table's backward, except "split" under deterministic algorithms (the atomic
+    one adds dQ in an order that varies run to run)."""
+    mode = tuning.bwd_mode(block_d, device)
+    if mode == "atomic" and torch.are_deterministic_algorithms_enabled():
+        _say_deterministic()
+        return "split"
+    return mode
+
+
+@functools.cache
+def _say_deterministic() -> None:
+    log.info(
+        "flash_attention: deterministic algorithms are on, so the backward runs the split "
+        "kernels (dK/dV, then dQ) instead of the tuning table's atomic one"
+    )
 
 
 def _forward(q, k, v, a: _Args):
@@ -144,7 +167,7 @@ def _backward(do, q, k, v, o, lse, a: _Args):
     batch, seq, n_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     do = do if do.stride(-1) == 1 else do.contiguous()
-    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+    dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (k, v))
     delta = torch.empty_like(lse)
     rows = 64
     flash_bwd_preprocess[(triton.cdiv(seq, rows), batch * n_heads)](
@@ -152,6 +175,15 @@ def _backward(do, q, k, v, o, lse, a: _Args):
         do.stride(2), seq, n_heads, HEAD_DIM=head_dim, BLOCK_D=a.block_d, BLOCK_M=rows,
     )  # fmt: skip
     tail = (a.scale * LOG2E, a.scale, a.window)
+    if a.bwd == "atomic":
+        dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)  # summed into
+        a.launch(
+            flash_bwd_atomic_kernel, "bwd_atomic", seq, batch * kv_heads,
+            (q, k, v, do, lse, delta, dk, dv, dq), (q, k, v, do, dk, dv, dq),
+            (seq, n_heads, kv_heads, a.group, *tail), head_dim,
+        )  # fmt: skip
+        return dq.to(q.dtype), dk, dv
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     a.launch(
         flash_bwd_dkdv_kernel, "bwd_dkdv", seq, batch * kv_heads,
         (q, k, v, do, lse, delta, dk, dv), (q, k, v, do, dk, dv),

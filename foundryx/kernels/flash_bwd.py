@@ -5,6 +5,11 @@
   query heads of its group and the query tiles that see its keys, accumulating dK and dV in
   registers (no repeated K/V, no atomics).
 - :func:`flash_bwd_dq_kernel`: one program per query tile of one head, looping over key tiles.
+- :func:`flash_bwd_atomic_kernel`: FlashAttention-2's own backward in one kernel: the dK/dV
+  program also adds each tile's ``dS^T K`` into a float32 dQ buffer with ``tl.atomic_add``
+  (5 matmuls per tile, against 7 for the two kernels above, which recompute ``Q K^T`` and
+  ``dO V^T`` for dQ). The tuning table's ``BWD`` chooses between the two per device and head
+  dim (:mod:`foundryx.kernels.tuning`). Its dQ sums in an order that varies run to run.
 
 With ``s = scale * q.k + bias`` and ``P = softmax(s)``: ``dV = P^T dO``, ``dP = dO V^T``,
 ``dS = P * (dP - delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``.
@@ -211,3 +216,111 @@ def flash_bwd_dq_kernel(
     dq = dq * sm_scale
     dq_base = DQ + b * stride_dqb + h * stride_dqh
     store_tile(dq_base, row0, stride_dqs, S, dq.to(DQ.dtype.element_ty), BLOCK_M, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _atomic_loop(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+    stride_dqs, offs_n, lo, hi, slope, key_ok, qk_scale, sm_scale, S, start, end,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_D)
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = load_tile(q_base, start_m, stride_qs, S, BLOCK_M, HEAD_DIM, BLOCK_D, MASKED)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (keys, queries)
+        s_t = bias_and_mask(s_t, offs_n, offs_m, lo, hi, slope, key_ok, MASKED, HAS_KPM, HAS_ALIBI)
+        lse = tl.load(lse_base + offs_m, mask=offs_m < S, other=0.0)
+        p_t = tl.exp2(s_t - lse[None, :])
+        do = load_tile(do_base, start_m, stride_dos, S, BLOCK_M, HEAD_DIM, BLOCK_D, MASKED)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        delta = tl.load(delta_base + offs_m, mask=offs_m < S, other=0.0)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * sm_scale
+        rows = tl.arange(0, BLOCK_M)
+        ptrs = dq_base + tl.cast(start_m, tl.int64) * stride_dqs + rows[:, None] * stride_dqs
+        ptrs = ptrs + cols[None, :]
+        if MASKED:
+            tl.atomic_add(ptrs, dq, mask=(offs_m[:, None] < S) & (cols[None, :] < HEAD_DIM),
+                          sem="relaxed")
+        elif BLOCK_D != HEAD_DIM:
+            tl.atomic_add(ptrs, dq, mask=cols[None, :] < HEAD_DIM, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, dq, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def flash_bwd_atomic_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DOC_START, DOC_END, KPM, SLOPES,
+    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+    stride_dqb, stride_dqs, stride_dqh, stride_docb, stride_kpmb,
+    S, H, KV_H, GROUP, qk_scale, sm_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_KPM: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(S, BLOCK_N), batch * KV_H): dK, dV of BLOCK_N keys of one kv head, as
+    :func:`flash_bwd_dkdv_kernel`, and their share of dQ (``sm_scale * dS^T K``) of every
+    query head of the group added into DQ, float32 and zeroed before the launch."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // KV_H).to(tl.int64)
+    hk = pid_bh % KV_H
+    col0 = pid_n * BLOCK_N
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    lo, hi, start, full_lo, full_hi, end = tile_spans(
+        offs_n, S, DOC_START + b * stride_docb, DOC_END + b * stride_docb, window, BLOCK_M,
+        HAS_DOCS, CAUSAL, HAS_WINDOW, HAS_KPM, False,
+    )
+    # The last key tile: its rows past S (zeros) go through the masked loop, where their
+    # probabilities are 0, so nothing of theirs reaches dQ (the unmasked loop would give them
+    # exp2(bias - lse), not 0, which overflows to inf for a row of very negative scores).
+    partial = col0 + BLOCK_N > S
+    full_lo = tl.where(partial, end, full_lo)
+    full_hi = tl.where(partial, end, full_hi)
+    key_ok = 0
+    if HAS_KPM:
+        key_ok = tl.load(KPM + b * stride_kpmb + offs_n, mask=offs_n < S, other=0)[:, None] != 0
+    k = load_tile(
+        K + b * stride_kb + hk * stride_kh, col0, stride_ks, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
+    )
+    v = load_tile(
+        V + b * stride_vb + hk * stride_vh, col0, stride_vs, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        slope = alibi_slope(SLOPES, h, HAS_ALIBI)
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        dq_base = DQ + b * stride_dqb + h * stride_dqh
+        lse_base = LSE + (b * H + h) * S
+        delta_base = DELTA + (b * H + h) * S
+        # masked blocks before the middle, unmasked middle, masked blocks after it
+        dk, dv = _atomic_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+            stride_dqs, offs_n, lo, hi, slope, key_ok, qk_scale, sm_scale, S, start, full_lo,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_KPM, HAS_ALIBI, DOT_PRECISION,
+        )
+        dk, dv = _atomic_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+            stride_dqs, offs_n, lo, hi, slope, key_ok, qk_scale, sm_scale, S, full_lo, full_hi,
+            HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_KPM, HAS_ALIBI, DOT_PRECISION,
+        )
+        dk, dv = _atomic_loop(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, stride_qs, stride_dos,
+            stride_dqs, offs_n, lo, hi, slope, key_ok, qk_scale, sm_scale, S, full_hi, end,
+            HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_KPM, HAS_ALIBI, DOT_PRECISION,
+        )
+    dk = dk * sm_scale
+    dk_base = DK + b * stride_dkb + hk * stride_dkh
+    dv_base = DV + b * stride_dvb + hk * stride_dvh
+    store_tile(dk_base, col0, stride_dks, S, dk.to(DK.dtype.element_ty), BLOCK_N, HEAD_DIM, BLOCK_D)
+    store_tile(dv_base, col0, stride_dvs, S, dv.to(DV.dtype.element_ty), BLOCK_N, HEAD_DIM, BLOCK_D)
