@@ -48,7 +48,7 @@ def test_every_kernel_fits_amd():
 @pytest.mark.slow
 @pytest.mark.skipif(LLD is None, reason=LLD_WHY or "")
 @pytest.mark.skipif(os.environ.get("FOUNDRYX_KERNELS_FULL") != "1",
-                    reason="528 compilations (~15 min on 2 cores): set FOUNDRYX_KERNELS_FULL=1, "
+                    reason="696 compilations (~20 min on 2 cores): set FOUNDRYX_KERNELS_FULL=1, "
                            "or run python -m foundryx.kernels.targets --set full")
 def test_every_feature_set_and_dtype_fits():
     check(list(TARGETS), "full")

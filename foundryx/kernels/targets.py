@@ -1,8 +1,8 @@
 """Compile every Triton kernel foundryx ships for real GPU targets, on any machine (no GPU).
 
 ``python -m foundryx.kernels.targets [--targets sm80,sm90,gfx90a,gfx942] [--set small|full]
-[--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ and the
-preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
+[--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ, the
+one-kernel backward with atomic dQ and the preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
 family uses, for the feature combinations users hit, ahead of time (``triton.compile`` with a
 ``GPUTarget``): NVIDIA to PTX and a cubin with the ``ptxas`` inside the triton wheel, AMD to
 AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
@@ -48,7 +48,7 @@ PREPROCESS_ROWS = 64  # the preprocess kernel's BLOCK_M (flash_attention._backwa
 @dataclass(frozen=True)
 class Job:
     target: str
-    kernel: str  # fwd, bwd_dkdv, bwd_dq, preprocess
+    kernel: str  # fwd, bwd_dkdv, bwd_dq, bwd_atomic, preprocess
     head_dim: int
     dtype: str
     features: str
@@ -91,12 +91,14 @@ def jobs(targets: list[str], which: str) -> list[Job]:
     return out
 
 
-def _signature(fn, dtype: str) -> tuple[dict[str, str], dict]:
-    """Argument types of a kernel (data pointers in ``dtype``) and divisibility hints as a
-    real launch gives them (pointers and strides divisible by 16)."""
-    data = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"}
+def _signature(fn, dtype: str, fp32_dq: bool = False) -> tuple[dict[str, str], dict]:
+    """Argument types of a kernel (data pointers in ``dtype``; DQ float32 where ``fp32_dq``:
+    the atomic backward's sum) and divisibility hints as a real launch gives them (pointers
+    and strides divisible by 16)."""
+    data = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"} - ({"DQ"} if fp32_dq else set())
     kinds = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "DOC_START": "*i32",
-             "DOC_END": "*i32", "KPM": "*i8", "qk_scale": "fp32", "sm_scale": "fp32"}
+             "DOC_END": "*i32", "KPM": "*i8", "qk_scale": "fp32", "sm_scale": "fp32",
+             "DQ": "*fp32"}
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
@@ -128,12 +130,13 @@ def compile_job(job: Job, lld: str | None) -> Result:
         consts["BLOCK_M"] = PREPROCESS_ROWS
     else:
         fn = {"fwd": flash_fwd.flash_fwd_kernel, "bwd_dkdv": flash_bwd.flash_bwd_dkdv_kernel,
-              "bwd_dq": flash_bwd.flash_bwd_dq_kernel}[job.kernel]
+              "bwd_dq": flash_bwd.flash_bwd_dq_kernel,
+              "bwd_atomic": flash_bwd.flash_bwd_atomic_kernel}[job.kernel]
         cfg = job.config
         options = cfg.launch_options()
         consts.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=None,
                       **{f: FEATURES[job.features].get(f, False) for f in FLAGS})
-    sig, attrs = _signature(fn, job.dtype)
+    sig, attrs = _signature(fn, job.dtype, fp32_dq=job.kernel == "bwd_atomic")
     start = time.perf_counter()
     try:
         kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=target.gpu_target(GPUTarget),
