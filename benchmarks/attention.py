@@ -3,6 +3,8 @@
     python benchmarks/attention.py --out benchmarks/RESULTS.md        # kernels + MPT-1B step
     python benchmarks/attention.py --seqs 2048 --no-mpt              # a quick look
     python benchmarks/attention.py --tune                            # rows for kernels/tuning.py
+    python benchmarks/attention.py --seqs 4096 --head-dims 128 --no-mpt --bwd split atomic
+                                                      # the Triton backward's two modes, side by side
     python benchmarks/attention.py --table rows.json                 # attn_impl auto's table rows
     python benchmarks/attention.py --apply-table rows.json           # ... into the table (no GPU)
 
@@ -18,6 +20,11 @@ Needs only torch and Triton (flash-attn optional).
 mask (one document, packed documents, ALiBi, both), causal, MHA and GQA (kv heads = heads / 4),
 at seq 2048 (the recipes'), and writes them as JSON rows; ``--apply-table FILE`` replaces the
 rows of the devices in FILE in the table's module (anywhere: no GPU needed).
+
+``--bwd split atomic`` times the Triton kernel once per backward (columns ``triton-split``:
+the dK/dV and dQ kernels; ``triton-atomic``: FlashAttention-2's one kernel, dQ added
+atomically), whatever ``kernels/tuning.py``'s ``BWD`` row chooses; the faster one per device
+and head dim goes into that row. ``--tune`` times the atomic kernel's tiles in its own mode.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a plain checkout
 
+from foundryx.kernels import tuning  # noqa: E402
 from foundryx.models.layers.attention import torch_attention  # noqa: E402
 from foundryx.models.layers.attention_flash import flash_attention  # noqa: E402
 from foundryx.models.layers.attention_select import flash_attn_module  # noqa: E402
@@ -48,6 +56,21 @@ except ImportError:  # tqdm is optional on a bare GPU image
 
 
 IMPLS = {"triton": triton_attention, "flash": flash_attention, "torch": torch_attention}
+
+
+def triton_with_bwd(mode: str):
+    """triton_attention with the backward ``mode`` (split or atomic), whatever the tuning
+    table says (the mode is chosen in the forward, so it holds for the backward too)."""
+
+    def attention(q, k, v, **kw):
+        with tuning.forced(bwd=mode):
+            return triton_attention(q, k, v, **kw)
+
+    return attention
+
+
+for _mode in tuning.BWD_MODES:  # --bwd's columns
+    IMPLS[f"triton-{_mode}"] = triton_with_bwd(_mode)
 TOKENS = 16384
 D_MODEL = 2048
 MPT_SEQ = 2048
@@ -246,13 +269,15 @@ def markdown(rows, mpt, impls, batch: int) -> str:
     def cell(v, i):
         return f"{v[i]:.0f}" if isinstance(v, tuple) else str(v)
 
-    others = [n for n in impls if n != "triton"]
+    tritons = [n for n in impls if n.startswith("triton")]  # triton, or one per --bwd mode
+    others = [n for n in impls if n not in tritons]
+    ratios = others and tritons
     head = (
         "| head_dim | causal | docs | seq | batch | "
         + " | ".join(f"fwd {n}" for n in impls)
         + " | "
         + " | ".join(f"fwd+bwd {n}" for n in impls)
-        + (" | triton ÷ best other (fwd+bwd) |" if "triton" in impls and others else " |")
+        + ("".join(f" | {n} ÷ best other (fwd+bwd)" for n in tritons) + " |" if ratios else " |")
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -263,8 +288,8 @@ def markdown(rows, mpt, impls, batch: int) -> str:
         line += " | ".join(cell(r[n], 0) for n in impls) + " | "
         line += " | ".join(cell(r[n], 1) for n in impls) + " |"
         best = [r[n][1] for n in others if isinstance(r[n], tuple)]
-        if "triton" in impls and others:
-            ratio = r["triton"][1] / max(best) if best and isinstance(r["triton"], tuple) else None
+        for n in tritons if ratios else ():
+            ratio = r[n][1] / max(best) if best and isinstance(r[n], tuple) else None
             line += f" {ratio:.2f} |" if ratio else " n/a |"
         lines.append(line)
     text = "TFLOP/s (bf16)\n\n" + "\n".join(lines)
@@ -284,8 +309,6 @@ def markdown(rows, mpt, impls, batch: int) -> str:
 
 def tune(head_dims, seq: int = 4096):
     """Time every candidate of kernels/tuning.py on this GPU; print the best per kernel."""
-    from foundryx.kernels import tuning
-
     family = tuning.device_family(torch.device("cuda"))
     print(f"tuning on {torch.cuda.get_device_name()} (family {family!r}), seq {seq}, causal, bf16")
     for head_dim in head_dims:
@@ -299,8 +322,10 @@ def tune(head_dims, seq: int = 4096):
         dout = torch.randn_like(q)
         for kernel in tuning.KERNELS:
             timed = []
+            # each backward kernel in the mode that runs it
+            mode = {"bwd_dkdv": "split", "bwd_dq": "split", "bwd_atomic": "atomic"}.get(kernel)
             for cfg in tqdm(tuning.CANDIDATES[kernel], desc=f"{kernel} d={head_dim}"):
-                with tuning.forced(**{kernel: cfg}):
+                with tuning.forced(bwd=mode, **{kernel: cfg}):
                     try:
                         ms = bench(triton_attention, q, k, v, None if kernel == "fwd" else dout)
                     except Exception:  # noqa: BLE001 - tiles that do not fit are skipped
@@ -334,10 +359,13 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, nargs="+", default=None,
                    help="sequence lengths (default 512 to 16384; with --table 2048)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    p.add_argument("--impls", nargs="+", default=["triton", "flash", "torch"], choices=list(IMPLS))
     p.add_argument("--mpt-batch", type=int, default=4, help="sequences per MPT-1B step")
     p.add_argument("--no-mpt", action="store_true", help="skip the MPT-1B training steps")
     p.add_argument("--tune", action="store_true", help="time tuning.CANDIDATES instead")
+    p.add_argument("--bwd", nargs="+", choices=tuning.BWD_MODES, default=None,
+                   help="time the Triton kernel once per backward mode (columns triton-split, "
+                        "triton-atomic) instead of the tuning table's choice (BWD)")
     p.add_argument("--out", type=Path, help="append the markdown tables to this file")
     p.add_argument("--table", type=Path, metavar="FILE",
                    help="measure attn_impl auto's cases (causal; each mask; MHA and GQA) and "
@@ -354,6 +382,10 @@ def main(argv=None) -> int:
         devices = sorted({r["device"] for r in new_rows})
         print(f"{TABLE_MODULE.relative_to(ROOT)}: {len(new_rows)} rows for {', '.join(devices)}")
         return 0
+    if args.bwd and args.table:
+        print("--bwd compares the Triton backward's modes; --table measures what attn_impl auto "
+              "runs (the tuning table's mode): run them apart", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print(
             "benchmarks/attention.py needs a CUDA or ROCm GPU: torch sees none here. (On CPU "
@@ -370,6 +402,9 @@ def main(argv=None) -> int:
     impls = [n for n in args.impls if n != "flash" or flash_attn_module()[0] is not None]
     if len(impls) < len(args.impls):
         print(f"flash skipped: {flash_attn_module()[1]}")
+    if args.bwd and "triton" in impls:
+        at = impls.index("triton")
+        impls[at : at + 1] = [f"triton-{m}" for m in dict.fromkeys(args.bwd)]
     info = gpu_info()
     print(info)
     if args.table:

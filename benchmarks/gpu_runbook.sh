@@ -28,6 +28,9 @@
 #         combination sweep left out: run pytest tests/test_triton_attention.py for it)    60 s: ~45 s
 #   [5/10] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
 #         128 (benchmarks/attention.py)                                                  40 s: 37 s
+#         RUNBOOK_BWD="split atomic" times the Triton kernel once per backward (attention.py --bwd;
+#         issue 47: which one tuning.py's BWD row should name); it takes longer: raise step 5's
+#         limit with RUNBOOK_LIMITS and run it in a loan of its own, e.g. --only 1,5
 #   [6/10] MPT-1B tokens/s and MFU, eager, no activation checkpointing (benchmarks/
 #         train_throughput.py gpu; the other settings and sizes: run it without --settings) 50 s: ~30 s
 #   [7/10] foundryx against plain transformers + peft, side by side (issue 46; not in the
@@ -162,6 +165,7 @@ else
   EST+=("~2 min" "4 x ~55 s" "8 x ~35 s")
 fi
 
+if [ -n "${RUNBOOK_BWD:-}" ]; then read -r -a BWD_MODES <<<"$RUNBOOK_BWD"; ATTN_ARGS+=(--bwd "${BWD_MODES[@]}"); fi
 commands() { # the steps' commands, shared by the run and --dry-run; again once step 1 picks PYTHON
   CMD_FLAGSHIP=("$PYTHON" "$FLAGSHIP" --device cuda --shape "$SHAPE" --bases bf16,fp8,nf4
     --offload 0,0.5 --steps "$STEPS" --time-limit $((LIMITS[1] > 20 ? LIMITS[1] - 10 : LIMITS[1]))

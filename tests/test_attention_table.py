@@ -77,3 +77,25 @@ def test_apply_table_from_the_command_line(bench, tmp_path, monkeypatch):
     namespace: dict = {}
     exec(module.read_text(), namespace)
     assert namespace["ROWS"] == h100  # every H100 row replaced by the one measured
+
+
+def test_both_triton_backwards_side_by_side(bench):
+    """--bwd split atomic (issue 47): a column and a ratio to the best other per backward; the
+    Triton kernel runs in the mode named, whatever tuning.BWD says; --table refuses --bwd."""
+    from foundryx.kernels import tuning
+
+    row = {**measured("none", False, None, (400.0, 500.0)), "triton-split": (300.0, 150.0),
+           "triton-atomic": (300.0, 250.0)}
+    text = bench.markdown([row], [], ["triton-split", "triton-atomic", "torch"], 4)
+    assert "| triton-split ÷ best other (fwd+bwd) | triton-atomic ÷ best other (fwd+bwd) |" in text
+    assert text.rstrip().endswith("| 0.30 | 0.50 |")
+    seen = []
+    real = bench.triton_attention
+    try:
+        bench.triton_attention = lambda *a, **k: seen.append(tuning.bwd_mode(64, None))
+        bench.IMPLS["triton-atomic"](None, None, None)
+        bench.IMPLS["triton-split"](None, None, None)
+    finally:
+        bench.triton_attention = real
+    assert seen == ["atomic", "split"]
+    assert bench.main(["--bwd", "split", "atomic", "--table", "rows.json"]) == 2

@@ -63,6 +63,17 @@ def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     assert step6 in r.stdout
 
 
+def test_step_5_times_both_triton_backwards_when_asked():
+    """RUNBOOK_BWD (issue 47): step 5 passes --bwd to attention.py, which accepts it."""
+    r = runbook("--dry-run", "--only", "1,5", RUNBOOK_BWD="split atomic",
+                RUNBOOK_LIMITS="90 230 30 60 100 50 360 150 240 300")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "benchmarks/attention.py --seqs 4096 --head-dims 128 --no-mpt --bwd split atomic" \
+        in r.stdout
+    assert "ok    benchmarks/attention.py accepts --bwd" in r.stdout
+    assert "--bwd" not in runbook("--dry-run").stdout
+
+
 def test_a_limit_that_does_not_fit_fails_the_dry_run():
     r = runbook("--dry-run", RUNBOOK_LIMITS="100 300 35 60 45 50 360 150 240 300")
     assert r.returncode == 1
