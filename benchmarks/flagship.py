@@ -350,6 +350,19 @@ def csv(text: str, kind):
     return [kind(x) for x in text.split(",") if x.strip()]
 
 
+def add_run_options(p: argparse.ArgumentParser, run_timeout: float, json_help: str) -> None:
+    """The options every flagship benchmark takes for its model folder, time, logs and
+    outputs (this file's and flagship_vs_peer.py's)."""
+    p.add_argument("--cache", type=Path, default=None,
+                   help="the model folder (default ~/.cache/foundryx-bench/<shape>-bf16)")
+    p.add_argument("--time-limit", type=float, default=None,
+                   help="seconds for the whole invocation; each run gets what is left")
+    p.add_argument("--run-timeout", type=float, default=run_timeout, help="seconds per run at most")
+    p.add_argument("--logs", type=Path, default=None, help="folder for each run's log")
+    p.add_argument("--json", type=Path, default=None, help=json_help)
+    p.add_argument("--out", type=Path, required=True, help="the markdown file to write")
+
+
 def main() -> int:
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
         return worker(sys.argv[2], sys.argv[3:])
@@ -374,14 +387,7 @@ def main() -> int:
     p.add_argument("--precision", default=None, help="default amp_bf16 on cuda, fp32 on cpu")
     p.add_argument("--compile", choices=["false", "auto", "true"], default="false",
                    help="compile.enabled of the runs (default false; the recipe ships auto)")
-    p.add_argument("--cache", type=Path, default=None,
-                   help="the model folder (default ~/.cache/foundryx-bench/<shape>-bf16)")
-    p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole invocation; each run gets what is left")
-    p.add_argument("--run-timeout", type=float, default=600, help="seconds per run at most")
-    p.add_argument("--logs", type=Path, default=None, help="folder for each run's log")
-    p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
-    p.add_argument("--out", type=Path, required=True, help="the markdown file to write")
+    add_run_options(p, run_timeout=600, json_help="also write the rows as JSON")
     a = p.parse_args()
     start = time.perf_counter()
     deadline = start + a.time_limit if a.time_limit else float("inf")

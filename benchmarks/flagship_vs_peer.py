@@ -209,14 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the step profiled in round 1 (default the last; 0: none)")
     p.add_argument("--profiles", type=Path, default=None,
                    help="folder for the profiles (none profiled without it)")
-    p.add_argument("--cache", type=Path, default=None,
-                   help="the model folder (default ~/.cache/foundryx-bench/<shape>-bf16)")
-    p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds for the whole invocation; each run gets what is left")
-    p.add_argument("--run-timeout", type=float, default=300, help="seconds per run at most")
-    p.add_argument("--logs", type=Path, default=None, help="folder for each run's log")
-    p.add_argument("--json", type=Path, default=None, help="also write rows and summary as JSON")
-    p.add_argument("--out", type=Path, required=True, help="the markdown file to write")
+    flagship.add_run_options(p, run_timeout=300, json_help="also write rows and summary as JSON")
     a = p.parse_args(argv)
     sides = [s for s in a.sides.split(",") if s]
     if not sides or set(sides) - set(SIDES):

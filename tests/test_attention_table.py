@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 from foundryx.models.layers import attention_select as sel
 from foundryx.models.layers import attention_table
@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmarks" / "attention.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("attention")
 
 
 def measured(mask, gqa, triton, torch):

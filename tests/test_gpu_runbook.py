@@ -222,6 +222,20 @@ def fake_python(tmp_path: Path) -> Path:
     return python
 
 
+def fake_gpu_run(tmp_path: Path, only: str, **env: str):
+    """The run book's ``--only`` steps on a fake GPU (the fake Python), with a wheel folder and
+    its own venv under ``tmp_path``: (the completed process, the report's path)."""
+    python = fake_python(tmp_path)
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "composer.whl").touch()
+    out = tmp_path / "report.md"
+    r = runbook("--out", str(out), "--only", only, "--wheels", str(wheels), "--venv",
+                str(tmp_path / "venv"), python=str(python), FAKE_STATE=str(tmp_path),
+                TMPDIR=str(tmp_path), **env)
+    return r, out
+
+
 def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     python = fake_python(tmp_path)
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
@@ -284,14 +298,7 @@ def test_the_side_by_side_runs_on_the_machines_transformers(tmp_path):
     """Step 7 (`--only 1,7`) after step 1 made the run book's venv: the side-by-side runs with
     the machine Python's site-packages first on PYTHONPATH (its transformers 5.x, not the
     venv's 4.57), and its profiles come back beside the report."""
-    python = fake_python(tmp_path)
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    (wheels / "composer.whl").touch()
-    out = tmp_path / "report.md"
-    r = runbook("--out", str(out), "--only", "1,7", "--wheels", str(wheels), "--venv",
-                str(tmp_path / "venv"), python=str(python), FAKE_STATE=str(tmp_path),
-                TMPDIR=str(tmp_path), PYTHONPATH="")  # fmt: skip
+    r, out = fake_gpu_run(tmp_path, "1,7", PYTHONPATH="")
     assert r.returncode == 0, r.stderr
     calls = (tmp_path / "calls").read_text()
     (line,) = [c for c in calls.splitlines() if "flagship_vs_peer.py" in c]
@@ -475,14 +482,7 @@ def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
 def test_issue_47_steps_on_a_fake_gpu(tmp_path):
     """Steps 8-10 (`--only 1,8,9,10`): the attention table's rows as JSON in the report, the
     MFU rows with a failed case's reason and the formula, one step's top kernels."""
-    python = fake_python(tmp_path)
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    (wheels / "composer.whl").touch()
-    out = tmp_path / "report.md"
-    r = runbook("--out", str(out), "--only", "1,8,9,10", "--wheels", str(wheels), "--venv",
-                str(tmp_path / "venv"), python=str(python), FAKE_STATE=str(tmp_path),
-                TMPDIR=str(tmp_path))  # fmt: skip
+    r, out = fake_gpu_run(tmp_path, "1,8,9,10")
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "### 8. attn_impl auto's attention table for this GPU: ok" in text

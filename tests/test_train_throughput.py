@@ -3,23 +3,18 @@ profile (top kernels) comes out of a real run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tp():
-    spec = importlib.util.spec_from_file_location("bench_tp", ROOT / "benchmarks" / "train_throughput.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_tp"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("train_throughput")
 
 
 def test_the_mfu_table_cases_are_valid_run_configs(tp, monkeypatch, tmp_path):
