@@ -78,6 +78,50 @@ def _dkdv_loop(
 
 
 @triton.jit
+def _key_block(
+    DOC_START, DOC_END, stride_docb, window, S, KV_H,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DOCS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_KPM: tl.constexpr,
+):
+    """This program's key tile (grid (cdiv(S, BLOCK_N), batch * KV_H)): its batch, kv head,
+    first key and key offsets, and the query spans that see its keys (tile_spans)."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // KV_H).to(tl.int64)
+    hk = pid_bh % KV_H
+    col0 = pid_n * BLOCK_N
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    lo, hi, start, full_lo, full_hi, end = tile_spans(
+        offs_n, S, DOC_START + b * stride_docb, DOC_END + b * stride_docb, window, BLOCK_M,
+        HAS_DOCS, CAUSAL, HAS_WINDOW, HAS_KPM, False,
+    )
+    return b, hk, col0, offs_n, lo, hi, start, full_lo, full_hi, end
+
+
+@triton.jit
+def _key_tile(
+    K, V, KPM, b, hk, col0, offs_n, S, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_kpmb,
+    HAS_KPM: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """The BLOCK_N keys and values of kv head ``hk`` from ``col0``, which of them the key
+    padding mask keeps (0 without one), and the zeroed float32 dK, dV accumulators: the start
+    of both backwards' key-tile kernels."""
+    key_ok = 0
+    if HAS_KPM:
+        key_ok = tl.load(KPM + b * stride_kpmb + offs_n, mask=offs_n < S, other=0)[:, None] != 0
+    k = load_tile(
+        K + b * stride_kb + hk * stride_kh, col0, stride_ks, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
+    )
+    v = load_tile(
+        V + b * stride_vb + hk * stride_vh, col0, stride_vs, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
+    )
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    return key_ok, k, v, dk, dv
+
+
+@triton.jit
 def flash_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DOC_START, DOC_END, KPM, SLOPES,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
@@ -90,27 +134,14 @@ def flash_bwd_dkdv_kernel(
     HAS_KPM: tl.constexpr, HAS_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (cdiv(S, BLOCK_N), batch * KV_H): dK, dV of BLOCK_N keys of one kv head."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // KV_H).to(tl.int64)
-    hk = pid_bh % KV_H
-    col0 = pid_n * BLOCK_N
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    lo, hi, start, full_lo, full_hi, end = tile_spans(
-        offs_n, S, DOC_START + b * stride_docb, DOC_END + b * stride_docb, window, BLOCK_M,
-        HAS_DOCS, CAUSAL, HAS_WINDOW, HAS_KPM, False,
+    b, hk, col0, offs_n, lo, hi, start, full_lo, full_hi, end = _key_block(
+        DOC_START, DOC_END, stride_docb, window, S, KV_H, BLOCK_M, BLOCK_N, HAS_DOCS, CAUSAL,
+        HAS_WINDOW, HAS_KPM,
     )
-    key_ok = 0
-    if HAS_KPM:
-        key_ok = tl.load(KPM + b * stride_kpmb + offs_n, mask=offs_n < S, other=0)[:, None] != 0
-    k = load_tile(
-        K + b * stride_kb + hk * stride_kh, col0, stride_ks, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
+    key_ok, k, v, dk, dv = _key_tile(
+        K, V, KPM, b, hk, col0, offs_n, S, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_kpmb, HAS_KPM, BLOCK_N, HEAD_DIM, BLOCK_D,
     )
-    v = load_tile(
-        V + b * stride_vb + hk * stride_vh, col0, stride_vs, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
-    )
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
         slope = alibi_slope(SLOPES, h, HAS_ALIBI)
@@ -268,15 +299,9 @@ def flash_bwd_atomic_kernel(
     """Grid (cdiv(S, BLOCK_N), batch * KV_H): dK, dV of BLOCK_N keys of one kv head, as
     :func:`flash_bwd_dkdv_kernel`, and their share of dQ (``sm_scale * dS^T K``) of every
     query head of the group added into DQ, float32 and zeroed before the launch."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = (pid_bh // KV_H).to(tl.int64)
-    hk = pid_bh % KV_H
-    col0 = pid_n * BLOCK_N
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    lo, hi, start, full_lo, full_hi, end = tile_spans(
-        offs_n, S, DOC_START + b * stride_docb, DOC_END + b * stride_docb, window, BLOCK_M,
-        HAS_DOCS, CAUSAL, HAS_WINDOW, HAS_KPM, False,
+    b, hk, col0, offs_n, lo, hi, start, full_lo, full_hi, end = _key_block(
+        DOC_START, DOC_END, stride_docb, window, S, KV_H, BLOCK_M, BLOCK_N, HAS_DOCS, CAUSAL,
+        HAS_WINDOW, HAS_KPM,
     )
     # The last key tile: its rows past S (zeros) go through the masked loop, where their
     # probabilities are 0, so nothing of theirs reaches dQ (the unmasked loop would give them
@@ -284,17 +309,10 @@ def flash_bwd_atomic_kernel(
     partial = col0 + BLOCK_N > S
     full_lo = tl.where(partial, end, full_lo)
     full_hi = tl.where(partial, end, full_hi)
-    key_ok = 0
-    if HAS_KPM:
-        key_ok = tl.load(KPM + b * stride_kpmb + offs_n, mask=offs_n < S, other=0)[:, None] != 0
-    k = load_tile(
-        K + b * stride_kb + hk * stride_kh, col0, stride_ks, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
+    key_ok, k, v, dk, dv = _key_tile(
+        K, V, KPM, b, hk, col0, offs_n, S, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_kpmb, HAS_KPM, BLOCK_N, HEAD_DIM, BLOCK_D,
     )
-    v = load_tile(
-        V + b * stride_vb + hk * stride_vh, col0, stride_vs, S, BLOCK_N, HEAD_DIM, BLOCK_D, True
-    )
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(GROUP):
         h = hk * GROUP + g
         slope = alibi_slope(SLOPES, h, HAS_ALIBI)
