@@ -22,11 +22,13 @@ this module's :func:`main` runs instead of Composer's ``main``:
   the signal (a checkpoint saved, or training had not begun), 0 when the run finished. A rank
   that fails otherwise is Composer's case as before (the others stopped, its output printed).
 
-How it gets there: ``[project.entry-points."torch.backends"]`` names :func:`autoload`, which
-torch calls at the end of every ``import torch`` (its hook for out-of-tree device backends,
-the only foundryx code Composer's launcher process runs before ``composer`` sets its
-handler: ``import composer`` imports torch first). In any process but the ``composer`` command
-it returns at once. There it sets the handler and adds an import hook that, once
+How it gets there: ``[project.entry-points."torch.backends"]`` names
+``_foundryx_torch_hook.autoload`` (a top-level module beside the package), which torch calls
+at the end of every ``import torch`` (its hook for out-of-tree device backends, the only
+foundryx code Composer's launcher process runs before ``composer`` sets its handler: ``import
+composer`` imports torch first). In any process but the ``composer`` command it returns at
+once without importing foundryx (a plain transformers + peft script never imports foundryx
+through it); in the command it calls :func:`autoload` here. There it sets the handler and adds an import hook that, once
 ``composer.cli.launcher`` has run, replaces its ``main`` with this module's :func:`main` (what
 the command's ``from composer.cli.launcher import main`` then gets). A signal in the command's
 first seconds, before torch is imported, ends it as it would any process (exit 143, no line):
