@@ -146,7 +146,11 @@ class ComposerHFCausalLM(FusedLossLM):
         # checkpointing the recomputed forward would append to it again (shapes differ).
         batch = {**batch, "use_cache": False}
         head = self.model.get_output_embeddings()
-        if fused and not getattr(head.weight, "device_mesh", None):  # a TP head: loss_parallel
+        if fused and getattr(head.weight, "device_mesh", None) is not None:
+            self.fuses_loss = False  # a tensor-parallel head: the model's loss, loss_parallel's
+            log.info("hf_causal_lm: fused loss off: the output head is split by tensor "
+                     "parallelism, so the model's own loss runs (under loss_parallel)")
+        elif fused:
             return self._fused_forward(batch, head.weight)
         return CausalLMBase.forward(self, batch)  # Composer's: the model's own forward
 
