@@ -190,8 +190,7 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
     from foundryx.models.peft.frozen_base import LowPrecisionLinear
     from foundryx.train import load_run_config
 
-    if "fake_step" not in registry.dataloaders:  # the step's batch is made here, not loaded
-        registry.dataloaders.register("fake_step", lambda *a, **k: None)
+    register_loader(registry)
     loaded = load_run_config(RECIPE, foundryx_overrides(shape, side, batch, seq), world_size=1)
     cfg = loaded.cfg
     with unfaked():  # built on meta, as the recipe builds it (torchmetrics cannot deepcopy fakes)
@@ -238,14 +237,19 @@ def _on_meta(t: torch.Tensor) -> bool:
         or any(getattr(t, n).device.type == "meta" for n in ("nf4",) if hasattr(t, n))
 
 
+def register_loader(registry) -> None:  # noqa: ANN001
+    """The run configs name loader ``fake_step``: the step's batch is made here, not loaded."""
+    if "fake_step" not in registry.dataloaders:
+        registry.dataloaders.register("fake_step", lambda *a, **k: None)
+
+
 def build_mpt(recipe: Path, batch: int, seq: int) -> FakeStep:
     """A pretraining recipe's MPT (yamls/mpt-1b.yaml) as the GPU runs it on one process:
     its own precision, attention and checkpointing, compile off (issue 47's census)."""
     from foundryx import builders, registry
     from foundryx.train import load_run_config
 
-    if "fake_step" not in registry.dataloaders:
-        registry.dataloaders.register("fake_step", lambda *a, **k: None)
+    register_loader(registry)
     loaded = load_run_config(recipe, [
         f"max_seq_len={seq}", "model.init_device=meta", "device=cpu", "compile.enabled=false",
         "cpu_matmul=blas", "train_loader.name=fake_step", "eval_loader=null", "save_folder=null",

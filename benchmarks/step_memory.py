@@ -69,7 +69,6 @@ class CategoryTracker(TorchDispatchMode):
         self.module_depth = 0  # > 0 while a module's forward runs (recompute in backward)
         self.tag: str | None = None  # a category forced by the caller (offload copies)
         self.trainable = list(grads_of)
-        self._keepalive: dict[int, object] = {}
 
     # -- registering storages ------------------------------------------------------------
     def add(self, t: torch.Tensor, category: str) -> None:
