@@ -13,7 +13,7 @@ RETRY = retry() { for try in 1 2 3; do "$$@" && return 0; [ $$try = 3 ] && retur
 	echo "foundryx: '$$*' failed (try $$try of 3); trying again in 30 s" >&2; sleep 30; done; }; retry
 RESUME := --resume-retries 20
 
-.PHONY: install install-modern lock-modern data train train-2proc test test-pinned test-modern test-all test-fast lint clean
+.PHONY: install install-modern lock-modern data train train-2proc test test-pinned test-modern test-all test-fast test-long lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -104,6 +104,12 @@ test-modern: install-modern
 # every test on the pinned torch (what make test splits between the legs)
 test-all: install
 	$(PY) -m pytest -q --durations=25
+
+# the long form of checks make test makes in short (make test runs none of these): SIGTERM at 20
+# random moments of a 2-process run (~6 min), 10 seeded kills then a bit-exact resume (~2 min),
+# the rank changes of tests/test_elastic_resume.py that make test leaves out (~4 min); pinned torch
+test-long: install
+	$(PY) -m pytest -q -m long --durations=10
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

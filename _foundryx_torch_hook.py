@@ -20,6 +20,10 @@ def autoload() -> None:
     script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
     if Path(script).name != "composer" or Path(sys.argv[0] if sys.argv else "").name != "composer":
         return
-    from foundryx import composer_launcher  # the composer command only (see the module doc)
+    try:  # torch turns any error here into its own, and then no `import torch` works at all
+        from foundryx import composer_launcher  # the composer command only (see the module doc)
 
-    composer_launcher.autoload()
+        composer_launcher.autoload()
+    except Exception as e:  # noqa: BLE001 - Composer's launcher then runs as it is, said in one line
+        print(f"foundryx: the composer command runs without foundryx's signal handling ({type(e).__name__}: "
+              f"{e}); FOUNDRYX_LAUNCHER=0 turns it off", file=sys.stderr)

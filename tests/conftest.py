@@ -36,7 +36,11 @@ SHARED = ROOT.parent / "shared"
 # `make test` runs the fast set plus the pinned leg's share on torch 2.7, then the fast set plus
 # the modern leg's share on torch 2.15 (`--slow-leg`). A slow test file not named here runs on
 # the pinned leg, except its cases marked `modern_leg`; the files of BOTH_LEGS_SLOW_FILES run on
-# each (what one transformers major writes, the other reads). `--slow-leg all` (the default, and `make test-all`) runs every slow test.
+# each (what one transformers major writes, the other reads). `--slow-leg all` (the default, and
+# `make test-all`) runs every slow test. The `long` tests, the long form of a check that make
+# test makes in short (more random moments, more rank combinations), run on neither leg:
+# `make test-long` runs them, and `make test-all`. The files of PINNED_LEG_FILES run on the
+# pinned leg only, fast tests included (they check the GPU run book's bash and files, not torch).
 # ---------------------------------------------------------------------------------------
 MODERN_LEG_SLOW_FILES = {
     "test_triton_attention.py",
@@ -52,6 +56,7 @@ MODERN_LEG_SLOW_FILES = {
     "test_tp_docs.py",
 }
 BOTH_LEGS_SLOW_FILES = {"test_hf_families.py"}
+PINNED_LEG_FILES = {"test_gpu_runbook.py"}
 
 
 def pytest_addoption(parser):
@@ -69,6 +74,12 @@ def pytest_collection_modifyitems(config, items):
         return
     keep, drop = [], []
     for item in items:
+        if item.get_closest_marker("long") is not None:  # make test-long and make test-all only
+            drop.append(item)
+            continue
+        if item.path.name in PINNED_LEG_FILES and leg != "pinned":
+            drop.append(item)
+            continue
         if item.get_closest_marker("slow") is None or item.path.name in BOTH_LEGS_SLOW_FILES:
             keep.append(item)
             continue

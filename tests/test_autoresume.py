@@ -175,6 +175,7 @@ def test_draw_moments_cover_the_save_and_are_reachable():
     assert draw_moments(7, 10) == draw_moments(7, 10)
 
 
+@pytest.mark.slow  # the pinned leg's share (tests/conftest.py); the 10 kills: make test-long
 def test_kill_three_times_then_resume_bit_exact(reference, quickstart_data, tmp_path, request):
     if any(item.name == "test_kill_ten_times_then_resume_bit_exact" for item in request.session.items):
         pytest.skip("the 10-kill test runs in this session (the slow set) and covers these")
@@ -185,6 +186,7 @@ def test_kill_three_times_then_resume_bit_exact(reference, quickstart_data, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_ten_times_then_resume_bit_exact(reference, quickstart_data, tmp_path):
     kill_and_resume(reference, quickstart_data, tmp_path, seed=int(os.environ.get("FOUNDRYX_KILL_SEED", 10)), n=10)
 

@@ -69,6 +69,25 @@ def test_the_launcher_takes_over_for_foundryx_scripts_only(tmp_path):
     assert not foundryx_script("mypkg.train", module_mode=True)
 
 
+def test_a_launcher_hook_that_cannot_load_says_so_and_torch_still_imports(tmp_path):
+    """torch makes any error of a backend hook its own (``import torch`` then fails in every
+    process): a foundryx whose launcher module cannot load costs the composer command its
+    signal handling, in one line, and nothing else."""
+    broken = tmp_path / "shadow" / "foundryx"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "composer_launcher.py").write_text("raise ImportError('a half-installed foundryx')\n")
+    script = tmp_path / "bin" / "composer"  # the hook acts in the composer command only
+    script.parent.mkdir()
+    script.write_text("import torch\nprint('torch', torch.__version__)\n")
+    got = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(broken.parent)})
+    assert got.returncode == 0 and got.stdout.startswith("torch "), got.stderr[-2000:]
+    said = [line for line in got.stderr.splitlines() if line.startswith("foundryx:")]
+    assert said == ["foundryx: the composer command runs without foundryx's signal handling "
+                    "(ImportError: a half-installed foundryx); FOUNDRYX_LAUNCHER=0 turns it off"], got.stderr
+
+
 PHASES = r"""
 import os, signal, sys
 os.environ["FOUNDRYX_HELD_SIGNALS"] = "15,10"
@@ -244,6 +263,7 @@ def test_sigterm_at_a_few_moments_saves_or_says_why(quickstart_data, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_sigterm_at_20_random_moments_saves_or_says_why(quickstart_data, tmp_path):
     _run(quickstart_data, tmp_path, moments(int(os.environ.get("FOUNDRYX_STRESS_TRIES", "20"))))
 
