@@ -178,7 +178,7 @@ def test_draw_moments_cover_the_save_and_are_reachable():
 @pytest.mark.slow  # the pinned leg's share (tests/conftest.py); the 10 kills: make test-long
 def test_kill_three_times_then_resume_bit_exact(reference, quickstart_data, tmp_path, request):
     if any(item.name == "test_kill_ten_times_then_resume_bit_exact" for item in request.session.items):
-        pytest.skip("the 10-kill test runs in this session (the slow set) and covers these")
+        pytest.skip("the 10-kill test runs in this session (make test-all) and covers these")
     ref = losses(reference)
     assert sorted(ref) == list(range(1, 13))
     assert sum(ref[b] for b in (10, 11, 12)) < sum(ref[b] for b in (1, 2, 3)) - 0.3

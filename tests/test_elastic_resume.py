@@ -135,8 +135,8 @@ IN_SAVE = {"one rank, shards written": "moment:shards:8:1",
 
 
 # make test runs each rank change and each kind of run at least once (4 -> 2: LoRA; 2 -> 4: full,
-# LoRA fp32 killed in a save; 2 -> 1: all three); the other cases are the long form (make
-# test-long: 4 ranks on a 2-core machine are its slowest runs)
+# LoRA fp32 killed in a save; 2 -> 1: all three); the other cases, MPT's kill in a save among
+# them (4 -> 2), are the long form (make test-long: 4 ranks on a 2-core machine are its slowest runs)
 SHORT = {("mpt", 2, 1), ("full", 2, 4), ("full", 2, 1), ("lora-fp8-offload", 4, 2),
          ("lora-fp8-offload", 2, 1), ("lora-fp8-offload-fp32", 2, 4)}
 
@@ -144,7 +144,7 @@ SHORT = {("mpt", 2, 1), ("full", 2, 4), ("full", 2, 1), ("lora-fp8-offload", 4, 
 def _case(kind: str, n: int, m: int, kill: str = KILL, name: str = ""):
     # the LoRA runs on the modern leg, the others on the pinned one (tests/conftest.py)
     marks = [pytest.mark.slow] + ([pytest.mark.modern_leg] if kind.startswith("lora") else [])
-    marks += [] if (kind, n, m) in SHORT and kill in (KILL, IN_SAVE["every rank, shards written"]) else [pytest.mark.long]
+    marks += [] if (kind, n, m) in SHORT else [pytest.mark.long]
     return pytest.param(kind, n, m, kill, marks=marks,
                         id=f"{kind}-{n}to{m}" + (f"-killed-{name}" if name else ""))
 
