@@ -20,8 +20,13 @@ from foundryx import host_heap
 pytestmark = pytest.mark.skipif(host_heap.glibc() is None, reason="glibc's allocator only")
 
 # A step's pattern in small: large blocks freed (glibc then raises its threshold to their size),
-# then 2 MiB temporaries with small live objects between them, the temporaries freed.
-PATTERN = r"""
+# then 2 MiB temporaries with live blocks between them, the temporaries freed; what the heap keeps
+# of them is its free bytes after, less those before. The large blocks are held at once, so that
+# a heap hole left by imports cannot take them all (one mmapped block freed raises the threshold);
+# the live blocks are as big as the temporaries, so that they come from the heap's top between
+# them, not from small holes elsewhere (CI once saw 2 MiB kept where 1 KiB separators had found
+# such holes, and the freed temporaries merged and were trimmed).
+HEAP_PROBE = r"""
 import ctypes, sys
 import torch
 from foundryx.host_heap import bound_host_heap
@@ -30,19 +35,24 @@ class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
+def free_mib():
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+    return libc.mallinfo2().fordblks / 2**20
+
+def kept_mib():
+    before = free_mib()
+    big = [torch.ones(mib * 2**20, dtype=torch.uint8) for mib in (8, 12, 16, 20, 24, 28)]
+    while big:
+        del big[0]  # smallest first: each mmapped one freed raises the threshold to its size
+    held = [torch.ones(2 * 2**20, dtype=torch.uint8) for _ in range(128)]
+    del held[::2]  # 64 temporaries (128 MiB) freed, each between two live blocks
+    return free_mib() - before
+"""
+PATTERN = HEAP_PROBE + r"""
 if sys.argv[1] == "fixed":
     assert bound_host_heap()
-for mib in (8, 12, 16, 20, 24, 28):  # one of them at least is mmapped (not a reused heap hole)
-    big = torch.ones(mib * 2**20, dtype=torch.uint8)
-    del big
-held = []
-for _ in range(64):
-    held.append(torch.ones(2 * 2**20, dtype=torch.uint8))
-    held.append(torch.ones(256))  # a small live object after each temporary
-del held[::2]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Mallinfo2
-print(libc.mallinfo2().fordblks / 2**20)
+print(kept_mib())
 """
 
 
@@ -56,7 +66,9 @@ def kept_mib(mode: str) -> float:
 def test_freed_temporaries_go_back_to_the_os():
     """glibc's default keeps the 128 MiB of freed temporaries in its heap; with the threshold
     fixed they were mmapped and are gone."""
-    assert kept_mib("default") > 100  # the behaviour being fixed (else this test proves nothing)
+    # the behaviour being fixed (else this test proves nothing): at least half of them kept (a hole
+    # the heap had before takes some, and it was kept before)
+    assert kept_mib("default") > 64
     assert kept_mib("fixed") < 8
 
 
@@ -139,21 +151,8 @@ def test_a_c_library_that_is_not_glibc_is_said_in_one_line(monkeypatch, caplog):
     assert host_heap.ENV not in os.environ
 
 
-# A DataLoader worker started by spawn or forkserver, probed for its threshold as PATTERN does.
-WORKER = PATTERN.split("if sys.argv[1]")[0] + r"""
-def kept_mib():
-    for mib in (8, 12, 16, 20, 24, 28):
-        big = torch.ones(mib * 2**20, dtype=torch.uint8)
-        del big
-    held = []
-    for _ in range(64):
-        held.append(torch.ones(2 * 2**20, dtype=torch.uint8))
-        held.append(torch.ones(256))
-    del held[::2]
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Mallinfo2
-    return libc.mallinfo2().fordblks / 2**20
-
+# A DataLoader worker started by spawn or forkserver, probed as PATTERN probes a rank.
+WORKER = HEAP_PROBE + r"""
 class Probe(torch.utils.data.Dataset):
     def __len__(self):
         return 1
@@ -185,7 +184,7 @@ def test_a_dataloader_worker_that_does_not_fork_is_bounded_too(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         return {line.split()[0]: float(line.split()[1]) for line in out.stdout.splitlines()}
 
-    assert kept("default", "spawn")["spawn"] > 100  # the probe sees glibc as it starts there
+    assert kept("default", "spawn")["spawn"] > 64  # the probe sees glibc as it starts there
     bounded = kept("fixed", "spawn", "forkserver")
     assert bounded["spawn"] < 8 and bounded["forkserver"] < 8, bounded
 
