@@ -271,8 +271,10 @@ def build_mpt(recipe: Path, batch: int, seq: int) -> FakeStep:
 
 @contextlib.contextmanager
 def fp8_tensor_cores(side: str) -> Iterator[None]:
-    """For ``fp8-tc``: the frozen FP8 layers run their GEMMs as ``torch._scaled_mm`` (what
-    foundryx.models.peft.fp8_gemm chooses on an H100), forced here on the fake CPU tensors."""
+    """For ``fp8-tc``: the frozen FP8 layers run their GEMMs as ``torch._scaled_mm`` and
+    quantize their rows with ``torch.ops.foundryx.fp8_quantize_rows`` (what
+    foundryx.models.peft.fp8_gemm chooses on an H100: one Triton kernel), forced here on the
+    fake CPU tensors."""
     from foundryx.models.peft import fp8_gemm
 
     if side not in TENSOR_CORE_SIDES:
@@ -284,11 +286,12 @@ def fp8_tensor_cores(side: str) -> Iterator[None]:
     if not runs:
         raise NotTraceable(f"{side}: this torch ({torch.__version__}) has no CPU _scaled_mm to "
                            "trace the FP8 GEMMs with (torch 2.15 has: .venv-modern)")
-    before, fp8_gemm.MODE = fp8_gemm.MODE, "force"
+    before = fp8_gemm.MODE, fp8_gemm.QUANTIZE
+    fp8_gemm.MODE, fp8_gemm.QUANTIZE = "force", "op"  # read when the model is built (choose)
     try:
         yield
     finally:
-        fp8_gemm.MODE = before
+        fp8_gemm.MODE, fp8_gemm.QUANTIZE = before
 
 
 def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:

@@ -24,8 +24,9 @@
 #         `foundryx plan`'s figures, load GB/s                                         230 s: ~30 s writing + 6 x ~30 s
 #   [3/10] one ICL eval (the quickstart tasks, a tiny model) on the GPU and on the CPU: the same
 #         scores (benchmarks/gpu_runbook/icl.py)                                         30 s: ~26 s
-#   [4/10] the Triton attention tests compiled on the GPU at their larger GPU sizes (the 64-case
-#         combination sweep left out: run pytest tests/test_triton_attention.py for it)    60 s: ~45 s
+#   [4/10] the Triton kernels' tests compiled on the GPU: attention at its larger GPU sizes (the
+#         64-case combination sweep left out: run pytest tests/test_triton_attention.py for it),
+#         and the FP8 row quantization's bits against torch's ops (tests/test_fp8_rows.py) 60 s: ~45 s
 #   [5/10] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
 #         128 (benchmarks/attention.py)                                                  40 s: 37 s
 #         RUNBOOK_BWD="split atomic" times the Triton kernel once per backward (attention.py --bwd;
@@ -141,11 +142,12 @@ read -r -a LIMITS <<<"${RUNBOOK_LIMITS:-90 230 30 60 40 50 360 150 240 300}"
 [ ${#LIMITS[@]} = $N ] || { echo "RUNBOOK_LIMITS: $N numbers of seconds, one per step" >&2; exit 2; }
 TOTAL=0; for i in "${!LIMITS[@]}"; do [[ ,$ONLY, != *,$((i + 1)),* ]] || TOTAL=$((TOTAL + LIMITS[i])); done # the chosen steps'
 TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 / 0.5"
-  "ICL eval on the GPU against the CPU" "Triton attention tests on the GPU" "attention TFLOP/s table"
+  "ICL eval on the GPU against the CPU" "Triton kernel tests on the GPU" "attention TFLOP/s table"
   "MPT-1B tokens/s and MFU" "foundryx vs plain transformers + peft: 8B LoRA, bf16 base, side by side, profiled"
   "attn_impl auto's attention table for this GPU" "MPT-1B compiled: no AC, selective AC, float8; one step profiled"
   "MFU table: MPT-125M and 350M, eager / compiled / AC / selective AC")
-TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py)
+TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py
+  tests/test_fp8_rows.py)
 if [ "$QUICK" = 1 ]; then
   SHAPE=benchmarks/gpu_runbook/shapes/llama-tiny STEPS=2 MODEL=125m TP_ARGS=(--batches 8 --warmup 2)
   ATTN_ARGS=(--seqs 1024 --head-dims 64 --no-mpt)

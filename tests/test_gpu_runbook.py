@@ -273,7 +273,7 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     assert "| bf16 | 0 | 5,000 |" in text and "**Stopped at the step's limit of 3 s**" in text
     assert "### 3. ICL eval on the GPU against the CPU: ok" in text
     assert "All 5 results are the same on cpu and gpu." in text
-    assert "### 4. Triton attention tests on the GPU: FAILED (exit 1)" in text
+    assert "### 4. Triton kernel tests on the GPU: FAILED (exit 1)" in text
     assert "**2 passed, 1 failed, 0 errors, 0 skipped**" in text and "`t::bad`" in text
     assert "### 5. attention TFLOP/s table: ok" in text and "| 64 | 321 |" in text
     assert "## Attention kernels on" not in text  # its heading is the run book's

@@ -48,7 +48,7 @@ def test_every_kernel_fits_amd():
 @pytest.mark.slow
 @pytest.mark.skipif(LLD is None, reason=LLD_WHY or "")
 @pytest.mark.skipif(os.environ.get("FOUNDRYX_KERNELS_FULL") != "1",
-                    reason="696 compilations (~20 min on 2 cores): set FOUNDRYX_KERNELS_FULL=1, "
+                    reason="712 compilations (~20 min on 2 cores): set FOUNDRYX_KERNELS_FULL=1, "
                            "or run python -m foundryx.kernels.targets --set full")
 def test_every_feature_set_and_dtype_fits():
     check(list(TARGETS), "full")
@@ -63,6 +63,10 @@ def test_jobs_cover_the_table():
             got = {j.head_dim: j.config for j in small if (j.target, j.kernel) == (target, kernel)}
             assert got == {hd: tuning.TABLE[family][kernel][i] for i, hd in enumerate(HEAD_DIMS)}
     assert sum(j.kernel == "preprocess" for j in small) == 2 * len(HEAD_DIMS)
+    # the FP8 row kernel where FP8 GEMMs run, with and without dy's column scales
+    assert {(j.target, j.head_dim, j.features) for j in small if j.kernel == "fp8_rows"} == {
+        (t, k, f) for t in ("sm90", "gfx942") for k in (1024, 4096) for f in ("x", "x*col")}
+    assert not any(j.kernel == "fp8_rows" for j in jobs(["sm80", "gfx90a"], "full"))
     assert len(jobs(["sm80"], "full")) > len(jobs(["sm80"], "small")) * 10
 
 

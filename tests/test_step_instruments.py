@@ -185,6 +185,11 @@ def test_the_fp8_tensor_core_side_runs_scaled_mm_where_this_torch_can_trace_it()
     # q, k and v, whose input (the frozen embedding's, normed) needs no gradient
     assert scaled == 3 * frozen - 3, scaled
     assert not any(k.endswith("| _scaled_mm") for k in cast["places"])
+    # each _scaled_mm's rows quantized by the one kernel a GPU runs, no torch op's norm left
+    quantized = sum(n for k, (n, _, _) in tc["places"].items()
+                    if k.endswith("| fp8_quantize_rows"))
+    assert quantized == scaled, quantized
+    assert not any(k.endswith("| linalg_vector_norm") for k in tc["places"]), tc["places"]
     row = flagship_estimate.estimate("fp8-tc", TINY, batch=2, seq=64)
     assert sum(row["categories"].values()) == pytest.approx(row["peak_gib"], rel=1e-9)
 

@@ -3,7 +3,8 @@
 ``python -m foundryx.kernels.targets [--targets sm80,sm90,gfx90a,gfx942] [--set small|full]
 [--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ, the
 one-kernel backward with atomic dQ and the preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
-family uses, for the feature combinations users hit, ahead of time (``triton.compile`` with a
+family uses, for the feature combinations users hit, and the FP8 row quantization kernel
+(``kernels/fp8_rows.py``) on the targets with FP8 tensor cores (sm90, gfx942), ahead of time (``triton.compile`` with a
 ``GPUTarget``): NVIDIA to PTX and a cubin with the ``ptxas`` inside the triton wheel, AMD to
 AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
 shared memory (LDS on AMD) against the target's limit, registers, spills and the occupancy
@@ -43,12 +44,16 @@ SETS = {  # (dtypes, feature sets); every head dim and kernel in both
 }
 FLAGS = ("CAUSAL", "HAS_DOCS", "HAS_WINDOW", "HAS_KPM", "HAS_ALIBI")
 PREPROCESS_ROWS = 64  # the preprocess kernel's BLOCK_M (flash_attention._backward)
+# The FP8 row kernel: where FP8 GEMMs run (fp8_gemm.choose), in the target's float8 (Triton's
+# name), for rows of 1024 (one block of 1024, 4 warps) and 4096+ (blocks of 4096, 8 warps).
+FP8_TARGETS = {"sm90": "fp8e4nv", "gfx942": "fp8e4b8"}
+FP8_ROWS = (1024, 4096)
 
 
 @dataclass(frozen=True)
 class Job:
     target: str
-    kernel: str  # fwd, bwd_dkdv, bwd_dq, bwd_atomic, preprocess
+    kernel: str  # fwd, bwd_dkdv, bwd_dq, bwd_atomic, preprocess, fp8_rows (head_dim: its rows)
     head_dim: int
     dtype: str
     features: str
@@ -88,6 +93,10 @@ def jobs(targets: list[str], which: str) -> list[Job]:
                 for kernel in tuning.KERNELS:
                     cfg = tuning.TABLE[family][kernel][bucket]
                     out += [Job(t, kernel, hd, dtype, f, cfg) for f in features]
+        if t in FP8_TARGETS:  # head_dim: the row length; features: with dy's column scales
+            for k in FP8_ROWS:
+                for dtype in dtypes:
+                    out += [Job(t, "fp8_rows", k, dtype, f, None) for f in ("x", "x*col")]
     return out
 
 
@@ -118,11 +127,13 @@ def compile_job(job: Job, lld: str | None) -> Result:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from foundryx.kernels import flash_bwd, flash_fwd  # Triton's @jit kernels: after the env
+    from foundryx.kernels import flash_bwd, flash_fwd, fp8_rows  # Triton's @jit: after the env
 
     if lld:
         os.environ["TRITON_HIP_LLD_PATH"] = lld
     target = TARGETS[job.target]
+    if job.kernel == "fp8_rows":
+        return _compile(job, *_fp8_rows_source(job, fp8_rows), target, GPUTarget, ASTSource)
     block_d = max(16, triton.next_power_of_2(job.head_dim))
     consts: dict = {"HEAD_DIM": job.head_dim, "BLOCK_D": block_d}
     if job.kernel == "preprocess":
@@ -137,10 +148,34 @@ def compile_job(job: Job, lld: str | None) -> Result:
         consts.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=None,
                       **{f: FEATURES[job.features].get(f, False) for f in FLAGS})
     sig, attrs = _signature(fn, job.dtype, fp32_dq=job.kernel == "bwd_atomic")
+    return _compile(job, fn, sig, consts, attrs, options, target, GPUTarget, ASTSource)
+
+
+def _fp8_rows_source(job: Job, fp8_rows) -> tuple:  # noqa: ANN001  (the module, in the worker)
+    """The FP8 row kernel, its signature, constants and launch options for ``job``."""
+    fn = fp8_rows.fp8_rows_kernel
+    fp8 = FP8_TARGETS[job.target]
+    fmax, min_exp = {"fp8e4nv": (448.0, -6), "fp8e4b8": (240.0, -7)}[fp8]
+    block, warps = fp8_rows.launch_config(job.head_dim)
+    kinds = {"X": f"*{job.dtype}", "COL": "*fp32", "Q": f"*{fp8}", "S": "*fp32"}
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        sig[p.name] = "constexpr" if p.is_constexpr else kinds.get(p.name, "i32")
+        if sig[p.name].startswith("*") or p.name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = {"FMAX": fmax, "MIN_SCALE": 1e-12, "MIN_EXP": min_exp,
+              "HAS_COL": job.features == "x*col", "BLOCK_K": block}
+    return fn, sig, consts, attrs, {"num_warps": warps}
+
+
+def _compile(job: Job, fn, sig: dict, consts: dict, attrs: dict, options: dict,  # noqa: ANN001
+             target, gpu_target_cls, source_cls) -> Result:  # noqa: ANN001
+    import triton  # in the spawned worker (compile_job)
+
     start = time.perf_counter()
     try:
-        kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=target.gpu_target(GPUTarget),
-                                options=options)
+        kernel = triton.compile(source_cls(fn, sig, consts, attrs),
+                                target=target.gpu_target(gpu_target_cls), options=options)
         resources = measure(kernel, target)
     except Exception as e:  # noqa: BLE001  (the compiler's error is the result)
         text = str(e).strip().splitlines()
@@ -209,6 +244,8 @@ def table(results: list[Result]) -> str:
 
 
 def _cfg(job: Job) -> str:
+    if job.kernel == "fp8_rows":
+        return f"rows of {job.head_dim}"
     return str(job.config) if job.config else f"{PREPROCESS_ROWS} rows"
 
 

@@ -32,8 +32,10 @@ from typing import Any
 from foundryx.devices import find_device
 from foundryx.plan.gpus import DEFAULT_MFU
 
-# Whether foundryx's FP8 frozen base runs its GEMMs on FP8 tensor cores where the GPU has them.
-# Not yet: every FP8 base is cast to bf16 per layer, and the H100's fp8 rows measure that.
+# Whether the planner takes an FP8 base's speed from fp8-tensor-core rows where the GPU has FP8
+# tensor cores. foundryx runs those GEMMs there (models/peft/fp8_gemm.py, with its one-pass row
+# quantization kernel), but no GPU has measured them yet: until one does (a row below), the
+# H100's measured rows of the cast path (fp8-cast) stand in for them, a lower bound.
 FP8_TENSOR_CORE_GEMMS = False
 
 

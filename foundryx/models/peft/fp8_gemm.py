@@ -23,6 +23,12 @@ rounding), ``g`` quantized per row, ``g ~= gq * s_g[:, None]``, and
 scale_b=1)`` with ``Wq`` as a column-major operand, i.e. a transposed copy of the FP8 bytes
 (1 byte per weight, dropped after use: half of the bf16 copy the cast path makes).
 
+**Quantization** of ``x`` and of ``dy * s_w``, per row, is one Triton kernel on a GPU
+(:mod:`foundryx.kernels.fp8_rows`, as the operator ``torch.ops.foundryx.fp8_quantize_rows``:
+``x`` read twice, ``q`` written once, where the five torch ops it replaces move about five
+times the bytes through a float32 copy); elsewhere those torch ops. The kernel gives their
+bits exactly (:data:`QUANTIZE` chooses; :func:`choose`'s line says which).
+
 **Numerics.** Relative to the cast path (``W`` dequantized exactly, then bf16 GEMMs) the only
 new rounding is of the activations (forward) and of ``dy * s_w`` (backward) to e4m3: 3
 mantissa bits, a relative error of at most 2^-4 per element, saturating at ``fmax`` (never
@@ -45,6 +51,7 @@ from typing import Any
 import torch
 
 from foundryx.devices import device_fp8_gemm
+from foundryx.kernels.fp8_rows_op import quantize_rows_eager, triton_missing
 from foundryx.models.peft.rowwise import MIN_SCALE
 
 log = logging.getLogger(__name__)
@@ -53,6 +60,12 @@ log = logging.getLogger(__name__)
 # (tests: the FP8 path end to end on a CPU, through torch's CPU _scaled_mm where it has one,
 # else emulated in float32); "off": the cast path everywhere.
 MODE = "auto"
+# How activations and gradients are quantized per row (read by choose(), which sets each
+# layer's fp8_quantize_op): "auto": on a GPU by foundryx's Triton kernel (one pass:
+# torch.ops.foundryx.fp8_quantize_rows), elsewhere by torch ops; "ops": torch ops everywhere
+# (the run book's A/B); "op": the operator on any device (the op census, on fake CPU tensors,
+# counts the GPU's one kernel).
+QUANTIZE = "auto"
 ALIGN = 16  # _scaled_mm wants K and N multiples of 16
 
 
@@ -100,12 +113,15 @@ def choose(device: torch.device | None, layers: list[Any], tp: int = 1) -> torch
         dtype = None
     else:
         log.info("frozen_base: fp8 GEMMs on FP8 tensor cores (%s): row-wise scaled "
-                 "torch._scaled_mm in %s, forward and input gradient, %d of %d layers%s",
+                 "torch._scaled_mm in %s, forward and input gradient, %d of %d layers%s; %s",
                  where, str(dtype).removeprefix("torch."), len(fits), len(fp8),
                  "" if len(fits) == len(fp8) else
-                 f" (the others are not multiples of {ALIGN}: cast per layer)")
+                 f" (the others are not multiples of {ALIGN}: cast per layer)",
+                 quantizer(device)[1])
+    use_op = dtype is not None and quantizer(device)[0]
     for m in fp8:
         m.fp8_gemm = dtype if m in fits else None
+        m.fp8_quantize_op = use_op
     return dtype
 
 
@@ -158,18 +174,37 @@ def _scaled_mm_runs_on(kind: str) -> bool:
     return True
 
 
+def quantizer(device: torch.device) -> tuple[bool, str]:
+    """Whether :func:`quantize` runs the operator (one Triton kernel on a GPU) on ``device``
+    as :data:`QUANTIZE` says, and that in words (for :func:`choose`'s line)."""
+    if QUANTIZE == "ops":
+        return False, "rows quantized by torch ops (foundryx.models.peft.fp8_gemm.QUANTIZE)"
+    if QUANTIZE == "op" and device.type != "cuda":
+        return True, (f"rows quantized by torch.ops.foundryx.fp8_quantize_rows (forced: its "
+                      f"torch ops on a {device.type})")
+    if QUANTIZE == "op" or device.type == "cuda" and triton_missing() is None:
+        return True, "rows quantized in one pass by foundryx's Triton kernel"
+    why = triton_missing() if device.type == "cuda" else f"no Triton kernel on a {device.type}"
+    return False, f"rows quantized by torch ops ({why})"
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
+             op: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of ``x * col_scale``: by ``torch.ops.foundryx.fp8_quantize_rows``
+    where ``op`` (one Triton kernel on a GPU), else by torch ops; the same bits."""
+    if op:
+        return torch.ops.foundryx.fp8_quantize_rows(x, col_scale, dtype, MIN_SCALE)
+    return quantize_rows_eager(x, dtype, col_scale, MIN_SCALE)
+
+
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
                   owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with ``x ~= q * scale.unsqueeze(1)`` for a 2-D ``x``: per row ``scale =
     max |x| / fmax`` (at least ``MIN_SCALE``, so a zero row stays zero), ``q = x / scale`` in
-    float32, clamped to +-fmax and rounded to ``dtype`` once. One float32 working copy, or
+    float32, clamped to +-fmax and rounded to ``dtype`` once, by torch ops
+    (:func:`~foundryx.kernels.fp8_rows_op.quantize_rows_eager`). One float32 working copy, or
     none when ``x`` is a float32 tensor the caller ``owned`` (it is overwritten)."""
-    fmax = torch.finfo(dtype).max
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=1).to(torch.float32)
-    scale = amax.div_(fmax).clamp_(min=MIN_SCALE)
-    work = x if owned and x.dtype == torch.float32 else x.to(torch.float32, copy=True)
-    q = work.div_(scale.unsqueeze(1)).clamp_(-fmax, fmax)
-    return q.to(dtype), scale
+    return quantize_rows_eager(x, dtype, min_scale=MIN_SCALE, owned=owned)
 
 
 def weight_operand(qdata: torch.Tensor, scale: torch.Tensor,
@@ -188,23 +223,22 @@ def weight_operand(qdata: torch.Tensor, scale: torch.Tensor,
 
 
 def linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """``x @ W^T`` (no bias) for ``x`` [..., K] and the stored FP8 weight, in ``out_dtype``."""
+           out_dtype: torch.dtype, op: bool = False) -> torch.Tensor:
+    """``x @ W^T`` (no bias) for ``x`` [..., K] and the stored FP8 weight, in ``out_dtype``
+    (``op``: :func:`quantize`'s)."""
     wq, sw = weight_operand(qdata, scale, dtype)
     x2 = x.reshape(-1, x.shape[-1])
-    xq, sx = quantize_rows(x2, dtype)
+    xq, sx = quantize(x2, dtype, op=op)
     y = scaled_mm(xq, wq.t(), sx.unsqueeze(1), sw.unsqueeze(0), fast_accum=True)
     return y.to(out_dtype).view(*x.shape[:-1], wq.shape[0])
 
 
 def input_grad(grad: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-               dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, out_dtype: torch.dtype, op: bool = False) -> torch.Tensor:
     """``dy @ W`` for ``dy`` [..., N] and the stored FP8 weight, in ``out_dtype``: ``W``'s row
     scales folded into ``dy``'s columns before ``dy`` is quantized per row (module doc)."""
     wq, sw = weight_operand(qdata, scale, dtype)
-    g = grad.reshape(-1, grad.shape[-1]).to(torch.float32, copy=True).mul_(sw)
-    gq, sg = quantize_rows(g, dtype, owned=True)
-    del g
+    gq, sg = quantize(grad.reshape(-1, grad.shape[-1]), dtype, col_scale=sw, op=op)
     # [N, K] column-major: the FP8 bytes transposed (copied as bytes)
     w_cols = torch.clone(wq.view(torch.uint8).t(), memory_format=torch.contiguous_format)
     w_cols = w_cols.view(wq.dtype).t()

@@ -178,7 +178,8 @@ class _FrozenLinearFn(torch.autograd.Function):
             dtype = _compute_dtype(x)
             bias = None if layer.bias is None else layer.bias.to(dtype)
             return F.linear(x, dequantize(w, dtype), bias)
-        y = fp8_gemm.linear(x, w.qdata, w.scale, layer.fp8_gemm, _compute_dtype(x))
+        y = fp8_gemm.linear(x, w.qdata, w.scale, layer.fp8_gemm, _compute_dtype(x),
+                            op=layer.fp8_quantize_op)
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
 
     @staticmethod
@@ -188,7 +189,7 @@ class _FrozenLinearFn(torch.autograd.Function):
         w = ctx.layer.stored_weight(grad.device, backward=True)
         if ctx.fp8:
             return fp8_gemm.input_grad(grad, w.qdata, w.scale, ctx.layer.fp8_gemm,
-                                       ctx.x_dtype), None
+                                       ctx.x_dtype, op=ctx.layer.fp8_quantize_op), None
         return grad @ dequantize(w, grad.dtype), None
 
 
@@ -217,6 +218,7 @@ class LowPrecisionLinear(nn.Module):
         self.offload: WeightSource | None = None  # set from outside: foundryx.parallel.offload
         # the float8 dtype of this layer's FP8 GEMMs, None: dequantized (fp8_gemm.choose)
         self.fp8_gemm: torch.dtype | None = None
+        self.fp8_quantize_op = False  # its rows quantized by one kernel (fp8_gemm.quantize)
         if hasattr(linear, "_fused"):  # a fused layer's part sizes (LoRA slices, TP's row order)
             self._fused = linear._fused
 

@@ -26,9 +26,18 @@ from foundryx.models.peft.rowwise import RowScaledTensor
 
 
 @functools.cache
+def torchao_nf4() -> Any:
+    """:mod:`foundryx.models.peft.torchao_nf4`, loaded on the first NF4 use."""
+    from foundryx.models.peft import torchao_nf4 as module  # torchao: a heavy import
+
+    return module
+
+
+@functools.cache
 def nf4_part_type() -> type:
     """:class:`NF4Part`'s class, made on first use (torchao is a heavy import)."""
-    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts, nf4_parts
+    nf4 = torchao_nf4()
+    NF4Tensor = nf4.NF4Tensor  # noqa: N806 (a class)
 
     class NF4Part(NF4Tensor):
         """torchao's ``NF4Tensor`` as a tensor-parallel part: the same bytes and ops (their
@@ -71,8 +80,8 @@ def nf4_part_type() -> type:
     def _as_part(t: Any) -> Any:
         if isinstance(t, NF4Part):
             return t
-        return nf4_from_parts(NF4Part, t.shape, t.dtype, t.device, block_size=t.block_size,
-                              scaler_block_size=t.scaler_block_size, **nf4_parts(t))
+        return nf4.nf4_from_parts(NF4Part, t.shape, t.dtype, t.device, block_size=t.block_size,
+                                  scaler_block_size=t.scaler_block_size, **nf4.nf4_parts(t))
 
     return NF4Part
 
@@ -101,8 +110,6 @@ def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
     """The NF4 tensor of ``t[rows][:, columns[0]:columns[1]]`` (rows: a slice or an index
     tensor; None: all), its bytes copied from ``t``'s. Raises ValueError where the blocks do
     not allow it (:func:`part_problem`)."""
-    from foundryx.models.peft.torchao_nf4 import nf4_from_parts  # heavy import, only here
-
     problem = part_problem(t, columns)
     if problem is not None:
         raise ValueError(f"NF4 weight of shape {tuple(t.shape)}: {problem}")
@@ -120,10 +127,10 @@ def nf4_part(t: Any, rows: slice | torch.Tensor | None = None,
     data, scalers, factors = out
     width = cols if columns is None else columns[1] - columns[0]
     shape = (data.numel() * 2 // width, width)
-    return nf4_from_parts(nf4_part_type(), shape, t.dtype, t.device, block_size=t.block_size,
-                          scaler_block_size=t.scaler_block_size, quantized_data=data,
-                          quantized_scalers=scalers, quantization_factor=factors,
-                          scaler_mean=t.scaler_mean, nf4=t.nf4)
+    return torchao_nf4().nf4_from_parts(
+        nf4_part_type(), shape, t.dtype, t.device, block_size=t.block_size,
+        scaler_block_size=t.scaler_block_size, quantized_data=data, quantized_scalers=scalers,
+        quantization_factor=factors, scaler_mean=t.scaler_mean, nf4=t.nf4)
 
 
 def take_rows(storage: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -180,14 +187,14 @@ def join_rows(local: torch.Tensor, rows: int, world: int,
             q = torch.cat([q, q.new_zeros(per - n, *q.shape[1:])])
             sc = torch.cat([sc, sc.new_zeros(per - n)])
         return RowScaledTensor(gather(q)[:rows], gather(sc)[:rows], dtype=local.dtype)
-    from foundryx.models.peft.torchao_nf4 import NF4Tensor, nf4_from_parts  # heavy import
-
-    return nf4_from_parts(NF4Tensor, (rows, *local.shape[1:]), local.dtype, local.device,
-                          block_size=local.block_size, scaler_block_size=local.scaler_block_size,
-                          quantized_data=gather(local.quantized_data),
-                          quantized_scalers=gather(local.quantized_scalers),
-                          quantization_factor=gather(local.quantization_factor),
-                          scaler_mean=local.scaler_mean, nf4=local.nf4)
+    nf4 = torchao_nf4()
+    return nf4.nf4_from_parts(nf4.NF4Tensor, (rows, *local.shape[1:]), local.dtype,
+                              local.device, block_size=local.block_size,
+                              scaler_block_size=local.scaler_block_size,
+                              quantized_data=gather(local.quantized_data),
+                              quantized_scalers=gather(local.quantized_scalers),
+                              quantization_factor=gather(local.quantization_factor),
+                              scaler_mean=local.scaler_mean, nf4=local.nf4)
 
 
 class StorageRows:
