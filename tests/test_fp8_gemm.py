@@ -88,6 +88,7 @@ def test_choose_says_in_one_line_which_path_runs(monkeypatch, caplog):
     monkeypatch.setattr(fp8_gemm, "device_fp8_gemm",
                         lambda d: ("float8_e4m3fn", "NVIDIA H100 80GB HBM3 (sm90)"))
     monkeypatch.setattr(fp8_gemm, "probe", lambda device, dtype: None)
+    monkeypatch.setattr(fp8_gemm, "kernel_check", lambda device, dtype: None)
     odd = fp8_layers(1, (64, 40))  # 40 input features: not a multiple of 16
     assert fp8_gemm.choose(torch.device("cuda", 0), layers + odd) is E4M3
     [line] = lines()
@@ -266,6 +267,7 @@ def test_the_lines_docs_quote_are_the_lines_choose_logs(monkeypatch, caplog):
     docs = " ".join((Path(__file__).parents[1] / "docs/finetuning.md").read_text().split())
     layers = fp8_layers(224, (16, 16))  # the 8B model's 32 x 7 frozen layers
     monkeypatch.setattr(fp8_gemm, "probe", lambda device, dtype: None)
+    monkeypatch.setattr(fp8_gemm, "kernel_check", lambda device, dtype: None)
     for answer in (("float8_e4m3fn", "NVIDIA H100 80GB HBM3 (sm90)"),
                    (None, "NVIDIA A100-SXM4-80GB (sm80)")):
         monkeypatch.setattr(fp8_gemm, "device_fp8_gemm", lambda d, a=answer: a)

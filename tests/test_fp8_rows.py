@@ -125,6 +125,7 @@ def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     monkeypatch.setattr(fp8_gemm, "device_fp8_gemm",
                         lambda d: ("float8_e4m3fn", "NVIDIA H100 80GB HBM3 (sm90)"))
     monkeypatch.setattr(fp8_gemm, "probe", lambda device, dtype: None)
+    monkeypatch.setattr(fp8_gemm, "kernel_check", lambda device, dtype: None)
     fp8_gemm.choose(torch.device("cuda", 0), [layer])
     assert layer.fp8_quantize_op
     assert caplog.records[-1].getMessage().endswith(
@@ -161,3 +162,36 @@ def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     assert calls == [(10, 64), (10, 32)]  # forward's x, backward's dy: with "op" only
     assert torch.equal(results["auto"][0], results["op"][0])
     assert torch.equal(results["auto"][1], results["op"][1])
+
+
+def test_a_kernel_that_fails_its_check_leaves_the_torch_ops_and_says_why(monkeypatch, caplog):
+    """``choose`` tries the kernel once per device on a small sample against the torch ops:
+    an error or a differing bit keeps the torch ops, in the same one line."""
+    caplog.set_level(logging.INFO, logger=fp8_gemm.__name__)
+    check = fp8_gemm.kernel_check.__wrapped__
+    assert check("cpu", E4M3) is None  # the operator's CPU form: the torch ops themselves
+    real = torch.ops.foundryx.fp8_quantize_rows
+
+    def off_by_one(*args):
+        q, s = real(*args)
+        return (q.view(torch.uint8) ^ 1).view(q.dtype), s
+
+    def broken(*args):
+        raise RuntimeError("PassManager::run failed\nmore")
+
+    monkeypatch.setattr(torch.ops.foundryx, "fp8_quantize_rows", off_by_one)
+    assert check("cpu", E4M3) == "the Triton kernel's bits differ from the torch ops' on cpu"
+    monkeypatch.setattr(torch.ops.foundryx, "fp8_quantize_rows", broken)
+    assert check("cpu", E4M3) == ("the Triton kernel failed on cpu: RuntimeError: "
+                                  "PassManager::run failed")
+
+    layer = LowPrecisionLinear(torch.nn.Linear(64, 32, bias=False), "fp8", "l")
+    monkeypatch.setattr(fp8_gemm, "device_fp8_gemm",
+                        lambda d: ("float8_e4m3fn", "NVIDIA H100 80GB HBM3 (sm90)"))
+    monkeypatch.setattr(fp8_gemm, "probe", lambda device, dtype: None)
+    monkeypatch.setattr(fp8_gemm, "kernel_check", lambda device, dtype: check("cpu", dtype))
+    fp8_gemm.choose(torch.device("cuda", 0), [layer])
+    assert layer.fp8_gemm == E4M3 and not layer.fp8_quantize_op
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.endswith("; rows quantized by torch ops (the Triton kernel failed on cpu: "
+                         "RuntimeError: PassManager::run failed)")

@@ -27,7 +27,8 @@ scale_b=1)`` with ``Wq`` as a column-major operand, i.e. a transposed copy of th
 (:mod:`foundryx.kernels.fp8_rows`, as the operator ``torch.ops.foundryx.fp8_quantize_rows``:
 ``x`` read twice, ``q`` written once, where the five torch ops it replaces move about five
 times the bytes through a float32 copy); elsewhere those torch ops. The kernel gives their
-bits exactly (:data:`QUANTIZE` chooses; :func:`choose`'s line says which).
+bits exactly, checked once per GPU on a small sample (:func:`kernel_check`: a kernel that fails
+or differs leaves the torch ops); :data:`QUANTIZE` chooses, :func:`choose`'s line says which.
 
 **Numerics.** Relative to the cast path (``W`` dequantized exactly, then bf16 GEMMs) the only
 new rounding is of the activations (forward) and of ``dy * s_w`` (backward) to e4m3: 3
@@ -117,8 +118,8 @@ def choose(device: torch.device | None, layers: list[Any], tp: int = 1) -> torch
                  where, str(dtype).removeprefix("torch."), len(fits), len(fp8),
                  "" if len(fits) == len(fp8) else
                  f" (the others are not multiples of {ALIGN}: cast per layer)",
-                 quantizer(device)[1])
-    use_op = dtype is not None and quantizer(device)[0]
+                 quantizer(device, dtype)[1])
+    use_op = dtype is not None and quantizer(device, dtype)[0]
     for m in fp8:
         m.fp8_gemm = dtype if m in fits else None
         m.fp8_quantize_op = use_op
@@ -174,7 +175,7 @@ def _scaled_mm_runs_on(kind: str) -> bool:
     return True
 
 
-def quantizer(device: torch.device) -> tuple[bool, str]:
+def quantizer(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether :func:`quantize` runs the operator (one Triton kernel on a GPU) on ``device``
     as :data:`QUANTIZE` says, and that in words (for :func:`choose`'s line)."""
     if QUANTIZE == "ops":
@@ -182,10 +183,37 @@ def quantizer(device: torch.device) -> tuple[bool, str]:
     if QUANTIZE == "op" and device.type != "cuda":
         return True, (f"rows quantized by torch.ops.foundryx.fp8_quantize_rows (forced: its "
                       f"torch ops on a {device.type})")
-    if QUANTIZE == "op" or device.type == "cuda" and triton_missing() is None:
-        return True, "rows quantized in one pass by foundryx's Triton kernel"
-    why = triton_missing() if device.type == "cuda" else f"no Triton kernel on a {device.type}"
-    return False, f"rows quantized by torch ops ({why})"
+    if QUANTIZE == "op":
+        return True, "rows quantized in one pass by foundryx's Triton kernel (forced, unchecked)"
+    if device.type != "cuda":
+        return False, f"rows quantized by torch ops (no Triton kernel on a {device.type})"
+    why = triton_missing() or kernel_check(str(device), dtype)
+    if why is not None:
+        return False, f"rows quantized by torch ops ({why})"
+    return True, "rows quantized in one pass by foundryx's Triton kernel"
+
+
+@functools.cache
+def kernel_check(device: str, dtype: torch.dtype) -> str | None:
+    """None when the Triton kernel gives the torch ops' bits for a small sample on ``device``
+    (rows of several magnitudes, one with column scales); else what went wrong, once."""
+    gen = torch.Generator().manual_seed(0)  # made on the CPU, whatever the default device
+    x = torch.randn(8, 4112, generator=gen, device="cpu")
+    x.mul_(torch.logspace(-4, 3, 8, device="cpu")[:, None])
+    col = torch.rand(4112, generator=gen, device="cpu").add_(0.5)
+    try:
+        x, col = x.to(device, torch.bfloat16), col.to(device)
+        for c in (None, col):
+            got = torch.ops.foundryx.fp8_quantize_rows(x, c, dtype, MIN_SCALE)
+            want = quantize_rows_eager(x, dtype, c, MIN_SCALE)
+            if not (torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                    and torch.equal(got[1], want[1])):
+                return f"the Triton kernel's bits differ from the torch ops' on {device}"
+    except Exception as e:  # noqa: BLE001  (a compiler or launch error is the answer)
+        text = str(e).strip().splitlines()
+        return f"the Triton kernel failed on {device}: {type(e).__name__}: " \
+               f"{text[0][:200] if text else ''}"
+    return None
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
