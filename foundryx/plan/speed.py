@@ -143,7 +143,11 @@ def base_compute(frozen: str | None, training: str, device_name: str | None) -> 
     if device is not None and "fp8" not in device.flops:
         return "fp8-cast", (f"{device.key} has no FP8 tensor cores: the FP8 base is cast to "
                             "bf16 per layer (the cast path's speed)")
-    return ("fp8-tensor-core" if FP8_TENSOR_CORE_GEMMS else "fp8-cast"), None
+    if FP8_TENSOR_CORE_GEMMS or device is None:
+        return ("fp8-tensor-core" if FP8_TENSOR_CORE_GEMMS else "fp8-cast"), None
+    return "fp8-cast", (f"{device.key} runs the FP8 base's GEMMs on FP8 tensor cores, which no "
+                        "GPU has measured yet: the speed is the cast path's (measured), a lower "
+                        "bound")
 
 
 def choose(run: Run, rows: tuple[SpeedRow, ...] | list[SpeedRow] = ROWS,
