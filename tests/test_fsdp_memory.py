@@ -46,6 +46,9 @@ def worker(mode: str, out: Path) -> None:
     if rank == 0:
         out.write_text(json.dumps({"before": before, "after": after}))
     (out.parent / f"{out.stem}.rank{rank}.mb").write_text(str(grown_mb))
+    if tdist.is_initialized():  # gloo's threads ended before exit: without it, a rank could
+        tdist.barrier()  # abort at exit ("terminate called without an active exception",
+        tdist.destroy_process_group()  # CI 2026-11-28, the rank0 run on a loaded machine)
 
 
 def peak_rss_mb() -> float:
