@@ -4,10 +4,11 @@
 ``x' ~= q * scale[:, None]``, where ``x' = x * col_scale[None, :]`` (float32, one rounding) or
 ``x`` itself, per row ``scale = max(max_k |x'| / fmax, min_scale)`` and
 ``q = round(clamp(x' / scale, -fmax, fmax))`` in ``dtype`` (e4m3fn, fmax 448; e4m3fnuz, 240):
-exactly what :func:`foundryx.kernels.fp8_rows_op.quantize_rows_eager` computes with five torch ops and a float32 copy of
-``x``, which move about 25 bytes per element where this kernel moves 5 (``x`` read twice in
-bf16, ``q`` written once), so on an H100 the quantization of an 8B LoRA step's activations
-and gradients goes from ~0.22 s to ~0.05 s on paper (benchmarks/RESULTS.md, the flagship step).
+exactly what :func:`foundryx.kernels.fp8_rows_op.quantize_rows_eager` computes with five
+torch ops and a float32 copy of ``x``, which move about 25 bytes per element where this kernel
+moves 5 (``x`` read twice in bf16, ``q`` written once). On an H100 the quantization of an 8B
+LoRA step's activations and gradients goes from ~0.22 s to ~0.03 s on paper (669 kernels,
+95 GB: benchmarks/op_census.py; benchmarks/RESULTS.md, the flagship step).
 
 One program per row: a pass for the row's largest magnitude, then a pass that scales, clamps,
 rounds and stores. The division is IEEE's (``div_rn``, as torch's), and the rounding to 3
