@@ -115,7 +115,7 @@ def test_rows_quantize_within_e4m3s_step_and_zero_rows_stay_zero():
     x = torch.randn(32, 256) * torch.logspace(-6, 3, 32)[:, None]  # rows of every magnitude
     x[3] = 0.0
     for dtype in (E4M3, FNUZ):
-        q, s = fp8_gemm.quantize_rows(x, dtype)
+        q, s = fp8_gemm.quantize(x, dtype)
         assert q.dtype == dtype and s.dtype == torch.float32
         back = q.float() * s[:, None]
         assert torch.isfinite(back).all() and torch.equal(back[3], torch.zeros(256))
@@ -139,10 +139,10 @@ def test_an_e4m3fn_weight_reads_as_e4m3fnuz_exactly():
 def reference_fp64(x: torch.Tensor, dy: torch.Tensor, rs: RowScaledTensor):
     """The module doc's formulas in float64 from the same quantized operands: ``(y, the sum
     of |terms| of each y), (dx, the same)``."""
-    xq, sx = fp8_gemm.quantize_rows(x, E4M3)
+    xq, sx = fp8_gemm.quantize(x, E4M3)
     wq, sw = rs.qdata.double(), rs.scale.double()
     rows_y = sx.double()[:, None] * sw[None, :]
-    gq, sg = fp8_gemm.quantize_rows(dy.double().mul(sw).float(), E4M3)
+    gq, sg = fp8_gemm.quantize(dy.double().mul(sw).float(), E4M3)
     return ((rows_y * (xq.double() @ wq.t()), rows_y * (xq.double().abs() @ wq.abs().t())),
             (sg.double()[:, None] * (gq.double() @ wq),
              sg.double()[:, None] * (gq.double().abs() @ wq.abs())))

@@ -17,18 +17,16 @@ import torch
 
 
 def quantize_rows_eager(x: torch.Tensor, dtype: torch.dtype,
-                        col_scale: torch.Tensor | None = None, min_scale: float = 1e-12,
-                        owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        col_scale: torch.Tensor | None = None,
+                        min_scale: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with ``x' ~= q * scale.unsqueeze(1)`` for a 2-D ``x``, where ``x' = x *
     col_scale`` (float32, one rounding) or ``x``: per row ``scale = max |x'| / fmax`` (at
     least ``min_scale``, so a zero row stays zero), ``q = x' / scale`` in float32, clamped to
-    +-fmax and rounded to ``dtype`` once. One float32 working copy, or none when ``x`` is a
-    float32 tensor the caller ``owned`` (it is overwritten) and there is no ``col_scale``."""
+    +-fmax and rounded to ``dtype`` once. One float32 working copy of ``x``."""
     fmax = torch.finfo(dtype).max
+    work = x.to(torch.float32, copy=True)
     if col_scale is not None:
-        work = x.to(torch.float32, copy=True).mul_(col_scale)
-    else:
-        work = x if owned and x.dtype == torch.float32 else x.to(torch.float32, copy=True)
+        work.mul_(col_scale)
     amax = torch.linalg.vector_norm(work, float("inf"), dim=1)
     scale = amax.div_(fmax).clamp_(min=min_scale)
     q = work.div_(scale.unsqueeze(1)).clamp_(-fmax, fmax)

@@ -45,8 +45,9 @@ SETS = {  # (dtypes, feature sets); every head dim and kernel in both
 FLAGS = ("CAUSAL", "HAS_DOCS", "HAS_WINDOW", "HAS_KPM", "HAS_ALIBI")
 PREPROCESS_ROWS = 64  # the preprocess kernel's BLOCK_M (flash_attention._backward)
 # The FP8 row kernel: where FP8 GEMMs run (fp8_gemm.choose), in the target's float8 (Triton's
-# name), for rows of 1024 (one block of 1024, 4 warps) and 4096+ (blocks of 4096, 8 warps).
-FP8_TARGETS = {"sm90": "fp8e4nv", "gfx942": "fp8e4b8"}
+# name, torch's), for rows of 1024 (one block of 1024, 4 warps) and 4096+ (blocks of 4096, 8
+# warps).
+FP8_TARGETS = {"sm90": ("fp8e4nv", "float8_e4m3fn"), "gfx942": ("fp8e4b8", "float8_e4m3fnuz")}
 FP8_ROWS = (1024, 4096)
 
 
@@ -100,23 +101,24 @@ def jobs(targets: list[str], which: str) -> list[Job]:
     return out
 
 
-def _signature(fn, dtype: str, fp32_dq: bool = False) -> tuple[dict[str, str], dict]:
-    """Argument types of a kernel (data pointers in ``dtype``; DQ float32 where ``fp32_dq``:
-    the atomic backward's sum) and divisibility hints as a real launch gives them (pointers
-    and strides divisible by 16)."""
-    data = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"} - ({"DQ"} if fp32_dq else set())
-    kinds = {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "DOC_START": "*i32",
-             "DOC_END": "*i32", "KPM": "*i8", "qk_scale": "fp32", "sm_scale": "fp32",
-             "DQ": "*fp32"}
+def _signature(fn, kinds: dict[str, str]) -> tuple[dict[str, str], dict]:  # noqa: ANN001
+    """Argument types of a kernel (``kinds`` by parameter name; any other is an ``i32``) and
+    divisibility hints as a real launch gives them (pointers and strides divisible by 16)."""
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"
-            continue
-        sig[p.name] = f"*{dtype}" if p.name in data else kinds.get(p.name, "i32")
+        sig[p.name] = "constexpr" if p.is_constexpr else kinds.get(p.name, "i32")
         if sig[p.name].startswith("*") or p.name.startswith("stride_"):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
+
+
+def _flash_kinds(dtype: str, fp32_dq: bool = False) -> dict[str, str]:
+    """The FlashAttention kernels' argument types: data pointers in ``dtype``; DQ float32
+    where ``fp32_dq`` (the atomic backward's sum)."""
+    data = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ"} - ({"DQ"} if fp32_dq else set())
+    return {"LSE": "*fp32", "DELTA": "*fp32", "SLOPES": "*fp32", "DOC_START": "*i32",
+            "DOC_END": "*i32", "KPM": "*i8", "qk_scale": "fp32", "sm_scale": "fp32",
+            "DQ": "*fp32", **{name: f"*{dtype}" for name in data}}
 
 
 def compile_job(job: Job, lld: str | None) -> Result:
@@ -147,22 +149,20 @@ def compile_job(job: Job, lld: str | None) -> Result:
         options = cfg.launch_options()
         consts.update(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=None,
                       **{f: FEATURES[job.features].get(f, False) for f in FLAGS})
-    sig, attrs = _signature(fn, job.dtype, fp32_dq=job.kernel == "bwd_atomic")
+    sig, attrs = _signature(fn, _flash_kinds(job.dtype, fp32_dq=job.kernel == "bwd_atomic"))
     return _compile(job, fn, sig, consts, attrs, options, target, GPUTarget, ASTSource)
 
 
 def _fp8_rows_source(job: Job, fp8_rows) -> tuple:  # noqa: ANN001  (the module, in the worker)
     """The FP8 row kernel, its signature, constants and launch options for ``job``."""
+    import torch  # in the spawned worker (compile_job), as fp8_rows already did
+
     fn = fp8_rows.fp8_rows_kernel
-    fp8 = FP8_TARGETS[job.target]
-    fmax, min_exp = {"fp8e4nv": (448.0, -6), "fp8e4b8": (240.0, -7)}[fp8]
+    fp8, dtype = FP8_TARGETS[job.target]
+    fmax, min_exp = fp8_rows.FORMATS[getattr(torch, dtype)]
     block, warps = fp8_rows.launch_config(job.head_dim)
-    kinds = {"X": f"*{job.dtype}", "COL": "*fp32", "Q": f"*{fp8}", "S": "*fp32"}
-    sig, attrs = {}, {}
-    for i, p in enumerate(fn.params):
-        sig[p.name] = "constexpr" if p.is_constexpr else kinds.get(p.name, "i32")
-        if sig[p.name].startswith("*") or p.name.startswith("stride_"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = _signature(fn, {"X": f"*{job.dtype}", "COL": "*fp32", "Q": f"*{fp8}",
+                                 "S": "*fp32"})
     consts = {"FMAX": fmax, "MIN_SCALE": 1e-12, "MIN_EXP": min_exp,
               "HAS_COL": job.features == "x*col", "BLOCK_K": block}
     return fn, sig, consts, attrs, {"num_warps": warps}

@@ -112,14 +112,14 @@ def choose(device: torch.device | None, layers: list[Any], tp: int = 1) -> torch
         log.info("frozen_base: fp8 weights cast to the compute dtype per layer (forward and "
                  "backward): %s", why_not)
         dtype = None
-    else:
+    use_op = False
+    if dtype is not None:
+        use_op, how = quantizer(device, dtype)
         log.info("frozen_base: fp8 GEMMs on FP8 tensor cores (%s): row-wise scaled "
                  "torch._scaled_mm in %s, forward and input gradient, %d of %d layers%s; %s",
                  where, str(dtype).removeprefix("torch."), len(fits), len(fp8),
                  "" if len(fits) == len(fp8) else
-                 f" (the others are not multiples of {ALIGN}: cast per layer)",
-                 quantizer(device, dtype)[1])
-    use_op = dtype is not None and quantizer(device, dtype)[0]
+                 f" (the others are not multiples of {ALIGN}: cast per layer)", how)
     for m in fp8:
         m.fp8_gemm = dtype if m in fits else None
         m.fp8_quantize_op = use_op
@@ -218,21 +218,13 @@ def kernel_check(device: str, dtype: torch.dtype) -> str | None:
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, col_scale: torch.Tensor | None = None,
              op: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_rows` of ``x * col_scale``: by ``torch.ops.foundryx.fp8_quantize_rows``
-    where ``op`` (one Triton kernel on a GPU), else by torch ops; the same bits."""
+    """``(q, scale)`` of ``x * col_scale`` (or ``x``) quantized per row
+    (:func:`~foundryx.kernels.fp8_rows_op.quantize_rows_eager` says how): by
+    ``torch.ops.foundryx.fp8_quantize_rows`` where ``op`` (one Triton kernel on a GPU), else by
+    torch ops; the same bits."""
     if op:
         return torch.ops.foundryx.fp8_quantize_rows(x, col_scale, dtype, MIN_SCALE)
     return quantize_rows_eager(x, dtype, col_scale, MIN_SCALE)
-
-
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype,
-                  owned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, scale)`` with ``x ~= q * scale.unsqueeze(1)`` for a 2-D ``x``: per row ``scale =
-    max |x| / fmax`` (at least ``MIN_SCALE``, so a zero row stays zero), ``q = x / scale`` in
-    float32, clamped to +-fmax and rounded to ``dtype`` once, by torch ops
-    (:func:`~foundryx.kernels.fp8_rows_op.quantize_rows_eager`). One float32 working copy, or
-    none when ``x`` is a float32 tensor the caller ``owned`` (it is overwritten)."""
-    return quantize_rows_eager(x, dtype, min_scale=MIN_SCALE, owned=owned)
 
 
 def weight_operand(qdata: torch.Tensor, scale: torch.Tensor,
