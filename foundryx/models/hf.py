@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -145,24 +146,14 @@ class ComposerHFCausalLM(FusedLossLM):
         # No KV cache in a training/eval forward: none is reused, and under activation
         # checkpointing the recomputed forward would append to it again (shapes differ).
         batch = {**batch, "use_cache": False}
-        head = self.model.get_output_embeddings()
-        if fused and getattr(head.weight, "device_mesh", None) is not None:
-            self.fuses_loss = False  # a tensor-parallel head: the model's loss, loss_parallel's
-            log.info("hf_causal_lm: fused loss off: the output head is split by tensor "
-                     "parallelism, so the model's own loss runs (under loss_parallel)")
-        elif fused:
-            return self._fused_forward(batch, head.weight)
+        if fused:
+            inputs = {k: v for k, v in batch.items()
+                      if k in self.model_forward_args and k not in ("labels", "logits_to_keep")}
+            # through the model's own entry (FSDP2 gathers its top-level weights, the head's
+            # included, for it as for forward: parallel/parallelize.py registers it)
+            loss = self.model.foundryx_decoder_loss(inputs, labels_of(batch))
+            return CausalLMOutputWithPast(loss=loss, logits=None)
         return CausalLMBase.forward(self, batch)  # Composer's: the model's own forward
-
-    def _fused_forward(self, batch: Mapping[str, Any], weight: torch.Tensor):
-        """The decoder's last hidden states, and the loss from them fused with the output
-        projection (``linear_cross_entropy``): no logits."""
-        inputs = {k: v for k, v in batch.items()
-                  if k in self.model_forward_args and k not in ("labels", "logits_to_keep")}
-        hidden = self.model.get_decoder()(**inputs).last_hidden_state
-        labels = labels_of(batch)
-        loss = linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
-        return CausalLMOutputWithPast(loss=loss, logits=None)
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         """Training FLOPs of a batch: ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``,
@@ -319,6 +310,14 @@ def block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
+def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor) -> torch.Tensor:
+    """The next-token loss of a Hugging Face causal LM from its decoder's last hidden states,
+    fused with the output projection (``linear_cross_entropy``): no logits are made."""
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    weight = model.get_output_embeddings().weight
+    return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
+
+
 def attach_parallel_hooks(model: nn.Module) -> None:
     """Composer's per-model hooks: FSDP2 wraps and checkpoints each decoder block; meta
     parameters are initialised with the model's own ``_init_weights``."""
@@ -334,6 +333,10 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     model.activation_checkpointing_fn = is_block
     model.param_init_fn = model._init_weights
     model.foundryx_tp_plan = lambda: hf_tp_plan(model)
+    # the fused loss reads the head's weight outside the head's forward: a forward method of
+    # the model, which FSDP2 gathers the model's own (top-level) weights for, as for forward
+    model.foundryx_decoder_loss = partial(decoder_loss, model)
+    model.foundryx_forward_methods = ("foundryx_decoder_loss",)
 
 
 def matmul_params(model: nn.Module) -> int:

@@ -8,7 +8,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from foundryx.config.schema import ParallelismConfig
 from foundryx.errors import ConfigError, did_you_mean
@@ -182,6 +188,15 @@ def unit_parameters(model: nn.Module, blocks: list[nn.Module]) -> list[list[tupl
     return out
 
 
+def register_forward_methods(unit: nn.Module) -> None:
+    """FSDP2 gathers a unit's weights for its ``forward`` only; a model that reads them in
+    other entry points names those methods in ``foundryx_forward_methods`` (a Hugging Face
+    model's fused loss reads the output head's weight outside the head: models/hf.py), and
+    each gets the same gather and reshard as ``forward`` (``register_fsdp_forward_method``)."""
+    for name in getattr(unit, "foundryx_forward_methods", ()):
+        register_fsdp_forward_method(unit, name)
+
+
 def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
                 parallelism: ParallelismConfig, precision: str, sum_only: bool = False) -> None:
     """``fully_shard`` each block, then each direct child of ``model`` that has parameters
@@ -197,6 +212,7 @@ def shard_model(model: nn.Module, blocks: list[nn.Module], mesh: DeviceMesh,
     for unit in fsdp_units(model, blocks):
         fully_shard(unit, **(kwargs if any(unit is b for b in blocks)
                              else {**kwargs, "reshard_after_forward": False}))
+        register_forward_methods(unit)
     if sum_only:
         for m in model.modules():
             if isinstance(m, FSDPModule):

@@ -36,7 +36,7 @@ from foundryx.parallel.fsdp import (
 )
 from foundryx.parallel.policy import blocks, checkpoint_targets
 from foundryx.parallel.selective_ac import checkpoint_selectively
-from foundryx.parallel.tp import apply_tensor_parallel, plan_problems
+from foundryx.parallel.tp import apply_tensor_parallel, plan_problems, unfuse_loss_without_reader
 from foundryx.parallel.tp_fused import permute_full_state
 from foundryx.parallel.wrappers import (
     checkpoint_activations,
@@ -171,6 +171,7 @@ def parallelize(
         mesh = build_mesh(replicate, shard, device.type, tp)
         if tp > 1:  # torchtitan's order: TP, then AC, compile, FSDP
             touched = apply_tensor_parallel(model, mesh["tp"], world_mesh=mesh)
+            unfuse_loss_without_reader(model)
             if full:
                 permute_full_state(model, full)
             summary.append(f"tensor + sequence parallel over {tp} ranks ({touched} modules "

@@ -173,3 +173,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
                            f"module (patterns {sorted(layers)[:3]} ...); the plan and the model "
                            "disagree"])
     return touched
+
+
+def unfuse_loss_without_reader(model: nn.Module, model_name: str = "the model") -> bool:
+    """After tensor parallelism: a model whose training step fuses its loss with the output
+    head (``fuses_loss``) keeps it only when its plan names a fused-loss reader that knows
+    the head's rows are split (MPT's ``readers: {loss: ...}``); otherwise the model's own loss
+    runs (under loss_parallel where the head's logits stay split), said in one line. Returns
+    whether it turned the fused loss off. Under FSDP2 alone the loss stays fused
+    (fsdp.register_forward_methods)."""
+    found = find_plan(model)
+    readers = ((found[2].get("vocab") or {}).get("readers", {})) if found else {}
+    if not getattr(model, "fuses_loss", False) or "loss" in readers:
+        return False
+    model.fuses_loss = False
+    log.info("fused loss: off under tensor parallelism: %s's plan names no fused-loss reader "
+             "for a TP-split output head, so the model's own loss runs (the whole logits of "
+             "each TP rank's tokens; under loss_parallel where the head's logits stay split)",
+             model_name)
+    return True
