@@ -101,9 +101,8 @@ def test_choose_says_in_one_line_which_path_runs(monkeypatch, caplog):
     # tensor parallelism, the switch: the cast path, said so; another storage: nothing said
     assert fp8_gemm.choose(torch.device("cuda", 0), layers, tp=2) is None
     assert "tensor parallelism (tp 2)" in lines()[0]
-    monkeypatch.setattr(fp8_gemm, "MODE", "off")
-    assert fp8_gemm.choose(torch.device("cuda", 0), layers) is None
-    assert "switched off" in lines()[0]
+    assert fp8_gemm.choose(torch.device("cuda", 0), layers, gemm="cast") is None
+    assert lines()[0].endswith("per layer (forward and backward): frozen_base.fp8_gemm: cast")
     int8 = [LowPrecisionLinear(torch.nn.Linear(32, 64), "int8", "w")]
     assert fp8_gemm.choose(torch.device("cuda", 0), int8) is None and lines() == []
 
@@ -201,14 +200,13 @@ def test_the_gpu_call_passes_torchs_scaled_mm_checks_on_fake_cuda_tensors(dtype)
 SIZES = {**MPT_TINY, "d_model": 64, **LLAMA_STYLE}
 
 
-def lora_fp8_model(mode: str, monkeypatch) -> torch.nn.Module:
+def lora_fp8_model(gemm: str) -> torch.nn.Module:
     from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
-    monkeypatch.setattr(fp8_gemm, "MODE", mode)
     torch.manual_seed(0)
     model = ComposerMPTCausalLM(**SIZES)
     apply_lora(model, LoraOptions(target_modules="all-linear", r=4, lora_alpha=8))
-    apply_frozen_storage(model, FrozenBaseOptions(dtype="fp8"), device="cpu")
+    apply_frozen_storage(model, FrozenBaseOptions(dtype="fp8", fp8_gemm=gemm), device="cpu")
     with torch.no_grad():  # B != 0, so that gradients flow through every frozen layer's dx
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -217,7 +215,7 @@ def lora_fp8_model(mode: str, monkeypatch) -> torch.nn.Module:
 
 
 def test_lora_steps_on_the_fp8_path_track_the_cast_path(monkeypatch):
-    cast, fp8 = lora_fp8_model("auto", monkeypatch), lora_fp8_model("force", monkeypatch)
+    cast, fp8 = lora_fp8_model("auto"), lora_fp8_model("tensor_cores")
     layers = [m for m in fp8.modules() if isinstance(m, LowPrecisionLinear)]
     assert layers and all(m.fp8_gemm is E4M3 for m in layers)
     assert all(m.fp8_gemm is None for m in cast.modules() if isinstance(m, LowPrecisionLinear))
@@ -248,9 +246,8 @@ def test_lora_steps_on_the_fp8_path_track_the_cast_path(monkeypatch):
 
 
 def test_the_fp8_path_returns_autocasts_dtype_and_the_inputs_gradient_dtype(monkeypatch):
-    monkeypatch.setattr(fp8_gemm, "MODE", "force")
     [layer] = fp8_layers(1)
-    fp8_gemm.choose(torch.device("cpu"), [layer])
+    fp8_gemm.choose(torch.device("cpu"), [layer], gemm="tensor_cores")
     x = torch.randn(3, 5, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = layer(x)

@@ -117,7 +117,7 @@ def test_the_operator_is_the_torch_ops_on_a_cpu_and_one_op_on_fake_gpu_tensors()
 
 def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     """``choose`` decides once per run: on a GPU with Triton the operator (one kernel), said
-    in its line; on a CPU the torch ops, said too; ``QUANTIZE = "op"`` forces the operator
+    in its line; on a CPU the torch ops, said too; ``fp8_rows: kernel`` forces the operator
     (the census), and a forced layer's outputs and input gradient are the torch ops' bits."""
     caplog.set_level(logging.INFO, logger=fp8_gemm.__name__)
     torch.manual_seed(0)
@@ -130,14 +130,11 @@ def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     assert layer.fp8_quantize_op
     assert caplog.records[-1].getMessage().endswith(
         "; rows quantized in one pass by foundryx's Triton kernel")
-    monkeypatch.setattr(fp8_gemm, "QUANTIZE", "ops")
-    fp8_gemm.choose(torch.device("cuda", 0), [layer])
-    assert not layer.fp8_quantize_op and "rows quantized by torch ops (foundryx.models.peft." \
-        "fp8_gemm.QUANTIZE)" in caplog.records[-1].getMessage()
+    fp8_gemm.choose(torch.device("cuda", 0), [layer], rows="torch")
+    assert not layer.fp8_quantize_op and caplog.records[-1].getMessage().endswith(
+        "; rows quantized by torch ops (frozen_base.fp8_rows: torch)")
 
-    monkeypatch.setattr(fp8_gemm, "MODE", "force")
-    monkeypatch.setattr(fp8_gemm, "QUANTIZE", "auto")
-    fp8_gemm.choose(torch.device("cpu"), [layer])
+    fp8_gemm.choose(torch.device("cpu"), [layer], gemm="tensor_cores")
     assert not layer.fp8_quantize_op
     assert "rows quantized by torch ops (no Triton kernel on a cpu)" in caplog.text
     calls = []
@@ -150,18 +147,18 @@ def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     results = {}
     x0, dy = torch.randn(2, 5, 64), torch.randn(2, 5, 32)
     monkeypatch.setattr(torch.ops.foundryx, "fp8_quantize_rows", counted)
-    for mode in ("auto", "op"):
-        monkeypatch.setattr(fp8_gemm, "QUANTIZE", mode)
-        fp8_gemm.choose(torch.device("cpu"), [layer])
+    for mode in ("auto", "kernel"):
+        fp8_gemm.choose(torch.device("cpu"), [layer], gemm="tensor_cores", rows=mode)
         x = x0.clone().requires_grad_()
         y = layer(x)
         y.backward(dy)
         results[mode] = (y.detach(), x.grad)
-    assert "rows quantized by torch.ops.foundryx.fp8_quantize_rows (forced: its torch ops on " \
-        "a cpu)" in caplog.records[-1].getMessage()
-    assert calls == [(10, 64), (10, 32)]  # forward's x, backward's dy: with "op" only
-    assert torch.equal(results["auto"][0], results["op"][0])
-    assert torch.equal(results["auto"][1], results["op"][1])
+    assert caplog.records[-1].getMessage().endswith(
+        "rows quantized by torch.ops.foundryx.fp8_quantize_rows (frozen_base.fp8_rows: kernel; "
+        "its torch ops on a cpu)")
+    assert calls == [(10, 64), (10, 32)]  # forward's x, backward's dy: with "kernel" only
+    assert torch.equal(results["auto"][0], results["kernel"][0])
+    assert torch.equal(results["auto"][1], results["kernel"][1])
 
 
 def test_a_kernel_that_fails_its_check_leaves_the_torch_ops_and_says_why(monkeypatch, caplog):

@@ -156,7 +156,11 @@ def test_fused_loss_keeps_no_gradient_for_a_frozen_output_projection():
     ({"dtype": "int4"}, True, "frozen_base.dtype: expected one of 'nf4', 'fp8', 'int8', 'bf16'"),
     ({"dtype": "nf4"}, False, "frozen_base: applies to the frozen linear weights of a LoRA run"),
     ({"offload_fraction": 0.5}, True, "frozen_base.dtype"),
-], ids=["offload-range", "dtype", "no-lora", "no-dtype"])
+    ({"dtype": "nf4", "fp8_gemm": "cast"}, True,
+     "frozen_base.fp8_gemm: cast applies to dtype: fp8 (this base is nf4); remove it"),
+    ({"dtype": "fp8", "fp8_rows": "fast"}, True,
+     "frozen_base.fp8_rows: expected one of 'auto', 'torch', 'kernel'"),
+], ids=["offload-range", "dtype", "no-lora", "no-dtype", "fp8-gemm-not-fp8", "fp8-rows"])
 def test_bad_frozen_base_sections(frozen, peft, needle):
     section = {**SIZES, "frozen_base": frozen}
     if peft:

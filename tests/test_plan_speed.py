@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from foundryx.cli import main
-from foundryx.plan import speed
 from foundryx.plan.gpus import DEFAULT_MFU
 from foundryx.plan.planner import make_plan
 from foundryx.plan.speed import ROWS, Run, SpeedRow, choose
@@ -66,20 +65,20 @@ def test_no_row_falls_back_to_the_default_in_one_line():
         "(foundryx/plan/speed.py)")
 
 
-def test_an_fp8_base_without_fp8_tensor_cores_uses_the_cast_path(monkeypatch):
-    rows = [_row("fp8-cast", device="a100", mfu=0.25), _row("fp8-tensor-core", mfu=0.45),
-            _row("fp8-cast", mfu=0.28)]
+def test_an_fp8_base_without_fp8_tensor_cores_uses_the_cast_path():
+    rows = [_row("fp8-cast", device="a100", mfu=0.25), _row("fp8-cast", mfu=0.28)]
     c = choose(_run("fp8", device=A100), rows)
     assert c.row is rows[0] and c.notes == (
         "a100 has no FP8 tensor cores: the FP8 base is cast to bf16 per layer (the cast path's "
         "speed)",)
     # an H100 runs FP8 GEMMs, unmeasured: the cast path's row, said to be a lower bound
-    assert choose(_run("fp8"), rows).row is rows[2] and choose(_run("fp8"), rows).notes == (
+    assert choose(_run("fp8"), rows).row is rows[1] and choose(_run("fp8"), rows).notes == (
         "h100-sxm runs the FP8 base's GEMMs on FP8 tensor cores, which no GPU has measured "
         "yet: the speed is the cast path's (measured), a lower bound",)
-    # once foundryx runs FP8 GEMMs, an H100 takes that row; an A100 keeps the cast path
-    monkeypatch.setattr(speed, "FP8_TENSOR_CORE_GEMMS", True)
-    assert choose(_run("fp8"), rows).row is rows[1] and not choose(_run("fp8"), rows).notes
+    # once a GPU has measured them (an H100 row of the tensor-core path), an H100 takes that
+    # row, said nothing; an A100 keeps the cast path
+    rows.append(_row("fp8-tensor-core", mfu=0.45))
+    assert choose(_run("fp8"), rows).row is rows[2] and not choose(_run("fp8"), rows).notes
     assert choose(_run("fp8", device=A100), rows).row is rows[0]
 
 

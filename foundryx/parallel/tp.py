@@ -164,6 +164,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
             for n, p in module.named_parameters():  # TP styles make new nn.Parameters
                 p.requires_grad_(trainable[n])
             touched += 1
+    if any(getattr(m, "one_pass", None) is False for m in model.modules()):
+        log.info("parallelism.tp: the LoRA layers split by tensor parallelism run PEFT's own "
+                 "adapter forward (the one-pass adapter path takes whole adapters)")
     if split_logits and loss_attr:
         setattr(owner, loss_attr, loss_parallel(getattr(owner, loss_attr)))
         if callable(getattr(model, "eval_forward", None)):  # Composer's train metrics reuse

@@ -32,12 +32,6 @@ from typing import Any
 from foundryx.devices import find_device
 from foundryx.plan.gpus import DEFAULT_MFU
 
-# Whether the planner takes an FP8 base's speed from fp8-tensor-core rows where the GPU has FP8
-# tensor cores. foundryx runs those GEMMs there (models/peft/fp8_gemm.py, with its one-pass row
-# quantization kernel), but no GPU has measured them yet: until one does (a row below), the
-# H100's measured rows of the cast path (fp8-cast) stand in for them, a lower bound.
-FP8_TENSOR_CORE_GEMMS = False
-
 
 @dataclass(frozen=True)
 class SpeedRow:
@@ -130,9 +124,13 @@ class Choice:
                 "differs": list(self.differs), "line": self.line}
 
 
-def base_compute(frozen: str | None, training: str, device_name: str | None) -> tuple[str, str | None]:
+def base_compute(frozen: str | None, training: str, device_name: str | None,
+                 rows: tuple[SpeedRow, ...] | list[SpeedRow] = ()) -> tuple[str, str | None]:
     """How the frozen base computes on this device (a row's ``base``), and a note when an FP8
-    base is cast because the device has no FP8 tensor cores."""
+    base's speed is not its own: cast because the device has no FP8 tensor cores, or on FP8
+    tensor cores (foundryx runs its GEMMs there: models/peft/fp8_gemm.py) that no row of
+    ``rows`` has measured on this device yet, the cast path's row standing in, a lower
+    bound."""
     if training != "lora":
         return "-", None
     if frozen is None:
@@ -140,11 +138,13 @@ def base_compute(frozen: str | None, training: str, device_name: str | None) -> 
     if frozen != "fp8":
         return frozen, None
     device = find_device(device_name) if device_name else None
-    if device is not None and "fp8" not in device.flops:
+    if device is None:
+        return "fp8-cast", None
+    if "fp8" not in device.flops:
         return "fp8-cast", (f"{device.key} has no FP8 tensor cores: the FP8 base is cast to "
                             "bf16 per layer (the cast path's speed)")
-    if FP8_TENSOR_CORE_GEMMS or device is None:
-        return ("fp8-tensor-core" if FP8_TENSOR_CORE_GEMMS else "fp8-cast"), None
+    if any(r.device == device.key and r.base == "fp8-tensor-core" for r in rows):
+        return "fp8-tensor-core", None
     return "fp8-cast", (f"{device.key} runs the FP8 base's GEMMs on FP8 tensor cores, which no "
                         "GPU has measured yet: the speed is the cast path's (measured), a lower "
                         "bound")
@@ -153,7 +153,7 @@ def base_compute(frozen: str | None, training: str, device_name: str | None) -> 
 def choose(run: Run, rows: tuple[SpeedRow, ...] | list[SpeedRow] = ROWS,
            default: float = DEFAULT_MFU) -> Choice:
     """The MFU for ``run``: the measured row of its kind that differs least, else ``default``."""
-    base, note = base_compute(run.frozen, run.training, run.device_name)
+    base, note = base_compute(run.frozen, run.training, run.device_name, rows)
     notes = (note,) if note else ()
     device = find_device(run.device_name) if run.device_name else None
     key = device.key if device else None

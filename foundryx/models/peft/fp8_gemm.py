@@ -28,7 +28,8 @@ scale_b=1)`` with ``Wq`` as a column-major operand, i.e. a transposed copy of th
 ``x`` read twice, ``q`` written once, where the five torch ops it replaces move about five
 times the bytes through a float32 copy); elsewhere those torch ops. The kernel gives their
 bits exactly, checked once per GPU on a small sample (:func:`kernel_check`: a kernel that fails
-or differs leaves the torch ops); :data:`QUANTIZE` chooses, :func:`choose`'s line says which.
+or differs leaves the torch ops); ``frozen_base.fp8_rows`` chooses, :func:`choose`'s line says
+which.
 
 **Numerics.** Relative to the cast path (``W`` dequantized exactly, then bf16 GEMMs) the only
 new rounding is of the activations (forward) and of ``dy * s_w`` (backward) to e4m3: 3
@@ -37,8 +38,9 @@ inf or NaN: every row is scaled to its own maximum, and an all-zero row gets the
 scale and stays zero). The products accumulate in float32 on the tensor cores (the forward
 with cuBLAS's fast accumulation, as torchao's float8 training does; the gradient without) and
 are returned in bf16, then cast to the run's dtype. The emulation below computes the same
-thing in float32 on any device. The CPU tests force the whole FP8 path (``MODE = "force"``:
-torch 2.15's CPU ``_scaled_mm``, torch 2.7's lacks one, the emulation) against the cast path,
+thing in float32 on any device. The CPU tests force the whole FP8 path
+(``frozen_base.fp8_gemm: tensor_cores``: torch 2.15's CPU ``_scaled_mm``, torch 2.7's lacks one,
+the emulation) against the cast path,
 and check the GPU call's operands against torch's own ``_scaled_mm`` checks on fake CUDA
 tensors.
 """
@@ -57,16 +59,6 @@ from foundryx.models.peft.rowwise import MIN_SCALE
 
 log = logging.getLogger(__name__)
 
-# "auto": FP8 GEMMs where the device has FP8 tensor cores (the default); "force": on any device
-# (tests: the FP8 path end to end on a CPU, through torch's CPU _scaled_mm where it has one,
-# else emulated in float32); "off": the cast path everywhere.
-MODE = "auto"
-# How activations and gradients are quantized per row (read by choose(), which sets each
-# layer's fp8_quantize_op): "auto": on a GPU by foundryx's Triton kernel (one pass:
-# torch.ops.foundryx.fp8_quantize_rows), elsewhere by torch ops; "ops": torch ops everywhere
-# (the run book's A/B); "op": the operator on any device (the op census, on fake CPU tensors,
-# counts the GPU's one kernel).
-QUANTIZE = "auto"
 ALIGN = 16  # _scaled_mm wants K and N multiples of 16
 
 
@@ -77,11 +69,15 @@ def supports(in_features: int, out_features: int) -> bool:
     return in_features % ALIGN == 0 and out_features % ALIGN == 0
 
 
-def choose(device: torch.device | None, layers: list[Any], tp: int = 1) -> torch.dtype | None:
+def choose(device: torch.device | None, layers: list[Any], tp: int = 1, gemm: str = "auto",
+           rows: str = "auto") -> torch.dtype | None:
     """The float8 dtype the FP8 frozen ``layers`` (``LowPrecisionLinear`` with ``storage``
     fp8) multiply in on ``device`` (the run's; None: the current GPU when there is one), or
     None for the cast path; sets each layer's ``fp8_gemm`` and says in one line which path
-    runs, and why."""
+    runs, and why. ``gemm`` and ``rows`` are ``frozen_base.fp8_gemm`` and ``fp8_rows``
+    (``FrozenBaseOptions``): ``gemm`` "auto" (FP8 tensor cores where the device has them),
+    "tensor_cores" (on any device: a CPU through torch's CPU ``_scaled_mm`` where it has one,
+    else emulated in float32) or "cast"; ``rows``: :func:`quantizer`."""
     fp8 = [m for m in layers if m.storage == "fp8"]
     if not fp8:
         return None
@@ -91,10 +87,10 @@ def choose(device: torch.device | None, layers: list[Any], tp: int = 1) -> torch
     device = torch.device(device)
     fits = [m for m in fp8 if supports(m.in_features, m.out_features)]
     dtype, why_not, where = None, None, device.type
-    if MODE == "off":
-        why_not = "FP8 GEMMs are switched off (foundryx.models.peft.fp8_gemm.MODE)"
-    elif MODE == "force":
-        dtype, where = torch.float8_e4m3fn, f"{device.type}, forced"
+    if gemm == "cast":
+        why_not = "frozen_base.fp8_gemm: cast"
+    elif gemm == "tensor_cores":
+        dtype, where = torch.float8_e4m3fn, f"{device.type}, frozen_base.fp8_gemm: tensor_cores"
     elif tp > 1:
         why_not = f"tensor parallelism (tp {tp}) has no FP8 GEMM path yet"
     else:
@@ -114,7 +110,7 @@ def choose(device: torch.device | None, layers: list[Any], tp: int = 1) -> torch
         dtype = None
     use_op = False
     if dtype is not None:
-        use_op, how = quantizer(device, dtype)
+        use_op, how = quantizer(device, dtype, rows)
         log.info("frozen_base: fp8 GEMMs on FP8 tensor cores (%s): row-wise scaled "
                  "torch._scaled_mm in %s, forward and input gradient, %d of %d layers%s; %s",
                  where, str(dtype).removeprefix("torch."), len(fits), len(fp8),
@@ -144,7 +140,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     """``(a @ b) * scale_a * scale_b`` in bf16: ``a`` [M, K] row-major and ``b`` [K, N]
     column-major float8, ``scale_a`` [M, 1], ``scale_b`` [1, N] float32: torch's row-wise
     scaled ``_scaled_mm`` on a GPU, and on a CPU where this torch has it (2.15 does, 2.7 does
-    not); elsewhere (only reached with ``MODE = "force"``) :func:`emulated_scaled_mm`."""
+    not); elsewhere (only reached with ``fp8_gemm: tensor_cores``) :func:`emulated_scaled_mm`."""
     if a.device.type == "cuda" or _scaled_mm_runs_on(a.device.type):
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b,
                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
@@ -175,16 +171,20 @@ def _scaled_mm_runs_on(kind: str) -> bool:
     return True
 
 
-def quantizer(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether :func:`quantize` runs the operator (one Triton kernel on a GPU) on ``device``
-    as :data:`QUANTIZE` says, and that in words (for :func:`choose`'s line)."""
-    if QUANTIZE == "ops":
-        return False, "rows quantized by torch ops (foundryx.models.peft.fp8_gemm.QUANTIZE)"
-    if QUANTIZE == "op" and device.type != "cuda":
-        return True, (f"rows quantized by torch.ops.foundryx.fp8_quantize_rows (forced: its "
-                      f"torch ops on a {device.type})")
-    if QUANTIZE == "op":
-        return True, "rows quantized in one pass by foundryx's Triton kernel (forced, unchecked)"
+def quantizer(device: torch.device, dtype: torch.dtype, rows: str = "auto") -> tuple[bool, str]:
+    """Whether :func:`quantize` runs the operator (one Triton kernel on a GPU) on ``device``,
+    and that in words (for :func:`choose`'s line). ``rows`` (``frozen_base.fp8_rows``): "auto":
+    on a GPU the Triton kernel (one pass), checked once against the torch ops, elsewhere the
+    torch ops; "torch": torch ops everywhere (the run book's A/B); "kernel": the operator on
+    any device, unchecked (the op census, on fake CPU tensors, counts the GPU's one kernel)."""
+    if rows == "torch":
+        return False, "rows quantized by torch ops (frozen_base.fp8_rows: torch)"
+    if rows == "kernel" and device.type != "cuda":
+        return True, (f"rows quantized by torch.ops.foundryx.fp8_quantize_rows "
+                      f"(frozen_base.fp8_rows: kernel; its torch ops on a {device.type})")
+    if rows == "kernel":
+        return True, ("rows quantized in one pass by foundryx's Triton kernel "
+                      "(frozen_base.fp8_rows: kernel, unchecked)")
     if device.type != "cuda":
         return False, f"rows quantized by torch ops (no Triton kernel on a {device.type})"
     why = triton_missing() or kernel_check(str(device), dtype)

@@ -286,7 +286,7 @@ def apply_frozen_base(model: nn.Module, options: FrozenBaseOptions, tp: int = 1,
     after = sum(stored_bytes(layer.weight) for layer in layers)
     log.info("frozen_base: %d linear layers stored as %s: %.1f MB -> %.1f MB", len(layers),
              options.dtype, before / 2**20, after / 2**20)
-    fp8_gemm.choose(device, layers, tp)
+    fp8_gemm.choose(device, layers, tp, options.fp8_gemm, options.fp8_rows)
     return model
 
 

@@ -36,13 +36,28 @@ class FrozenBaseOptions:
         "share of the frozen linear layers whose weights stay in (pinned) CPU memory and are "
         "copied to the device when their layer runs, the next one prefetched", default=0.0,
         ge=0, le=1)
+    fp8_gemm: Literal["auto", "tensor_cores", "cast"] = option(
+        "where an fp8 base multiplies: auto: on FP8 tensor cores where the GPU has them "
+        "(NVIDIA compute capability 8.9+, AMD gfx942/gfx950; one line says which), else cast "
+        "to the compute dtype per layer; tensor_cores: row-wise scaled _scaled_mm on any "
+        "device (a CPU: torch's where it has one, else emulated in float32); cast: "
+        "dequantize per layer everywhere", default="auto")
+    fp8_rows: Literal["auto", "torch", "kernel"] = option(
+        "how fp8 tensor-core GEMMs quantize activations and gradients per row: auto: "
+        "foundryx's one-pass Triton kernel on a GPU (checked once against the torch ops), "
+        "torch ops elsewhere; torch: torch ops everywhere; kernel: the operator "
+        "torch.ops.foundryx.fp8_quantize_rows on any device, unchecked", default="auto")
 
     def problems(self) -> list[str]:
+        out = []
         if self.dtype == "fp8" and not has_float8():
-            return [f"dtype: fp8 needs torch.float8_e4m3fn, which torch {torch.__version__} "
-                    "does not have; use dtype: int8 (the same bytes, a scale per row) or a "
-                    "newer torch"]
-        return []
+            out.append(f"dtype: fp8 needs torch.float8_e4m3fn, which torch {torch.__version__} "
+                       "does not have; use dtype: int8 (the same bytes, a scale per row) or a "
+                       "newer torch")
+        out += [f"{key}: {value} applies to dtype: fp8 (this base is {self.dtype}); remove it"
+                for key, value in (("fp8_gemm", self.fp8_gemm), ("fp8_rows", self.fp8_rows))
+                if value != "auto" and self.dtype != "fp8"]
+        return out
 
 
 def frozen_base_problems(peft_config: Any, frozen_base: FrozenBaseOptions | None) -> list[str]:

@@ -150,14 +150,18 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
-def plain_linear_dispatch(config: Any) -> Any:
+def plain_linear_dispatch(config: Any, one_pass: bool = False) -> Any:
     """``config`` (a peft ``LoraConfig``) with ``nn.Linear`` mapped straight to PEFT's own
-    ``lora.Linear``, skipping PEFT's dispatchers (torchao, bitsandbytes, ...): at injection
-    every base layer is a plain ``nn.Linear`` (low-precision storage is applied afterwards by
-    foundryx.models.peft.frozen_base), and injection then does not depend on which optional
-    quantization packages are installed (PEFT 0.21 raises ImportError for a torchao older than
-    0.16)."""
-    from peft.tuners.lora.layer import Linear  # a heavy optional import, used only here
+    ``lora.Linear`` (``one_pass``: its subclass with the adapter path in one pass,
+    ``one_pass.OnePassLoraLinear``), skipping PEFT's dispatchers (torchao, bitsandbytes, ...):
+    at injection every base layer is a plain ``nn.Linear`` (low-precision storage is applied
+    afterwards by foundryx.models.peft.frozen_base), and injection then does not depend on
+    which optional quantization packages are installed (PEFT 0.21 raises ImportError for a
+    torchao older than 0.16)."""
+    if one_pass:  # imports peft (heavy, optional): only here
+        from foundryx.models.peft.one_pass import OnePassLoraLinear as Linear
+    else:
+        from peft.tuners.lora.layer import Linear  # a heavy optional import, used only here
 
     config._register_custom_module({nn.Linear: Linear})
     return config
@@ -200,15 +204,16 @@ def apply_lora(model: nn.Module, options: LoraOptions) -> nn.Module:
             config = LoraConfig(r=options.r, lora_alpha=options.lora_alpha,
                                 lora_dropout=options.lora_dropout, use_rslora=options.use_rslora,
                                 target_modules=sorted(targets.whole), bias="none")
-            inject_adapter_in_model(plain_linear_dispatch(config), inner)
+            inject_adapter_in_model(plain_linear_dispatch(config, options.one_pass), inner)
             _seed_peft_adapters(inner)
         _inject_slices(inner, targets, options)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
     trainable, total = param_counts(model)
     sliced = sum(len(c) for _, c in targets.slices.values())
-    log.info("LoRA (r=%d, alpha=%g%s) on %d linear layers%s: %s of %s parameters train (%.4f%%)",
-             options.r, options.lora_alpha, ", rslora" if options.use_rslora else "",
+    log.info("LoRA (r=%d, alpha=%g%s%s) on %d linear layers%s: %s of %s parameters train "
+             "(%.4f%%)", options.r, options.lora_alpha, ", rslora" if options.use_rslora else "",
+             ", adapter path in one pass" if options.one_pass and targets.whole else "",
              len(targets.whole) + len(targets.slices),
              f" ({sliced} slices of {len(targets.slices)} fused ones)" if targets.slices else "",
              f"{trainable:,}", f"{total:,}", 100 * trainable / max(total, 1))

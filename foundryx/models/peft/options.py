@@ -40,6 +40,11 @@ class LoraOptions:
                                "(lora_alpha / sqrt(r) with use_rslora)", default=8, gt=0)
     lora_dropout: float = option("dropout on the adapters' input", default=0.0, ge=0, lt=1)
     use_rslora: bool = option("rank-stabilised scaling lora_alpha / sqrt(r)", default=False)
+    one_pass: bool = option(
+        "the adapter path in one pass (foundryx's LoRA layer: no float32 copy of the input, "
+        "dropout in the compute dtype, B's output added into the base output in place, "
+        "backward through rank r first); false: PEFT's own lora.Linear forward",
+        default=True)
 
     def problems(self) -> list[str]:
         if isinstance(self.target_modules, list) and not self.target_modules:
