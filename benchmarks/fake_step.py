@@ -44,6 +44,9 @@ SIDES = ("peer", "bf16", "fp8", "nf4", "fp8-offload0.5")
 # the FP8 base with its GEMMs on FP8 tensor cores (row-wise torch._scaled_mm), as an H100 runs
 # it; traced where this torch has a CPU _scaled_mm (2.15: .venv-modern), not the emulation
 TENSOR_CORE_SIDES = ("fp8-tc",)
+# any foundryx side + PEFT_LAYER: PEFT's own lora.Linear forward (peft_config.one_pass: false),
+# the adapter path as it ran before issue 51
+PEFT_LAYER = "-peft"
 LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05}
 
 
@@ -104,7 +107,11 @@ def flash_like_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                     scale=None, enable_gqa=False, **_):
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
     q, k, v = (t.to(dtype) for t in (query, key, value))
-    return _FlashLikeAttention.apply(q, k, v, bool(is_causal or attn_mask is None))
+    # every side is a causal LM: a training step's attention (as many queries as keys) is
+    # causal whatever mask the model passes (a fake tensor holds no values to read it from),
+    # and the flash kernel a user runs computes only the unmasked half
+    causal = bool(is_causal or attn_mask is None or q.shape[-2] == k.shape[-2])
+    return _FlashLikeAttention.apply(q, k, v, causal)
 
 
 @contextlib.contextmanager
@@ -173,8 +180,10 @@ def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
 
 
 def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str]:
-    base, _, offload = side.removesuffix("-tc").partition("-offload")
+    peft_layer = side.endswith(PEFT_LAYER)
+    base, _, offload = side.removesuffix(PEFT_LAYER).removesuffix("-tc").partition("-offload")
     return [f"variables.model_path={Path(shape).resolve()}", f"variables.max_seq_len={seq}",
+            f"model.peft_config.one_pass={str(not peft_layer).lower()}",
             "model.pretrained=false", "model.init_device=meta",
             f"model.frozen_base.dtype={base}",
             f"model.frozen_base.offload_fraction={float(offload or 0)}",
@@ -191,7 +200,8 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
     from foundryx.train import load_run_config
 
     register_loader(registry)
-    loaded = load_run_config(RECIPE, foundryx_overrides(shape, side, batch, seq), world_size=1)
+    overrides = foundryx_overrides(shape, side, batch, seq) + fp8_tensor_cores(side)
+    loaded = load_run_config(RECIPE, overrides, world_size=1)
     cfg = loaded.cfg
     with unfaked():  # built on meta, as the recipe builds it (torchmetrics cannot deepcopy fakes)
         model = builders.build_model(cfg, tokenizer=None)
@@ -269,36 +279,30 @@ def build_mpt(recipe: Path, batch: int, seq: int) -> FakeStep:
     return FakeStep("mpt", model, opt, random_batch(vocab, batch, seq), forward_loss, set(), vocab)
 
 
-@contextlib.contextmanager
-def fp8_tensor_cores(side: str) -> Iterator[None]:
-    """For ``fp8-tc``: the frozen FP8 layers run their GEMMs as ``torch._scaled_mm`` and
-    quantize their rows with ``torch.ops.foundryx.fp8_quantize_rows`` (what
-    foundryx.models.peft.fp8_gemm chooses on an H100: one Triton kernel), forced here on the
-    fake CPU tensors."""
+def fp8_tensor_cores(side: str) -> list[str]:
+    """For ``fp8-tc``: the overrides that run the frozen FP8 layers' GEMMs as
+    ``torch._scaled_mm`` and quantize their rows with ``torch.ops.foundryx.fp8_quantize_rows``
+    (what foundryx.models.peft.fp8_gemm chooses on an H100: one Triton kernel), forced here on
+    the fake CPU tensors; NotTraceable where this torch has no CPU ``_scaled_mm``."""
     from foundryx.models.peft import fp8_gemm
 
-    if side not in TENSOR_CORE_SIDES:
-        yield
-        return
+    if side.removesuffix(PEFT_LAYER) not in TENSOR_CORE_SIDES:
+        return []
     with unfaked():  # a fake tensor's _scaled_mm always "runs": ask the real CPU
         fp8_gemm._scaled_mm_runs_on.cache_clear()
         runs = fp8_gemm._scaled_mm_runs_on("cpu")
     if not runs:
         raise NotTraceable(f"{side}: this torch ({torch.__version__}) has no CPU _scaled_mm to "
                            "trace the FP8 GEMMs with (torch 2.15 has: .venv-modern)")
-    before = fp8_gemm.MODE, fp8_gemm.QUANTIZE
-    fp8_gemm.MODE, fp8_gemm.QUANTIZE = "force", "op"  # read when the model is built (choose)
-    try:
-        yield
-    finally:
-        fp8_gemm.MODE, fp8_gemm.QUANTIZE = before
+    return ["model.frozen_base.fp8_gemm=tensor_cores", "model.frozen_base.fp8_rows=kernel"]
 
 
 def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
     """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe)."""
-    if side not in SIDES + TENSOR_CORE_SIDES and side != "mpt":
-        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES + TENSOR_CORE_SIDES)}, "
-                           "or mpt")
+    core = side.removesuffix(PEFT_LAYER)
+    if side != "mpt" and (core not in SIDES + TENSOR_CORE_SIDES or side == "peer" + PEFT_LAYER):
+        raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES + TENSOR_CORE_SIDES)} "
+                           f"(foundryx's with {PEFT_LAYER}: PEFT's own LoRA layer), or mpt")
     if side != "mpt":
         shape_config(shape)  # a Llama shape, or NotTraceable
     try:
@@ -306,8 +310,7 @@ def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
             return build_mpt(shape, batch, seq)
         if side == "peer":
             return build_peer(shape, batch, seq)
-        with fp8_tensor_cores(side):
-            return build_foundryx(shape, side, batch, seq)
+        return build_foundryx(shape, side, batch, seq)
     except NotTraceable:
         raise
     except Exception as e:  # noqa: BLE001 - said with where it stopped

@@ -7,14 +7,20 @@ For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
 ``fp8-offload0.5``) the measured (second) step is dispatched op by op:
 
 - GEMM FLOPs by torch's ``FlopCounterMode`` (matmuls, linear layers), plus attention's as a
-  flash kernel does them (forward 4·b·h·s²·d, halved when causal; backward 2.5x that);
+  flash kernel does them (forward 4·b·h·s²·d, halved: every side is a causal LM and the
+  kernel skips the masked half; backward 2.5x that);
 - every other op that launches a kernel: bytes read (its tensor inputs) and written (its
   outputs); views and metadata ops launch none and are left out;
 - the kernel count (one per op that launches one);
 - the time on paper at an H100's dense peaks and memory bandwidth (989 TFLOP/s bf16, 1,979
-  FP8 for ``_scaled_mm``, 3.35 TB/s): each op at the larger of its FLOP time and its byte
-  time, summed; and the launch floor at 4 µs a kernel (eager PyTorch, no CUDA graphs). The
-  H100 runs the flagship's steps at 0.80-0.86 of this sum (benchmarks/RESULTS.md).
+  FP8 for ``_scaled_mm``, 3.35 TB/s): each call at the larger of its own FLOP time and its
+  own byte time (a GEMM's FLOPs from its two operands: ``_scaled_mm``'s scales are not its
+  contraction), summed; the forward and backward, and the optimizer, in their own columns;
+  and the launch floor at 4 µs a kernel (eager PyTorch, no CUDA graphs), a column of its own,
+  not in the time on paper. The H100 ran the flagship's steps at 0.80-0.86 of the sum as
+  counted before issue 51 (per place and op rather than per call; attention counted whole).
+- the other bytes by kind (casts and copies, dropout, norms, RoPE, activation, residual
+  adds, the adapter path, loss, optimizer, the rest): ``kind_of``.
 
 Each op is charged to where it ran: the innermost module (its dotted name, block numbers
 as N) in a forward, the autograd node in backward, ``optimizer`` in the step. ``--vs peer``
@@ -30,6 +36,7 @@ import json
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,11 +103,11 @@ class OpCensus(TorchDispatchMode):
         flat_out, _ = tree_flatten(out)
         moved = _bytes(flat_in) + (0 if name.endswith("_") else _bytes(flat_out))
         row = self.rows[(self.place(), name)]
+        flops = gemm_flops(name, *gemm_operands(name, args), flat_out) if name in GEMMS else 0
         row[0] += 1
         row[1] += moved
-        if name in GEMMS:
-            a, b = [t for t in flat_in if isinstance(t, torch.Tensor)][-2:]
-            row[2] += gemm_flops(name, a, b, flat_out)
+        row[2] += flops
+        row[3] += call_seconds(name, flops, moved)
         return out
 
     def in_phase(self, phase: str) -> contextlib.AbstractContextManager:
@@ -117,11 +124,61 @@ class OpCensus(TorchDispatchMode):
         return module_hooks(pre, post)
 
 
+def gemm_operands(name: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two matrices a GEMM contracts: its first two arguments (``mm``, ``bmm``, ``matmul``,
+    ``linear``, ``_int_mm``, ``_scaled_mm``, whose scales follow them), or the two after the
+    bias (``addmm``, ``baddbmm``)."""
+    first = 1 if name in ("addmm", "baddbmm") else 0
+    return args[first], args[first + 1]
+
+
 def gemm_flops(name: str, a: torch.Tensor, b: torch.Tensor, out) -> int:  # noqa: ANN001
     """2·M·N·K of a matmul from its output and the contraction of its operands."""
     o = next(t for t in out if isinstance(t, torch.Tensor)) if isinstance(out, list) else out
     k = a.shape[-1]
     return 2 * o.numel() * k
+
+
+def call_seconds(name: str, flops: float, moved: float) -> float:
+    """One call's time on paper: the larger of its FLOP time (FP8 tensor cores for
+    ``_scaled_mm``) and its byte time."""
+    peak = H100["fp8_flops" if name == "_scaled_mm" else "flops"]
+    return max(flops / peak, moved / H100["bytes_per_s"])
+
+
+# the other bytes by kind, first match wins: (kind, words in the place, ops)
+KINDS = (
+    ("optimizer", ("optimizer",), ()),
+    ("dropout", ("dropout", "Dropout"), ("native_dropout", "native_dropout_backward",
+                                          "bernoulli", "bernoulli_")),
+    ("adapter path", ("lora_", "Lora", "AdapterAdd"), ()),
+    ("loss", ("LinearCrossEntropy", "loss", "Loss", "NllLoss", "LogSoftmax"),
+     ("_log_softmax", "_log_softmax_backward_data", "nll_loss_forward", "nll_loss_backward",
+      "logsumexp")),
+    ("casts and copies", (), ("_to_copy", "copy_", "clone", "contiguous", "to", "copy",
+                              "fp8_quantize_rows")),
+    ("norms", ("norm", "Norm", "Rsqrt", "Pow", "Mean"), ("rsqrt", "_fused_rms_norm")),
+    ("activation", ("act_fn", "Silu", "Gelu"), ("silu", "silu_backward", "gelu",
+                                               "gelu_backward")),
+    ("RoPE", ("rotary", "Rotary", "NegBackward", "CatBackward"), ("neg", "cat")),
+)
+# a block's own adds are its residual adds; an adapted projection's own multiplies and adds
+# are PEFT's scaling and its sum with the base output
+BLOCK = re.compile(r"^(recompute: )?layers\.N$")
+PROJECTION = re.compile(r"(_proj|Wqkv|out_proj|fc\d?|dense\w*)$")
+
+
+def kind_of(place: str, op: str) -> str:
+    """The kind of a non-GEMM (place, op): see KINDS; "other" for the rest. A backward place
+    is the autograd node's name, a forward or recompute place the module's."""
+    for kind, words, ops in KINDS:
+        if op in ops or any(w in place for w in words):
+            return kind
+    if op in ("add", "add_") and BLOCK.match(place):
+        return "residual adds"
+    if op in ("add", "add_", "mul", "mul_") and PROJECTION.search(place):
+        return "adapter path"
+    return "other"
 
 
 def normalise(place: str) -> str:
@@ -137,33 +194,43 @@ def census(side: str, shape: Path, batch: int = 2, seq: int = 4096) -> dict:
     with fake_step.fake_mode(), fake_step.gpu_kernels():
         step = fake_step.build(side, shape, batch, seq)
         names = {id(m): n for n, m in step.model.named_modules()}
-        c = OpCensus(names)
         fake_step.run_step(step, lambda name: contextlib.nullcontext())  # optimizer state
-        fake_step.ATTENTION_CALLS.clear()
-        flops = FlopCounterMode(display=False)
-        with c, c.watching_modules(), flops:
-            fake_step.run_step(step, c.in_phase)
-        calls = list(fake_step.ATTENTION_CALLS)
-    rows = defaultdict(lambda: [0, 0, 0.0])
-    for (place, op), (n, moved, f, _) in c.rows.items():
+        return measure(side, names, lambda c: fake_step.run_step(step, c.in_phase))
+
+
+def measure(side: str, names: dict[int, str], run: Callable[[OpCensus], None]) -> dict:
+    """The census of what ``run(census)`` dispatches (``names``: module ids to dotted names;
+    ``run`` enters the census's phases), summarised."""
+    c = OpCensus(names)
+    fake_step.ATTENTION_CALLS.clear()
+    flops = FlopCounterMode(display=False)
+    with c, c.watching_modules(), flops:
+        run(c)
+    calls = list(fake_step.ATTENTION_CALLS)
+    rows = defaultdict(lambda: [0, 0, 0.0, 0.0])
+    for (place, op), values in c.rows.items():
         r = rows[(normalise(place), op)]
-        r[0] += n
-        r[1] += moved
-        r[2] += f
-    return summarise(side, rows, flops.get_total_flops(), sum(f for _, f in calls), len(calls))
+        for i, v in enumerate(values):
+            r[i] += v
+    return summarise(side, rows, flops.get_total_flops(), [f for _, f in calls])
 
 
-def summarise(side: str, rows: dict, gemm: int, attn: int, attention_calls: int) -> dict:
-    kernels = sum(r[0] for r in rows.values()) + attention_calls
-    other_bytes = sum(r[1] for (place, op), r in rows.items() if op not in GEMMS)
-    # per op: the larger of its FLOP time (FP8 tensor cores for _scaled_mm) and its byte time
-    paper = sum(max(r[2] / H100["fp8_flops" if op == "_scaled_mm" else "flops"],
-                    r[1] / H100["bytes_per_s"]) for (_, op), r in rows.items())
-    paper += attn / H100["flops"]
-    return {"side": side, "gemm_flops": gemm, "attention_flops": attn,
-            "other_bytes": other_bytes, "kernels": kernels,
-            "paper_s": paper, "launch_floor_s": kernels * H100["launch_s"],
-            "places": {f"{place} | {op}": [n, moved, f] for (place, op), (n, moved, f)
+def summarise(side: str, rows: dict, gemm: int, attention: list[int]) -> dict:
+    """``rows``: (place, op) -> [kernels, bytes, FLOPs, seconds on paper, summed per call];
+    ``attention``: the FLOPs of each flash-attention call."""
+    kernels = sum(r[0] for r in rows.values()) + len(attention)
+    other = {(place, op): r for (place, op), r in rows.items() if op not in GEMMS}
+    by_kind: dict[str, float] = defaultdict(float)
+    for (place, op), r in other.items():
+        by_kind[kind_of(place, op)] += r[1]
+    optimizer_s = sum(r[3] for (place, _), r in rows.items() if place == "optimizer")
+    compute_s = sum(r[3] for (place, _), r in rows.items() if place != "optimizer")
+    compute_s += sum(f / H100["flops"] for f in attention)  # FLOP-bound: q, k, v, o are ~1/6
+    return {"side": side, "gemm_flops": gemm, "attention_flops": sum(attention),
+            "other_bytes": sum(r[1] for r in other.values()), "kernels": kernels,
+            "compute_s": compute_s, "optimizer_s": optimizer_s, "paper_s": compute_s + optimizer_s,
+            "launch_floor_s": kernels * H100["launch_s"], "other_bytes_by_kind": dict(by_kind),
+            "places": {f"{place} | {op}": [n, moved, f] for (place, op), (n, moved, f, _)
                        in rows.items()}}
 
 
@@ -179,12 +246,20 @@ def differences(side: dict, peer: dict, top: int = 15) -> list[tuple[str, int, i
 
 
 def report(results: dict[str, dict]) -> str:
-    lines = ["| side | GEMM TFLOP | attention TFLOP | other GB moved | kernels | on paper s | "
-             "launch floor s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| side | GEMM TFLOP | attention TFLOP | other GB moved | kernels | forward + "
+             "backward s | optimizer s | on paper s | launch floor s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s, r in results.items():
         lines.append(f"| {s} | {r['gemm_flops'] / 1e12:.1f} | {r['attention_flops'] / 1e12:.1f} | "
-                     f"{r['other_bytes'] / 1e9:.1f} | {r['kernels']} | {r['paper_s']:.3f} | "
+                     f"{r['other_bytes'] / 1e9:.1f} | {r['kernels']} | {r['compute_s']:.3f} | "
+                     f"{r['optimizer_s']:.3f} | {r['paper_s']:.3f} | "
                      f"{r['launch_floor_s']:.3f} |")
+    kinds = [k for k, _, _ in KINDS] + ["residual adds", "other"]
+    lines += ["", "other GB moved by kind", "| kind | " + " | ".join(results) + " |",
+              "|---|" + "---|" * len(results)]
+    for k in kinds:
+        lines.append(f"| {k} | " + " | ".join(f"{r['other_bytes_by_kind'].get(k, 0) / 1e9:.1f}"
+                                             for r in results.values()) + " |")
     peer = results.get("peer")
     for s, r in results.items():
         if peer is None or s == "peer":
