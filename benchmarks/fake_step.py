@@ -192,7 +192,8 @@ def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str
             f"device_train_microbatch_size={batch}", f"global_train_batch_size={batch}"]
 
 
-def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
+def build_foundryx(shape: Path, side: str, batch: int, seq: int,
+                   overrides: list[str] | tuple[str, ...] = ()) -> FakeStep:
     """foundryx's recipe as the flagship benchmark runs it on one GPU (see the module doc)."""
     from foundryx import builders, registry
     from foundryx.loading.dtypes import keep_dtype
@@ -200,7 +201,8 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int) -> FakeStep:
     from foundryx.train import load_run_config
 
     register_loader(registry)
-    overrides = foundryx_overrides(shape, side, batch, seq) + fp8_tensor_cores(side)
+    overrides = [*foundryx_overrides(shape, side, batch, seq), *fp8_tensor_cores(side),
+                 *overrides]
     loaded = load_run_config(RECIPE, overrides, world_size=1)
     cfg = loaded.cfg
     with unfaked():  # built on meta, as the recipe builds it (torchmetrics cannot deepcopy fakes)
@@ -297,8 +299,10 @@ def fp8_tensor_cores(side: str) -> list[str]:
     return ["model.frozen_base.fp8_gemm=tensor_cores", "model.frozen_base.fp8_rows=kernel"]
 
 
-def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
-    """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe)."""
+def build(side: str, shape: Path, batch: int, seq: int,
+          overrides: list[str] | tuple[str, ...] = ()) -> FakeStep:
+    """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe);
+    ``overrides``: ``key=value`` on foundryx's recipe (its sides only)."""
     core = side.removesuffix(PEFT_LAYER)
     if side != "mpt" and (core not in SIDES + TENSOR_CORE_SIDES or side == "peer" + PEFT_LAYER):
         raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES + TENSOR_CORE_SIDES)} "
@@ -310,7 +314,7 @@ def build(side: str, shape: Path, batch: int, seq: int) -> FakeStep:
             return build_mpt(shape, batch, seq)
         if side == "peer":
             return build_peer(shape, batch, seq)
-        return build_foundryx(shape, side, batch, seq)
+        return build_foundryx(shape, side, batch, seq, overrides)
     except NotTraceable:
         raise
     except Exception as e:  # noqa: BLE001 - said with where it stopped
@@ -334,6 +338,13 @@ def where(e: BaseException) -> str:
         if any(k in f.filename for k in ("foundryx", "transformers", "peft", "torchao")):
             return f"{Path(f.filename).name}:{f.lineno} ({f.name})"
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def add_recipe_overrides(parser) -> None:  # noqa: ANN001
+    """``--set KEY=VALUE`` (repeatable): overrides of foundryx's recipe for its sides (e.g.
+    ``activation_checkpointing.mode=selective``); the peer runs as it is."""
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        dest="overrides", help="an override of foundryx's recipe (its sides)")
 
 
 def each_side(prog: str, shape: Path | None, sides: str,

@@ -44,11 +44,12 @@ from step_memory import CATEGORIES, CategoryTracker  # noqa: E402
 MEASURED_H100 = {"peer": 29.4, "bf16": 36.3, "fp8": 29.8, "nf4": 26.6, "fp8-offload0.5": 26.5}
 
 
-def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096) -> dict:
+def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
+             overrides: list[str] | tuple[str, ...] = ()) -> dict:
     """``{"peak_gib", "categories", "seconds"}`` for ``side``."""
     start = time.perf_counter()
     with fake_step.fake_mode(), fake_step.gpu_kernels():
-        step = fake_step.build(side, shape, batch, seq)
+        step = fake_step.build(side, shape, batch, seq, overrides)
         trainable = [p for p in step.model.parameters() if p.requires_grad]
         tracker = CategoryTracker(step.vocab, trainable)
         tracker.register_model(step.model, step.frozen_linear)
@@ -105,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default=",".join(fake_step.SIDES))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
+    fake_step.add_recipe_overrides(p)
     p.add_argument("--json", type=Path, help="write {side: {peak_gib, categories}} here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     def one(side: str) -> dict:
-        row = estimate(side, a.shape, a.batch, a.seq)
+        row = estimate(side, a.shape, a.batch, a.seq, a.overrides)
         print(f"{side}: peak {row['peak_gib']:.2f} GiB ({row['seconds']:.0f} s)", flush=True)
         return row
 

@@ -190,9 +190,10 @@ def normalise(place: str) -> str:
     return place.replace(".default", "")
 
 
-def census(side: str, shape: Path, batch: int = 2, seq: int = 4096) -> dict:
+def census(side: str, shape: Path, batch: int = 2, seq: int = 4096,
+           overrides: list[str] | tuple[str, ...] = ()) -> dict:
     with fake_step.fake_mode(), fake_step.gpu_kernels():
-        step = fake_step.build(side, shape, batch, seq)
+        step = fake_step.build(side, shape, batch, seq, overrides)
         names = {id(m): n for n, m in step.model.named_modules()}
         fake_step.run_step(step, lambda name: contextlib.nullcontext())  # optimizer state
         return measure(side, names, lambda c: fake_step.run_step(step, c.in_phase))
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default="peer,bf16")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
+    fake_step.add_recipe_overrides(p)
     p.add_argument("--json", type=Path)
     p.add_argument("--mpt", type=Path, metavar="RECIPE",
                    help="census of a pretraining recipe's MPT instead (e.g. yamls/mpt-1b.yaml, "
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"op_census: --mpt {a.mpt}: no such recipe", file=sys.stderr)
             return 2
     results = fake_step.each_side("op_census", a.shape if a.mpt is None else None, a.sides,
-                                  lambda side: census(side, a.shape, a.batch, a.seq))
+                                  lambda side: census(side, a.shape, a.batch, a.seq, a.overrides))
     if results is None:
         return 2
     print(report(results))

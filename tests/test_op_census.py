@@ -104,3 +104,21 @@ def test_a_training_step_s_attention_is_counted_causal_whatever_mask_the_model_p
         q = torch.empty(2, 4, 128, 32)
         fake_step.flash_like_sdpa(q, q, q, attn_mask=torch.empty(2, 1, 128, 128, dtype=torch.bool))
     assert fake_step.ATTENTION_CALLS == [("forward", 4 * 2 * 4 * 128 * 128 * 32 // 2)]
+
+
+@pytest.mark.slow
+def test_a_recipe_override_changes_foundryx_s_step_and_not_the_peer(tmp_path):
+    """``--set``: selective checkpointing keeps the matmuls' outputs, so fewer GEMM FLOPs are
+    recomputed; the peer runs as it is."""
+    import json
+
+    tiny = ROOT / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
+    runs = {}
+    for name, extra in (("full", []), ("selective", ["--set",
+                                                     "activation_checkpointing.mode=selective"])):
+        out = tmp_path / f"{name}.json"
+        assert op_census.main(["--shape", str(tiny), "--seq", "32", "--sides", "peer,bf16",
+                               "--json", str(out), *extra]) == 0
+        runs[name] = json.loads(out.read_text())
+    assert runs["selective"]["peer"]["gemm_flops"] == runs["full"]["peer"]["gemm_flops"]
+    assert runs["selective"]["bf16"]["gemm_flops"] < runs["full"]["bf16"]["gemm_flops"]
