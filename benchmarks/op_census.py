@@ -6,7 +6,9 @@
 For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
 ``fp8-offload0.5``) the measured (second) step is dispatched op by op:
 
-- GEMM FLOPs by torch's ``FlopCounterMode`` (matmuls, linear layers), plus attention's as a
+- GEMM FLOPs, 2·M·N·K of each matmul from its operands (torch's ``FlopCounterMode`` beside
+  it, ``flop_counter``, which does not count in-place GEMMs such as the one-pass adapter's
+  ``addmm_``), plus attention's as a
   flash kernel does them (forward 4·b·h·s²·d, halved: every side is a causal LM and the
   kernel skips the masked half; backward 2.5x that);
 - every other op that launches a kernel: bytes read (its tensor inputs) and written (its
@@ -52,7 +54,8 @@ from step_memory import inner_tensors, module_hooks, setting  # noqa: E402
 
 H100 = {"name": "NVIDIA H100 80GB HBM3 (SXM)", "flops": 989e12, "fp8_flops": 1979e12,
         "bytes_per_s": 3.35e12, "launch_s": 4e-6}
-GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "matmul", "linear", "_int_mm"}
+GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "_scaled_mm", "matmul", "linear",
+         "_int_mm"}
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "slice", "select",
              "unsqueeze", "squeeze", "detach", "alias", "as_strided", "split", "chunk",
              "unbind", "reshape", "_reshape_alias", "lift_fresh", "empty", "empty_like",
@@ -127,8 +130,8 @@ class OpCensus(TorchDispatchMode):
 def gemm_operands(name: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """The two matrices a GEMM contracts: its first two arguments (``mm``, ``bmm``, ``matmul``,
     ``linear``, ``_int_mm``, ``_scaled_mm``, whose scales follow them), or the two after the
-    bias (``addmm``, ``baddbmm``)."""
-    first = 1 if name in ("addmm", "baddbmm") else 0
+    bias (``addmm``, ``baddbmm`` and their in-place forms)."""
+    first = 1 if name.rstrip("_") in ("addmm", "baddbmm") else 0
     return args[first], args[first + 1]
 
 
@@ -213,10 +216,12 @@ def measure(side: str, names: dict[int, str], run: Callable[[OpCensus], None]) -
         r = rows[(normalise(place), op)]
         for i, v in enumerate(values):
             r[i] += v
-    return summarise(side, rows, flops.get_total_flops(), [f for _, f in calls])
+    out = summarise(side, rows, [f for _, f in calls])
+    out["flop_counter"] = flops.get_total_flops()  # torch's count: no in-place GEMMs (addmm_)
+    return out
 
 
-def summarise(side: str, rows: dict, gemm: int, attention: list[int]) -> dict:
+def summarise(side: str, rows: dict, attention: list[int]) -> dict:
     """``rows``: (place, op) -> [kernels, bytes, FLOPs, seconds on paper, summed per call];
     ``attention``: the FLOPs of each flash-attention call."""
     kernels = sum(r[0] for r in rows.values()) + len(attention)
@@ -227,6 +232,7 @@ def summarise(side: str, rows: dict, gemm: int, attention: list[int]) -> dict:
     optimizer_s = sum(r[3] for (place, _), r in rows.items() if place == "optimizer")
     compute_s = sum(r[3] for (place, _), r in rows.items() if place != "optimizer")
     compute_s += sum(f / H100["flops"] for f in attention)  # FLOP-bound: q, k, v, o are ~1/6
+    gemm = sum(r[2] for (_, op), r in rows.items() if op in GEMMS)
     return {"side": side, "gemm_flops": gemm, "attention_flops": sum(attention),
             "other_bytes": sum(r[1] for r in other.values()), "kernels": kernels,
             "compute_s": compute_s, "optimizer_s": optimizer_s, "paper_s": compute_s + optimizer_s,

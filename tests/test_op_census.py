@@ -24,7 +24,8 @@ BF16, FP8, F32 = 2, 1, 4  # bytes per element
 def test_a_hand_built_step_costs_each_call_at_the_larger_of_its_flop_and_byte_time():
     """Two linear layers in one place (a wide one, FLOP-bound, and a rank-8 one, byte-bound:
     a sum per place would hide the second's bytes), one FP8 GEMM, one causal attention, one
-    elementwise op."""
+    elementwise op, one in-place GEMM (the one-pass adapter's ``addmm_``, which torch's FLOP
+    counter misses)."""
     m, d, f, r = 4096, 1024, 4096, 8
     fm, fn, fk = 2048, 512, 1024
     b, h, s, hd = 1, 4, 256, 64
@@ -36,6 +37,7 @@ def test_a_hand_built_step_costs_each_call_at_the_larger_of_its_flop_and_byte_ti
         b8 = torch.empty(fn, fk).to(torch.float8_e4m3fn).t()
         sa, sb = torch.empty(fm, 1), torch.empty(1, fn)
         q, k, v = (torch.empty(b, h, s, hd, dtype=torch.bfloat16) for _ in range(3))
+        t, bt = torch.empty(m, r, dtype=torch.bfloat16), torch.empty(r, f, dtype=torch.bfloat16)
 
         def run(c):  # noqa: ANN001, ANN202
             with c.in_phase("forward"):
@@ -44,6 +46,7 @@ def test_a_hand_built_step_costs_each_call_at_the_larger_of_its_flop_and_byte_ti
                 torch._scaled_mm(a8, b8, sa, sb, out_dtype=torch.bfloat16)
                 fake_step.flash_like_sdpa(q, k, v, is_causal=True)
                 hidden * 2
+                hidden.addmm_(t, bt)
 
         got = op_census.measure("hand", {}, run)
 
@@ -52,15 +55,18 @@ def test_a_hand_built_step_costs_each_call_at_the_larger_of_its_flop_and_byte_ti
     fp8 = (2 * fm * fn * fk, (fm * fk + fk * fn) * FP8 + (fm + fn) * F32 + fm * fn * BF16)
     attention = 4 * b * h * s * s * hd // 2  # causal: the kernel computes half the square
     mul_bytes = 2 * m * f * BF16
+    inplace = (2 * m * f * r, (m * f + m * r + r * f) * BF16)  # reads its output, writes none
     want = (max(wide[0] / PEAK, wide[1] / BW) + max(skinny[0] / PEAK, skinny[1] / BW)
-            + max(fp8[0] / FP8_PEAK, fp8[1] / BW) + attention / PEAK + mul_bytes / BW)
+            + max(fp8[0] / FP8_PEAK, fp8[1] / BW) + attention / PEAK + mul_bytes / BW
+            + max(inplace[0] / PEAK, inplace[1] / BW))
     assert wide[0] / PEAK > wide[1] / BW and skinny[1] / BW > skinny[0] / PEAK  # as meant
     assert got["paper_s"] == pytest.approx(want, rel=1e-12)
     assert got["compute_s"] == got["paper_s"] and got["optimizer_s"] == 0
-    assert got["gemm_flops"] == wide[0] + skinny[0] + fp8[0]
+    assert got["flop_counter"] == wide[0] + skinny[0] + fp8[0]
+    assert got["gemm_flops"] == wide[0] + skinny[0] + fp8[0] + inplace[0]
     assert got["places"]["forward | _scaled_mm"][2] == fp8[0]  # from its operands, not scales
     assert got["attention_flops"] == attention
-    assert got["kernels"] == 5 and got["launch_floor_s"] == pytest.approx(5 * 4e-6)
+    assert got["kernels"] == 6 and got["launch_floor_s"] == pytest.approx(6 * 4e-6)
     assert got["other_bytes"] == mul_bytes
 
 
@@ -90,6 +96,7 @@ def test_the_optimizer_has_its_own_column():
     ("layers.N.mlp.down_proj", "add", "adapter path"),  # PEFT's result + scaling * B(A(x))
     ("layers.N.mlp.down_proj", "mul", "adapter path"),
     ("backward: _AdapterAddBackward", "mm", "adapter path"),
+    ("layers.N.mlp.up_proj", "native_dropout", "dropout"),
     ("layers.N.self_attn", "_to_copy", "casts and copies"),
     ("optimizer", "_foreach_mul_", "optimizer"),
     ("layers.N.self_attn", "sum", "other"),
