@@ -1,11 +1,12 @@
 """The paths a run config names, checked before anything is built (``foundryx train`` calls
 :func:`path_problems` with the fast checks, before it imports torch): ``load_path``, the
 folders of the text loaders' MDS data, a tokenizer folder and a model folder. A path given as
-a folder (absolute, or starting with ``.`` or ``~``) must be one; a bare name that is no folder
-is a Hugging Face hub id, and must be reachable on the hub (a probe of a few seconds) or in its
-cache: else one line says so, with the nearest existing folder (``models/tiny-qwen`` typed for
-``./models/tiny-qwen3``), instead of a minute of the hub client's retries. A dry run leaves data folders to its second stage (a
-cluster's data may not be on the login node) and reports them after its plan.
+a folder (absolute, starting with ``.`` or ``~``, or with two slashes) must be one; a bare name
+that is no folder is a Hugging Face hub id, and must be reachable on the hub (a probe of a few
+seconds) or in its cache: else one line says so, with the nearest existing folder
+(``models/tiny-qwen`` typed for ``./models/tiny-qwen3``), instead of a minute of the hub
+client's retries. A dry run leaves data folders to its second stage (a cluster's data may not
+be on the login node) and reports them after its plan.
 
 An entry shell's helper: it may import anything (here, the data layer's folder checks).
 """
