@@ -1,5 +1,7 @@
 """Seconds from typing a ``foundryx`` command with a mistake in it to its message, per class of
-mistake (issue 26: a config mistake is reported in under 2 s, before torch is imported).
+mistake (issue 26: a config mistake is reported in under 2 s, before torch is imported; since
+issue 54 a mistake in the config's keys or values also loads the components' code, so that
+their options' problems come in the same message: seconds more).
 
     python benchmarks/cli_errors.py [--rounds 5] [--baseline REF --baseline-rounds 3]
                                     [--out benchmarks/RESULTS.md]

@@ -25,6 +25,7 @@ class RunFacts:
     checkpoint: str | None = None     # the newest checkpoint folder, when known
     metrics: str | None = None        # the jsonl logger's file
     eval_config: str | None = None    # an eval YAML to suggest
+    eval_to_add: str | None = None    # without one: where an eval YAML of this run would go
     lora_base: str | None = None      # a LoRA run: the Hugging Face base it adapts
 
 
@@ -52,25 +53,24 @@ def _q(path: str | Path) -> str:
 
 def next_commands(f: RunFacts) -> list[str]:
     """The commands that follow this run, each on the paths the one before it writes: eval of
-    the checkpoint (a LoRA run: export of its adapter, then eval of the adapter on its base),
-    the export, and the report; eval results and exports go under the run folder (the
-    save_folder's parent), where ``foundryx report`` finds them."""
+    the checkpoint (a LoRA run: export of its adapter, then eval of the adapter on its base,
+    and the merged export), the export, and the report; eval results and exports go under
+    the run folder (the save_folder's parent), where ``foundryx report`` finds them."""
     nxt = []
     if f.save_folder:
         run_dir = Path(f.save_folder).parent
         if f.lora_base:
             adapter = run_dir / EXPORT_DIR / "adapter"
             nxt.append(f"foundryx export {_q(f.save_folder)} {_q(adapter)}")
-            if f.eval_config:
-                model = f"[{{label: {f.run_name}, hf: {f.lora_base}, adapter: {adapter}}}]"
-                nxt.append(f"foundryx eval {f.eval_config} models={shlex.quote(model)} "
-                           f"output_dir={_q(run_dir / EVAL_DIR)}")
+            model = f"[{{label: {f.run_name}, hf: {f.lora_base}, adapter: {adapter}}}]"
+            export = f"{_q(run_dir / EXPORT_DIR / 'merged')} --merged"
         else:
-            if f.eval_config:
-                model = f"[{{label: {f.run_name}, checkpoint: {f.save_folder}}}]"
-                nxt.append(f"foundryx eval {f.eval_config} models={shlex.quote(model)} "
-                           f"output_dir={_q(run_dir / EVAL_DIR)}")
-            nxt.append(f"foundryx export {_q(f.save_folder)} {_q(run_dir / EXPORT_DIR / 'hf')}")
+            model = f"[{{label: {f.run_name}, checkpoint: {f.save_folder}}}]"
+            export = _q(run_dir / EXPORT_DIR / "hf")
+        if f.eval_config:
+            nxt.append(f"foundryx eval {f.eval_config} models={shlex.quote(model)} "
+                       f"output_dir={_q(run_dir / EVAL_DIR)}")
+        nxt.append(f"foundryx export {_q(f.save_folder)} {export}")
     if f.metrics:
         folder = Path(f.metrics).parent
         nxt.append(f"foundryx report {_q(folder)}   # writes {folder / 'report' / 'report.md'}")
@@ -93,4 +93,7 @@ def summary(f: RunFacts) -> str:
     if nxt:
         lines.append("next:")
         lines += [f"  {c}" for c in nxt]
+    if f.save_folder and not f.eval_config and f.eval_to_add:
+        lines.append(f"  (no eval command: this run names no eval config; write one as "
+                     f"{f.eval_to_add} (docs/eval.md) and the summary prints its command)")
     return "\n".join(lines)

@@ -22,8 +22,10 @@ from foundryx.callbacks.cpu_autocast import CpuAutocast
 from foundryx.callbacks.preemption import Preemption
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
+from foundryx.config.components import component_options
 from foundryx.config.load import read_resolved
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
+from foundryx.data.quickstart import STAMP as QUICKSTART_STAMP
 from foundryx.data.workers import unraisable_deaths_kept_quiet, worker_death_error
 from foundryx.device_choice import pick_device
 from foundryx.devices import machine_from_torch, run_problems
@@ -112,7 +114,33 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
         problems.append(f"model: {e}")
     parts += [f"note: this machine could not run it as it is ({p}); the dry run checked the "
               "config for the machine the run will have" for p in elsewhere]
+    parts += first_rows_checked(loaded, problems)
     return "\n".join(parts), problems
+
+
+DRY_RUN_ROWS = 1000  # examples a dry run reads of each dataset that says how to check them
+
+
+def first_rows_checked(loaded: LoadedConfig, problems: list[str]) -> list[str]:
+    """A dry run's look at the data: each loader whose options can check their first rows
+    (``first_rows_problems``, e.g. the ``finetuning`` loader's chat lines, with the run's own
+    message and file:line) does so; their problems join ``problems``. The lines to show."""
+    shown, tokenizer = [], None
+    for section in ("train_loader", "eval_loader"):
+        options = component_options(COMPONENT_SECTIONS[section], getattr(loaded.cfg, section))
+        check = getattr(options, "first_rows_problems", None)
+        if not callable(check) or any(p.startswith(f"{section}.") for p in problems):
+            continue  # no such check, or the section's options are wrong already
+        try:
+            tokenizer = tokenizer or builders.build_tokenizer(loaded.cfg)
+        except FoundryxError as e:  # the run would stop there too
+            said = f"tokenizer: {e}"
+            problems += [said] if said not in problems else []
+            return shown
+        found, what = check(tokenizer, DRY_RUN_ROWS)
+        problems += [f"{section}.{p}" for p in found]
+        shown.append(f"# data: {section}: {what}")
+    return shown
 
 
 def dry_run_world(path: str | Path, overrides: list[str] | None) -> int | None:
@@ -263,9 +291,7 @@ def run_facts(trainer: Trainer, loaded: LoadedConfig, first_batch: int, seconds:
     if cfg.save_folder and Path(cfg.save_folder).is_dir():
         found = complete_checkpoints(cfg.save_folder)
         checkpoint = str(found[0][0]) if found else None
-    # the run's own eval YAML, else the quickstart's: its tasks are generated offline (any model)
-    eval_config = next((str(p) for p in (Path("eval/yamls") / f"{Path(loaded.source).stem}.yaml",
-                                         Path("eval/yamls/quickstart.yaml")) if p.is_file()), None)
+    eval_config, eval_to_add = eval_choice(loaded)
     lora_base = None
     if cfg.model.get("peft_config") is not None and cfg.model.get("pretrained_model_name_or_path"):
         lora_base = str(cfg.model["pretrained_model_name_or_path"])
@@ -275,8 +301,34 @@ def run_facts(trainer: Trainer, loaded: LoadedConfig, first_batch: int, seconds:
         last_batch=last_batch, tokens=int(state.timestamp.token), seconds=seconds,
         first_loss=getattr(console, "first_loss", None), last_loss=getattr(console, "last_loss", None),
         save_folder=cfg.save_folder, checkpoint=checkpoint,
-        metrics=str(metrics) if metrics else None, eval_config=eval_config, lora_base=lora_base,
+        metrics=str(metrics) if metrics else None, eval_config=eval_config,
+        eval_to_add=eval_to_add, lora_base=lora_base,
     )
+
+
+def eval_choice(loaded: LoadedConfig) -> tuple[str | None, str | None]:
+    """``(eval YAML the summary suggests, or None; where this run's own would go, or None)``:
+    the run's own (``eval/yamls/<run config's name>.yaml``), else the quickstart's for a run on
+    the quickstart's data (its tasks are facts of the quickstart's invented world, which no
+    other data teaches), else none."""
+    own = Path("eval/yamls") / f"{Path(loaded.source).stem}.yaml"
+    if own.is_file():
+        return str(own), None
+    quickstart = Path("eval/yamls/quickstart.yaml")
+    if quickstart.is_file() and trains_on_quickstart_data(loaded.cfg):
+        return str(quickstart), None
+    return None, str(own)
+
+
+def trains_on_quickstart_data(cfg: TrainConfig) -> bool:
+    """Whether the train loader reads the quickstart's data (a folder under one that
+    ``foundryx data quickstart`` stamped complete)."""
+    dataset = (cfg.train_loader or {}).get("dataset") or {}
+    where = dataset.get("local") or dataset.get("path") if isinstance(dataset, dict) else None
+    if not isinstance(where, str):
+        return False
+    folder = Path(where).expanduser()
+    return any((p / QUICKSTART_STAMP).is_file() for p in [folder, *folder.parents][:3])
 
 
 def fit(trainer: Trainer, cfg: TrainConfig, *, eval_first: bool, checkpointer: Any) -> None:

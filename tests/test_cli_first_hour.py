@@ -1,8 +1,10 @@
 """The first hour (issue 26): every command a newcomer types either works or says exactly what
 to change. Each class of mistake runs the real ``foundryx`` command in a subprocess, in an
 empty folder, and must give exit code 2, one message naming the fix, no traceback, and leave
-the folder empty. These answer before torch is imported, so each takes a second or two; the
-time to the message is measured by benchmarks/cli_errors.py, not here.
+the folder empty. A YAML or machine mistake answers before torch is imported (a second or
+two); a mistake in the config's keys or values also loads the components' code to report their
+options' problems with it (a few seconds). The time to the message is measured by
+benchmarks/cli_errors.py, not here.
 """
 
 from __future__ import annotations

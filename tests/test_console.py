@@ -123,13 +123,25 @@ def test_summary_names_outputs_and_next_commands():
         tokens=1, seconds=1, save_folder="runs/llama-lora/checkpoints",
         metrics="runs/llama-lora/metrics.jsonl", eval_config="eval/yamls/quickstart.yaml",
         lora_base="./runs/quickstart/export/hf"))
-    assert lora.splitlines()[-4:] == [
+    assert lora.splitlines()[-5:] == [
         "next:",
         "  foundryx export runs/llama-lora/checkpoints runs/llama-lora/export/adapter",
         "  foundryx eval eval/yamls/quickstart.yaml models='[{label: llama-lora, hf: "
         "./runs/quickstart/export/hf, adapter: runs/llama-lora/export/adapter}]' "
         "output_dir=runs/llama-lora/eval",
+        "  foundryx export runs/llama-lora/checkpoints runs/llama-lora/export/merged --merged",
         "  foundryx report runs/llama-lora   # writes runs/llama-lora/report/report.md",
+    ]
+    no_eval = summary(RunFacts(
+        run_name="qwen3-lora", config="my-qwen3-lora.yaml", batches=2, last_batch=2, tokens=1,
+        seconds=1, save_folder="runs/qwen3-lora/checkpoints", lora_base="./models/tiny-qwen3",
+        eval_to_add="eval/yamls/my-qwen3-lora.yaml"))
+    assert no_eval.splitlines()[-4:] == [
+        "next:",
+        "  foundryx export runs/qwen3-lora/checkpoints runs/qwen3-lora/export/adapter",
+        "  foundryx export runs/qwen3-lora/checkpoints runs/qwen3-lora/export/merged --merged",
+        "  (no eval command: this run names no eval config; write one as "
+        "eval/yamls/my-qwen3-lora.yaml (docs/eval.md) and the summary prints its command)",
     ]
     bare = summary(RunFacts(run_name="r", config="r.yaml", batches=5, last_batch=5, tokens=10, seconds=3))
     assert bare.splitlines() == ["done: r: 5 batches in 3s, 10 tokens",

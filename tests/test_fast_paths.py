@@ -42,7 +42,9 @@ def test_a_missing_path_stops_the_run_before_torch(quickstart_data, tmp_path, ov
     assert not (tmp_path / "runs").exists()
 
 
-def test_what_is_not_a_local_path_is_left_to_the_loaders(tmp_path):
+def test_what_is_not_a_local_path_is_left_to_the_loaders(tmp_path, monkeypatch):
+    monkeypatch.setattr("foundryx.hub.is_offline", lambda: False)  # hub names: the hub answers
+    monkeypatch.setattr("foundryx.hub.hub_reachable", lambda: True)
     assert path_problems({"load_path": "s3://bucket/ckpt", "tokenizer": {"name": "hf", "path": "gpt2"},
                           "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": "meta-llama/x"},
                           "train_loader": {"name": "finetuning", "dataset": {"hf_name": "x"}}}) == []

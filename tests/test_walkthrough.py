@@ -93,13 +93,14 @@ def test_readme_and_docs_command_sequence(quickstart_data, tmp_path):
     # docs/finetuning.md: LoRA on the export, then what its summary prints
     said = run(repo, ["python", "train.py", "yamls/finetune/llama-lora.yaml"], *LORA_TINY)
     assert (repo / "runs/llama-lora/checkpoints/ep0-ba4/manifest.json").is_file()
-    export, evaluate, report = next_commands(said)
+    export, evaluate, merged, report = next_commands(said)
     assert export == ["foundryx", "export", "runs/llama-lora/checkpoints",
                       "runs/llama-lora/export/adapter"]
+    assert merged == [*export[:3], "runs/llama-lora/export/merged", "--merged"]
     assert re.search(r"hf: \./runs/quickstart/export/hf, adapter: runs/llama-lora/export/adapter",
                      shlex.join(evaluate)), evaluate
     finetuning = (ROOT / "docs/finetuning.md").read_text()
-    assert shlex.join(export) in finetuning
+    assert shlex.join(export) in finetuning and shlex.join(merged) in finetuning
     run(repo, export)
     adapter = repo / "runs/llama-lora/export/adapter"
     assert (adapter / "adapter_config.json").is_file()

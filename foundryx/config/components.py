@@ -112,7 +112,7 @@ def entry_problems(reg_name: str, name: Any, kwargs: dict[str, Any], path: str, 
     return signature_problems(obj, kwargs, SUPPLIED_ARGS.get(reg_name, set()), path, name)
 
 
-def _options(reg_name: str, section: Any) -> Any:
+def component_options(reg_name: str, section: Any) -> Any:
     """The options instance of a component section as far as it goes (see
     :func:`~foundryx.config.types.lenient_build`), or None (no dataclass, or no instance)."""
     if not isinstance(section, dict) or not isinstance(section.get("name"), str):
@@ -129,7 +129,7 @@ def _options(reg_name: str, section: Any) -> Any:
 
 def model_facts(model_section: Any) -> ModelFacts:
     """What the model section says other sections must fit (see :class:`ModelFacts`)."""
-    opts = _options("models", model_section)
+    opts = component_options("models", model_section)
     source = opts if opts is not None else (model_section if isinstance(model_section, dict) else {})
     get = (lambda k: getattr(source, k, None)) if opts is not None else source.get
     seq = get("max_seq_len")
@@ -195,7 +195,7 @@ def component_problems(data: dict[str, Any], sections: Collection[str] | None = 
                 problems += entry_problems(reg_name, name, kwargs, join(section, name), join(section, name))
     facts = model_facts(data.get("model"))
     for section, reg_name in COMPONENT_SECTIONS.items():
-        opts = _options(reg_name, data.get(section)) if section != "model" else None
+        opts = component_options(reg_name, data.get(section)) if section != "model" else None
         if callable(getattr(opts, "problems_with", None)):
             try:
                 problems += [join(section, p) for p in opts.problems_with(facts)]

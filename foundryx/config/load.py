@@ -140,8 +140,13 @@ def precheck(path: str | Path, overrides: list[str] | None = None,
     """The checks of :func:`load_config` that need no component's code: the YAML, overrides,
     variables, schema, registry names (not the components' options) and derived numbers, then
     ``checks`` (e.g. the device and precision against this machine). Raise ConfigError with
-    every problem found; return the resolved data. Imports nothing heavy, so it answers in a
-    fraction of a second; a config it passes can still fail :func:`load_config`."""
+    every problem found; return the resolved data. A config that passes imports nothing
+    heavy, so it answers in a fraction of a second, and can still fail :func:`load_config`.
+
+    A config with mistakes of its own (keys, types, values, names) is also checked against
+    each component's options (:func:`component_problems`, which loads the components' code:
+    seconds), so every mistake arrives in one message, not one round per stage; mistakes
+    only of ``checks`` (a missing folder, a device this machine lacks) answer at once."""
     path = Path(path)
     data, problems = read_resolved(path, overrides)
     problems += dataclass_problems(TrainConfig, data)
@@ -149,8 +154,12 @@ def precheck(path: str | Path, overrides: list[str] | None = None,
     if not problems:
         cfg = TrainConfig(**{k: v for k, v in data.items() if k != "variables"})
         problems += derive(cfg, world_size or world_size_from_env())[1]
-    for check in checks:
-        problems += check(data)
+    if problems:  # the components' options too (the names found unknown are said once)
+        problems += [p for p in component_problems(data, component_sections)
+                     if p not in problems]
+    said = {p.split(":", 1)[0] for p in problems}
+    for check in checks:  # a key the options check found wrong already is said once
+        problems += [p for p in check(data) if p.split(":", 1)[0] not in said and p not in problems]
     if problems:
         raise ConfigError(problems, source=str(path))
     return data

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foundryx.config.types import option
-from foundryx.errors import DataError
+from foundryx.errors import ConfigError, DataError
 from foundryx.hf_compat import newer_transformers_hint, portable_tokenizer_config
-from foundryx.hub import looks_like_path
+from foundryx.hub import looks_like_path, nearest_folder, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -89,14 +89,22 @@ def build_hf_tokenizer(path: str, **kwargs) -> PreTrainedTokenizerBase:
             f"could not load tokenizer {path!r} as a local folder: it has none of "
             f"{', '.join(_TOKENIZER_FILES)}. {_FIX}"
         )
+    if not local.is_dir():  # a hub name: only when the hub answers or it is cached
+        try:
+            _, cached = resolve_source(path, "tokenizer.path", "tokenizer_config.json")
+        except ConfigError as e:
+            raise DataError(e.problems[0]) from None
+        kwargs = {"local_files_only": True, **kwargs} if cached else kwargs
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.is_dir() else path, **kwargs)
     except (OSError, ValueError) as e:
-        where = "local folder" if local.is_dir() else "hub name (offline, or no such tokenizer?)"
+        where = "local folder" if local.is_dir() else "hub name (no such tokenizer?)"
         newer = newer_transformers_hint(e, local) if local.is_dir() else None
+        near = None if local.is_dir() else nearest_folder(path)
         raise DataError(
             f"could not load tokenizer {path!r} as a {where}: "
-            f"{type(e).__name__}: {str(e).rstrip('.')}. {newer + '.' if newer else _FIX}"
+            f"{type(e).__name__}: {str(e).rstrip('.')}. "
+            + (f"{newer}." if newer else f"Did you mean {near}?" if near else _FIX)
         ) from e
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token

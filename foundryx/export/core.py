@@ -78,6 +78,18 @@ def check_dtype(dtype: str | None) -> torch.dtype | None:
     return DTYPES[dtype] if dtype is not None else None
 
 
+def base_dtype(composer_model: Any) -> str | None:
+    """The ``--dtype`` a merged LoRA export takes by default: its base's, as the base's
+    config.json records it (``stored_dtype`` of ``hf_causal_lm``), said in one line; None
+    (as trained, float32) when the base records none."""
+    stored = getattr(composer_model, "stored_dtype", None)
+    name = next((k for k, v in DTYPES.items() if v == stored), None)
+    if name is not None:
+        log.info("export: --merged writes %s, the dtype of the base's weights (--dtype fp32, "
+                 "bf16 or fp16 writes another)", name)
+    return name
+
+
 def hf_model_of(composer_model: Any) -> Any:
     """The Hugging Face model (``PreTrainedModel``) a ComposerModel holds as ``.model``."""
     model = getattr(composer_model, "model", None)
@@ -214,6 +226,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, *,
                               "no peft_config); export it without --merged")
     elif merged:
         model = lora.merge_adapters(model)
+        dtype = dtype or base_dtype(rebuilt.model)
     else:
         base = (rebuilt.lora_base or {}).get("source")
         return lora.write_adapter(model, rebuilt.lora, rebuilt.tokenizer, out, fmt=chosen[0],

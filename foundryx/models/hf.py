@@ -30,7 +30,7 @@ import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with 
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.hf_compat import newer_transformers_hint
-from foundryx.hub import looks_like_path, resolve_source
+from foundryx.hub import looks_like_path, nearest_folder, resolve_source
 from foundryx.models.composer_base import CausalLMBase, FusedLossLM, labels_of
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.hf_tp import hf_tp_plan
@@ -122,6 +122,9 @@ class ComposerHFCausalLM(FusedLossLM):
                 f"tokenizer's {len(tokenizer)} tokens; set model.allow_embedding_resizing: true, "
                 f"or model.config_overrides.vocab_size >= {len(tokenizer)} with pretrained: false"
             ])
+        # the dtype the source's weights are stored in (its config.json; None: not recorded, or
+        # a config dict), read before building sets float32: a merged LoRA export keeps it
+        stored = torch_dtype(stored_dtype(hf_config)) if source is not None else None
         model = _build_model(hf_config, source, o.pretrained, o.trust_remote_code,
                              o.attn_implementation, init_device(o.init_device))
         attach_parallel_hooks(model)
@@ -134,6 +137,7 @@ class ComposerHFCausalLM(FusedLossLM):
             allow_embedding_resizing=o.allow_embedding_resizing,
         )
         self.n_matmul_params = matmul_params(self.model)
+        self.stored_dtype = stored
         self._warned_packing = False
         self.fuses_loss = fused_loss_choice(self.model, o.fused_loss)
 
@@ -206,9 +210,12 @@ def build_config(
             source[0], local_files_only=source[1], trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError, KeyError) as e:
-        newer = newer_transformers_hint(e, source[0]) if Path(source[0]).is_dir() else None
+        local = Path(source[0]).is_dir()
+        newer = newer_transformers_hint(e, source[0]) if local else None
+        near = None if local else nearest_folder(path)
+        hint = f"; {newer}" if newer else f"; did you mean {near}?" if near else ""
         raise ConfigError([f"model.pretrained_model_name_or_path: cannot load the config of "
-                           f"{path!r}: {_first_line(e)}" + (f"; {newer}" if newer else "")]) from None
+                           f"{path!r}: {_first_line(e)}{hint}"]) from None
     return apply_overrides(hf_config, overrides, "model.config_overrides"), source
 
 
@@ -231,6 +238,13 @@ def stored_dtype(hf_config: Any) -> Any:
     return own.get("dtype", own.get("torch_dtype"))
 
 
+def torch_dtype(value: Any) -> torch.dtype | None:
+    """A config's dtype (``"bfloat16"``, a torch.dtype or None) as a torch floating dtype, or
+    None."""
+    value = getattr(torch, value, None) if isinstance(value, str) else value
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else None
+
+
 def dtype_argument() -> str:
     """The keyword ``from_pretrained``/``from_config`` take the weights' dtype as: ``dtype`` on
     transformers >= 4.56 (where ``torch_dtype`` warns that it is deprecated), else
@@ -244,8 +258,7 @@ def weights_dtype_note(hf_config: Any) -> None:
     """The one dtype rule, said once when the checkpoint's differs: every rank builds float32
     parameters (the checkpoint's values converted exactly, shard by shard when loaded on
     meta): trainable weights need float32, and torch 2.7's FSDP2 needs one dtype per unit."""
-    stored = stored_dtype(hf_config)
-    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    stored = torch_dtype(stored_dtype(hf_config))
     if stored is not None and stored != torch.float32:
         log.info("hf_causal_lm: the weights are stored as %s; the model holds float32 parameters "
                  "(trainable weights train in float32 and each FSDP2 unit has one dtype); with "

@@ -28,6 +28,7 @@ when packed (see :mod:`foundryx.data.packing`; padding gets an id of its own).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -109,6 +110,20 @@ class FinetuningLoaderOptions(LoaderOptions):
 
     dataset: FinetuningDatasetOptions = option("the examples: {path, max_seq_len, ...}")
 
+    def first_rows_problems(self, tokenizer: Any, rows: int) -> tuple[list[str], str]:
+        """A dry run's look at the data: ``(problems, what was read)``, the first ``rows``
+        examples tokenized and checked as the run checks them (a bad one: the run's message,
+        file:line). A dataset in object storage or on the hub is not downloaded for it."""
+        ds = self.dataset
+        if ds.remote is not None or ds.path.startswith(HUB_PREFIX):
+            return [], f"not read ({ds.remote or ds.path} is remote; the run reads it)"
+        read = f"the first {rows} examples of {ds.path} (all, when fewer) read and checked"
+        try:
+            load_examples(ds, tokenizer, first=rows)
+        except DataError as e:
+            return [f"dataset.path: {e}"], read
+        return [], read
+
     def problems_with(self, model: ModelFacts) -> list[str]:
         problems = super().problems_with(model)
         if model.uses_sequence_id and self.dataset.packing_ratio is None:
@@ -118,16 +133,17 @@ class FinetuningLoaderOptions(LoaderOptions):
         return problems
 
 
-def load_examples(ds: FinetuningDatasetOptions, tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """Every good example as ``(input_ids, labels)``; bad ones raise, or are skipped and
-    counted when ``skip_bad_examples``."""
+def load_examples(ds: FinetuningDatasetOptions, tokenizer: Any, first: int | None = None
+                  ) -> list[tuple[list[int], list[int]]]:
+    """Every good example (of the ``first`` ones, when given) as ``(input_ids, labels)``; bad
+    ones raise, or are skipped and counted when ``skip_bad_examples``."""
     render = chat_renderer(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         log.info("tokenizer %s has no chat template; chat examples use the ChatML-style default",
                  tokenizer.name_or_path)
     path, split = ds.location()
     examples, bad = [], []
-    for where, record in read_records(path, split):
+    for where, record in itertools.islice(read_records(path, split), first):
         try:
             examples.append(encode(record, where, tokenizer, render, ds.max_seq_len,
                                    ds.target_prompts, ds.target_responses))
