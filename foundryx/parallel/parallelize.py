@@ -1,9 +1,13 @@
 """``parallelize(model, parallelism, ...)``: the per-block policies and FSDP2, applied from outside.
 
-As in torchtitan's ``parallelize.py``, in this order: activation checkpointing, activation
-CPU offload, ``torch.compile`` per block, ``fully_shard`` per block and then per top-level
-child, and finally materialising meta-device parameters shard by shard. The model code
-stays single-device; it only names its blocks (see :mod:`foundryx.parallel.policy`).
+As in torchtitan's ``parallelize.py``, in this order: tensor parallelism from the plan the
+model declares (``parallel/tp.py``; whether a fused loss survives it is decided there too),
+torchao's float8 training (``parallel/float8.py``), activation checkpointing (full or
+selective), activation CPU offload, ``torch.compile`` per block, ``fully_shard`` per block and
+then per top-level child (with the model's extra forward entries registered:
+``fsdp.register_forward_methods``), and finally materialising meta-device parameters shard by
+shard. The model code stays single-device; it only names its blocks (see
+:mod:`foundryx.parallel.policy`).
 """
 
 from __future__ import annotations
