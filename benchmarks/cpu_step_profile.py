@@ -19,8 +19,9 @@ Each side runs in a process of its own, the sides alternating, ``--rounds`` time
   init_device meta, FSDP2 on a one-rank mesh, activation checkpointing, gradient clipping)
   on the same folder, device cpu, fp32, with the variant's ``compile``, ``cpu_matmul`` and
   ``frozen_base`` (``blas-bf16``: compile off, ``cpu_matmul: blas``, a bf16 frozen base, as
-  the GPU run; ``blas-none``: the same without ``frozen_base``; ``defaults-bf16``: compile
-  and ``cpu_matmul`` as they ship).
+  the GPU run; ``blas-none``: the same without ``frozen_base``; ``blas-none-peft``: that with
+  PEFT's own LoRA layer, ``peft_config.one_pass: false``; ``defaults-bf16``: compile and
+  ``cpu_matmul`` as they ship).
 
 A step's time is wall time from one step's end to the next's (foundryx: Composer's
 ``BATCH_END``, so its per-batch work is in it); steps 2..N are kept. Step ``--profile-step``
@@ -55,6 +56,9 @@ R, ALPHA, DROPOUT = 8, 16, 0.05
 VARIANTS = {  # name: foundryx overrides beyond the common ones
     "blas-bf16": ["compile.enabled=false", "cpu_matmul=blas", "model.frozen_base.dtype=bf16"],
     "blas-none": ["compile.enabled=false", "cpu_matmul=blas", "model.frozen_base=null"],
+    # PEFT's own LoRA layer instead of the one-pass adapter path (issue 51)
+    "blas-none-peft": ["compile.enabled=false", "cpu_matmul=blas", "model.frozen_base=null",
+                       "model.peft_config.one_pass=false"],
     "defaults-bf16": ["model.frozen_base.dtype=bf16"],
 }
 TOP = 40  # operators kept per profile
