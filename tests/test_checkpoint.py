@@ -13,6 +13,7 @@ import torch
 from composer.core import Callback
 
 from foundryx.checkpoint import load_model_weights
+from foundryx.checkpoint import save as saving
 from foundryx.checkpoint.callback import Checkpointer
 from foundryx.checkpoint.layout import MANIFEST, complete_checkpoints
 from foundryx.errors import CheckpointError
@@ -34,7 +35,8 @@ class LossRecorder(Callback):
         self.losses[int(state.timestamp.batch)] = float(state.loss)
 
 
-def make_trainer(folder: Path | None, max_duration: str = "3ba", d_model: int = 32, **ckpt_kw):
+def make_trainer(folder: Path | None, max_duration: str = "3ba", d_model: int = 32,
+                 lr: float = 3e-3, **ckpt_kw):
     """A tiny MPT Trainer on fixed random tokens with a Checkpointer saving every batch."""
     from composer import Trainer
     from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
@@ -53,7 +55,7 @@ def make_trainer(folder: Path | None, max_duration: str = "3ba", d_model: int = 
     rec = LossRecorder()
     trainer = Trainer(
         model=model, train_dataloader=DataLoader(data, batch_size=4), max_duration=max_duration,
-        optimizers=DecoupledAdamW(model.parameters(), lr=3e-3),
+        optimizers=DecoupledAdamW(model.parameters(), lr=lr),
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="2ba"),
         callbacks=[ckpt, rec], device="cpu", seed=3, progress_bar=False, log_to_console=False,
     )
@@ -299,3 +301,107 @@ def test_manifest_entries_outside_the_checkpoint_are_refused(copy_of, rel):
     with pytest.raises(CheckpointError) as e:
         load_model_weights(ck)
     assert f"lists {rel!r}, outside the checkpoint folder" in str(e.value)
+
+
+# -- the commit replacing a checkpoint of the same name, and a kill inside it -------------------
+def files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def old_and_new(tmp_path_factory) -> tuple[Path, Path]:
+    """Two runs' ep0-ba1 (other run names, other learning rates: other bytes throughout)."""
+    made = []
+    for name, lr in (("old", 3e-3), ("new", 3e-2)):
+        folder = tmp_path_factory.mktemp(name) / "save"
+        trainer, _, _ = make_trainer(folder, max_duration="1ba", lr=lr, run_name=name)
+        trainer.fit()
+        trainer.close()
+        made.append(folder / "ep0-ba1")
+    return made[0], made[1]
+
+
+def test_a_save_replaces_a_checkpoint_of_the_same_name_whole(old_and_new, tmp_path):
+    old, new = old_and_new
+    root = tmp_path / "save"
+    root.mkdir()
+    shutil.copytree(old, root / "ep0-ba1")
+    trainer, _, _ = make_trainer(root, max_duration="1ba", lr=3e-2, run_name="new",
+                                 overwrite=True)
+    trainer.fit()
+    weights = {k: v.clone() for k, v in trainer.state.model.state_dict().items()}
+    trainer.close()
+    assert sorted(p.name for p in root.iterdir()) == ["ep0-ba1", "latest"]
+    assert json.loads((root / "ep0-ba1" / MANIFEST).read_text())["run_name"] == "new"
+    loaded = load_model_weights(root / "ep0-ba1")  # verified against its manifest
+    assert all(torch.equal(loaded[k], weights[k]) for k in weights)
+    assert files(root / "ep0-ba1").keys() == files(new).keys()
+
+
+class Killed(BaseException):
+    """The process ends here: nothing after it runs (no except or finally of foundryx's)."""
+
+
+# the commit's file-system steps when a checkpoint of the same name exists (save._commit)
+COMMIT_STEPS = ["replace", "replace", "fsync_dir", "rmtree"]
+
+
+@pytest.mark.parametrize(("kill_at", "lose_new"), [(i, False) for i in range(len(COMMIT_STEPS) + 1)]
+                         + [(1, True)],
+                         ids=[f"before-{i}-{s}" for i, s in enumerate(COMMIT_STEPS)]
+                         + ["none", "before-1-replace-new-save-gone"])
+def test_a_kill_inside_the_commit_leaves_the_old_or_the_new_checkpoint_whole(
+        old_and_new, tmp_path, monkeypatch, caplog, kill_at, lose_new):
+    """The save is written and hashed (``.tmp-ep0-ba1`` holds its manifest); the process dies
+    before the commit's step ``kill_at`` (an rmtree dies half-way through). The next run in
+    the folder resumes from ep0-ba1, byte for byte the old checkpoint or the new one; killed
+    between the two renames, the new one (or the old one, when the new save is gone since)."""
+    import logging
+    import types
+
+    old, new = old_and_new
+    root = tmp_path / "save"
+    root.mkdir()
+    shutil.copytree(old, root / "ep0-ba1")
+    shutil.copytree(new, root / ".tmp-ep0-ba1")
+    steps: list[str] = []
+
+    def step(fn):
+        def run(path, *args, **kwargs):
+            steps.append(fn.__name__)
+            if len(steps) > kill_at:
+                if fn.__name__ == "rmtree":  # half of the tree is gone already
+                    for p in sorted(Path(path).rglob("*"))[::2]:
+                        if p.is_file():
+                            p.unlink()
+                raise Killed
+            return fn(path, *args, **kwargs)
+        return run
+
+    monkeypatch.setattr(saving, "os", types.SimpleNamespace(replace=step(os.replace)))
+    monkeypatch.setattr(saving, "shutil", types.SimpleNamespace(rmtree=step(shutil.rmtree)))
+    monkeypatch.setattr(saving, "fsync_dir", step(saving.fsync_dir))
+    try:
+        saving._commit(root, root / ".tmp-ep0-ba1", root / "ep0-ba1")
+    except Killed:
+        pass
+    monkeypatch.undo()
+    assert steps == COMMIT_STEPS[:kill_at + 1]
+    if lose_new:
+        shutil.rmtree(root / ".tmp-ep0-ba1")
+
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        trainer, ckpt, _ = make_trainer(root, max_duration="1ba", autoresume=True, run_name="new")
+    assert ckpt.loaded == root / "ep0-ba1"
+    got = files(root / "ep0-ba1")
+    assert got in (files(old), files(new)), "a mix of the two checkpoints"
+    if kill_at >= 1:  # from the moment the old one is set aside, the new one wins
+        assert got == (files(old) if lose_new else files(new))
+    said = [r.getMessage() for r in caplog.records if "commit interrupted" in r.getMessage()]
+    assert said == ([] if kill_at != 1 else [
+        "checkpoint commit interrupted by the end of the last run: ep0-ba1: " + (
+            "the previous ep0-ba1 is back in place" if lose_new else
+            "its save was complete; now in place of the previous ep0-ba1")])
+    assert not list(root.glob(".tmp-*")), list(root.iterdir())
+    trainer.close()

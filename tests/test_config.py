@@ -39,7 +39,11 @@ def test_quickstart_loads_and_derives(base, tmp_path):
     assert (d.world_size, d.device_train_batch_size, d.device_train_microbatch_size) == (2, 8, 4)
     assert d.grad_accum == 2
     assert d.tokens_per_step == 16 * loaded.cfg.max_seq_len
-    assert d.device_eval_batch_size == loaded.cfg.device_eval_batch_size or 4
+    assert d.device_eval_batch_size == 16  # the YAML's
+    unset = load_config(write(tmp_path, {**base, "device_eval_batch_size": None}, "unset.yaml"),
+                        ["global_train_batch_size=16", "device_train_microbatch_size=4"],
+                        world_size=2)
+    assert unset.derived.device_eval_batch_size == 4  # default: the microbatch
 
 
 def test_overrides_and_variables(base, tmp_path):

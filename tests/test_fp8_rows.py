@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
+import fp8_reference  # noqa: E402
+
 from foundryx.kernels import fp8_rows  # noqa: E402
 from foundryx.kernels.fp8_rows_op import quantize_rows_eager  # noqa: E402
 from foundryx.models.peft import fp8_gemm  # noqa: E402
@@ -101,12 +103,12 @@ def test_bad_operands_are_refused_in_one_message():
         fp8_rows.quantize_rows(torch.ones(16, 2).t(), E4M3)
 
 
-def test_the_operator_is_the_torch_ops_on_a_cpu_and_one_op_on_fake_gpu_tensors():
+def test_the_operator_is_the_definition_on_a_cpu_and_one_op_on_fake_gpu_tensors():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     x, col = torch.randn(6, 32), torch.rand(32) + 0.5
     q, s = torch.ops.foundryx.fp8_quantize_rows(x, col, E4M3, 1e-12)
-    want_q, want_s = quantize_rows_eager(x, E4M3, col)
+    want_q, want_s = fp8_reference.quantize_rows(x, E4M3, col)  # float64, not foundryx's code
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
     with FakeTensorMode():  # what the memory estimate and the op census trace
         fx = torch.empty(8192, 4096, dtype=torch.bfloat16, device="cuda")
@@ -118,7 +120,9 @@ def test_the_operator_is_the_torch_ops_on_a_cpu_and_one_op_on_fake_gpu_tensors()
 def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     """``choose`` decides once per run: on a GPU with Triton the operator (one kernel), said
     in its line; on a CPU the torch ops, said too; ``fp8_rows: kernel`` forces the operator
-    (the census), and a forced layer's outputs and input gradient are the torch ops' bits."""
+    (the census), called with the layer's operands: with the float64 definition in the
+    operator's place (tests/fp8_reference.py), the forced layer's outputs and input gradient
+    are the torch ops' bits."""
     caplog.set_level(logging.INFO, logger=fp8_gemm.__name__)
     torch.manual_seed(0)
     layer = LowPrecisionLinear(torch.nn.Linear(64, 32, bias=False), "fp8", "l")
@@ -138,11 +142,10 @@ def test_a_layer_runs_the_operator_where_choose_said_so(monkeypatch, caplog):
     assert not layer.fp8_quantize_op
     assert "rows quantized by torch ops (no Triton kernel on a cpu)" in caplog.text
     calls = []
-    real = torch.ops.foundryx.fp8_quantize_rows
 
-    def counted(*args):
-        calls.append(args[0].shape)
-        return real(*args)
+    def counted(x, col_scale, dtype, min_scale):
+        calls.append(x.shape)
+        return fp8_reference.quantize_rows(x, dtype, col_scale, min_scale)
 
     results = {}
     x0, dy = torch.randn(2, 5, 64), torch.randn(2, 5, 32)

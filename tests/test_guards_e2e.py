@@ -104,7 +104,8 @@ def test_sigterm_saves_at_the_next_batch_exits_75_and_autoresume_ends_as_uninter
 
     rc, said = finish(start(quickstart_data, out, *extra, WANDB_MODE="offline"), out)
     assert rc == 0, said[-3000:]
-    assert f"resumed from {out / 'ckpt' / f'ep0-ba{stop}'}" in said or "resumed from" in said
+    assert (f"resumed from {out / 'ckpt' / f'ep0-ba{stop}'} at batch {stop} (saved with world "
+            "size 2, now 2)") in said, said[-3000:]
     got, want = losses(out), losses(ref)
     assert sorted(got) == list(range(1, 17))
     assert got == want, "the preempted and resumed run differs from the uninterrupted one"

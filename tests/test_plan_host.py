@@ -107,6 +107,19 @@ def test_loading_modes_and_cpu_device():
     assert none.terms["loader_transient"] == 0 and none.load_seconds == 0
 
 
+def test_fsdp_cpu_offload_holds_the_sharded_state_in_host_memory_by_hand():
+    """FSDP2's cpu_offload: a rank's shard of the fp32 weights, their gradients and AdamW's
+    two states live in host memory (4 x 4 bytes a parameter / 2 ranks), none on the device."""
+    c = census()
+    s = Setup(world_size=2, shard_degree=2, zero_stage=3, microbatch=1, seq_len=64,
+              device_kind="cuda", fsdp_cpu_offload=True)
+    hp = host_plan(c, s, HostSetup(ranks_per_node=2), 10 * GiB, "test", 1e9)
+    assert hp.terms["cpu_offload_state"] == TOTAL * 4 * 4 / 2 == 854_528
+    assert hp.train_per_rank == PROCESS_BASELINE + GPU_RUNTIME_HOST + 854_528
+    on_device = terms(c, s)
+    assert [on_device[k] for k in ("trainable_weights", "gradients", "optimizer_state")] == [0] * 3
+
+
 def _folder(tmp_path: Path) -> Path:
     """A model folder with only a config.json (the planner reads no weights)."""
     folder = tmp_path / "tiny-llama"
@@ -256,14 +269,13 @@ def test_frozen_embedding_and_head_read_shard_by_shard_count_in_the_checkpoint_d
     (foundryx/loading/dtypes.py); the planner counts them so, and so on one rank under
     amp_bf16 (autocast computes in bf16 there). Every rank loading, a policy that does not
     cast, or one rank in fp32: the stored (master) bytes."""
-    from foundryx.plan.memory import frozen_linear_bytes, tp_other
-
     path = _config(tmp_path, init_device="meta", frozen_base={"dtype": "int8"})
     sharded = make_plan(path, gpus=2, gpu="h100")
     s, c = sharded.setup, sharded.census
     assert s.frozen_other_bytes == 2 and s.master_bytes == 4
-    want = (frozen_linear_bytes(c, s) + tp_other(c, s.tp, s.tp_vocab) * 2) / 2
-    assert terms(c, s)["frozen_weights"] == math.ceil(want)
+    # int8 rows and a float32 scale per row; the embedding, head and norms in bf16; / 2 ranks
+    want = (BLOCK_LINEAR * 1 + ROWS * 4 + (TOTAL - BLOCK_LINEAR) * 2) / 2
+    assert terms(c, s)["frozen_weights"] == want == 72_000
     assert make_plan(path, gpus=1, gpu="h100").setup.frozen_other_bytes == 2
     for overrides, gpus in ((["model.init_device=cpu"], 2), (["precision=fp32"], 1),
                             (["parallelism.mixed_precision=FULL"], 2)):

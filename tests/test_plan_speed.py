@@ -119,6 +119,27 @@ def test_the_8b_plan_on_an_h100_is_within_15_percent_of_the_run_book(base, offlo
     assert _doc_row(label).endswith(f" | {plan.tokens_per_s:,.0f} |")
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_8b_plans_flops_and_tokens_per_second_by_hand(gpus, monkeypatch):
+    """The speed's terms, counted here from Llama-3.1-8B's shape: FLOPs per token ``6 N + 12 L
+    d s`` with N every parameter but the embedding table (a lookup), as the models count it
+    (each block's q, k, v, o, gate, up and down and two norms, the final norm, the head);
+    tokens/s = the measured row's MFU (30.3%) x the H100's dense bf16 peak (989 TFLOP/s) x
+    GPUs / FLOPs."""
+    d, layers, ffn, vocab, kv, seq = 4096, 32, 14336, 128256, 8 * 128, 4096
+    n = layers * (2 * d * d + 2 * d * kv + 3 * d * ffn + 2 * d) + d + vocab * d
+    assert n + vocab * d == 8_030_261_248  # Llama-3.1-8B's published count
+    flops = 6 * n + 12 * layers * d * seq  # 51.47 GFLOP, as speed.py's rows are derived
+    monkeypatch.chdir(ROOT)
+    config, *overrides = FLAGSHIP
+    plan = make_plan(config, [*overrides, f"global_train_batch_size={2 * gpus}",
+                              "model.frozen_base.dtype=bf16",
+                              "model.frozen_base.offload_fraction=0"], gpus=gpus, gpu="h100")
+    assert plan.flops_per_token == flops == 51_471_998_976
+    assert (plan.mfu, plan.peak_flops) == (0.303, 989e12)
+    assert plan.tokens_per_s == pytest.approx(0.303 * 989e12 * gpus / flops, rel=1e-12)
+
+
 @pytest.mark.parametrize(("compile", "measured", "label"), [
     ("false", 35_141, "MPT-1B pretraining, seq 2048, batch 8, eager"),
     ("true", 38_560, "MPT-1B, the same, compiled")])

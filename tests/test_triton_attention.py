@@ -1,7 +1,9 @@
 """The Triton FlashAttention-2 kernel against a dense float64 reference: outputs and dq/dk/dv.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1 before any test runs); with one, on the GPU at larger sizes.
+TRITON_INTERPRET=1 before any test runs); with one, on the GPU at larger sizes. Its bf16 path
+runs on a CPU too, in the interpreter made to multiply and round bf16 as a GPU does, within a
+bound derived from its roundings (test_bf16_on_a_cpu_within_its_roundings).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ def reference(
     key_padding_mask=None,
     softmax_scale=None,
     sliding_window=None,
+    probs_too=False,
 ):
-    """Dense float64 attention with every mask written from its definition."""
+    """Dense float64 attention with every mask written from its definition (``probs_too``:
+    also the probabilities, (batch, heads, query, key))."""
     q, k, v = (t.double() for t in (q, k, v))
     _, seq, n_heads, head_dim = q.shape
     group = n_heads // k.shape[2]
@@ -59,7 +63,8 @@ def reference(
     if alibi_slopes is not None:
         scores = scores - alibi_slopes.double()[None, :, None, None] * (i - j).abs()
     probs = scores.masked_fill(~keep, float("-inf")).softmax(-1)
-    return torch.einsum("bhij,bjhd->bihd", probs, v)
+    out = torch.einsum("bhij,bjhd->bihd", probs, v)
+    return (out, probs) if probs_too else out
 
 
 def make_inputs(batch, seq, n_heads, kv_heads, head_dim, dtype, seed=0):
@@ -93,7 +98,7 @@ def padding_mask(batch, seq):
     return m.to(DEVICE)
 
 
-def check(
+def run_both(
     batch,
     seq,
     n_heads,
@@ -107,7 +112,9 @@ def check(
     padding=False,
     softmax_scale=None,
 ):
-    """Forward output and dq, dk, dv of the kernel against :func:`reference`."""
+    """The kernel's output and the float64 reference's, each with dq, dk, dv for one random
+    output gradient: ``{"out", "grads", "want", "want_grads", "q", "k", "v", "dout", "probs",
+    "scale"}`` (the reference's inputs in float64, dq, dk, dv in the fused projection's order)."""
     fused, (q, k, v) = make_inputs(batch, seq, n_heads, kv_heads, head_dim, dtype)
     kw = {"causal": causal, "sliding_window": window, "softmax_scale": softmax_scale}
     if packed:
@@ -123,12 +130,21 @@ def check(
     ref_fused = fused.detach().double().requires_grad_()
     sizes = [n_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
     rq, rk, rv = (t.view(batch, seq, -1, head_dim) for t in ref_fused.split(sizes, -1))
-    want = reference(rq, rk, rv, **kw)
+    want, probs = reference(rq, rk, rv, **kw, probs_too=True)
     (want * grad_out.double()).sum().backward()
-
     assert out.dtype == dtype and out.shape == (batch, seq, n_heads, head_dim)
+    return {"out": out, "grads": fused.grad.split(sizes, -1), "want": want,
+            "want_grads": ref_fused.grad.split(sizes, -1), "q": rq.detach(), "k": rk.detach(),
+            "v": rv.detach(), "dout": grad_out.double(), "probs": probs.detach(),
+            "scale": softmax_scale or 1 / math.sqrt(head_dim)}
+
+
+def check(batch, seq, n_heads, kv_heads, head_dim, dtype, **case):
+    """Forward output and dq, dk, dv of the kernel against :func:`reference`."""
+    r = run_both(batch, seq, n_heads, kv_heads, head_dim, dtype, **case)
+    out, want = r["out"], r["want"]
     torch.testing.assert_close(out.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
-    for name, got, ref in zip("qkv", fused.grad.split(sizes, -1), ref_fused.grad.split(sizes, -1)):
+    for name, got, ref in zip("qkv", r["grads"], r["want_grads"]):
         atol = GRAD_TOL[dtype] * max(1.0, ref.abs().max().item())
         torch.testing.assert_close(
             got.double(), ref, atol=atol, rtol=GRAD_TOL[dtype], msg=lambda m, n=name: f"d{n}: {m}"
@@ -281,11 +297,103 @@ def test_bf16_in_the_interpreter_is_refused_with_the_reason():
     assert "bf16" in fa.unsupported(q, q, q)
 
 
-@pytest.mark.skipif(not GPU, reason="bf16 needs a GPU (the interpreter cannot multiply bf16)")
+@pytest.mark.skipif(not GPU, reason="bf16 at GPU sizes; on a CPU: test_bf16_on_a_cpu_...")
 @pytest.mark.parametrize("case", ["causal", "all_features"])
 def test_bf16_on_gpu(case):
     kw = {"kv_heads": 4, "head_dim": 64, **CASES[case], "dtype": torch.bfloat16}
     check(batch=2, seq=1024, n_heads=4, **kw)
+
+
+# -- the bf16 path on a CPU ------------------------------------------------------------------
+U_BF16 = 2.0**-8  # bf16's unit roundoff: 8 significant bits, rounded to nearest even
+
+
+@pytest.fixture
+def gpu_like_bf16(monkeypatch):
+    """Triton's interpreter multiplies bf16 tiles as their raw bits and rounds float32 to bf16
+    by truncation. A GPU multiplies bf16 exactly (a product of two fits float32) and adds in
+    float32, and its conversions round to nearest even: both, here, in the interpreter, and
+    the kernel's refusal of bf16 in the interpreter lifted (every other check kept)."""
+    if GPU:
+        pytest.skip("on a GPU the kernel runs bf16 itself (test_bf16_on_gpu)")
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    dot, trunc = builder.create_dot, builder.create_fp_trunc
+
+    def is_bf16(h) -> bool:
+        return getattr(h.dtype, "scalar", h.dtype) == tl.bfloat16
+
+    def exact(h):  # bf16 bits -> the same values in float32
+        if not is_bf16(h):
+            return h
+        return interpreter.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32),
+                                        tl.float32)
+
+    def nearest_even(src, dst_type):
+        if not (getattr(dst_type, "scalar", dst_type) == tl.bfloat16
+                and src.data.dtype == np.float32):
+            return trunc(src, dst_type)
+        bits = src.data.view(np.uint32).astype(np.uint64)
+        top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return interpreter.TensorHandle(top.astype(np.uint16), tl.bfloat16)
+
+    monkeypatch.setattr(builder, "create_dot", lambda a, b, d, *rest: dot(exact(a), exact(b), d, *rest))
+    monkeypatch.setattr(builder, "create_fp_trunc", nearest_even)
+    real = fa.unsupported
+    monkeypatch.setattr(fa, "unsupported", lambda q, k, v, dropout_p=0.0: real(
+        *(t.half() for t in (q, k, v)), dropout_p))
+
+
+def bf16_bounds(r: dict, kv_heads: int) -> dict[str, torch.Tensor]:
+    """Elementwise bounds of the bf16 kernel's error against float64, from the roundings it
+    makes (each at most ``u`` relative; its inputs are the reference's, its products exact,
+    its sums float32): forward, P rounded before P V and the output stored, so ``|do| <= 2u
+    (P|V|)``; backward, P rounded before P^T dO and dv stored (``2u P^T|dO|``), dS = P (dP -
+    delta) rounded (``u|dS|``) with delta = rowsum(O dO) taken from the rounded output
+    (``P E``, E = ``sum_d bound(O)|dO|``), then dq = scale dS K, dk = scale dS^T Q, each
+    stored (``u|dq|``, ``u|dk|``); a grouped kv head sums its query heads."""
+    u, p, q, do, scale = U_BF16, r["probs"], r["q"], r["dout"], r["scale"]
+    group = q.shape[2] // kv_heads
+    k, v = (r[n].repeat_interleave(group, 2) for n in ("k", "v"))
+    b, s, h, d = q.shape
+
+    def per_kv_head(t):  # (b, s, h, d) -> (b, s, kv_heads, d): a group's heads summed
+        return t.view(b, s, kv_heads, group, d).sum(3)
+
+    out = 2 * u * torch.einsum("bhij,bjhd->bihd", p, v.abs())
+    delta = (r["want"].detach() * do).sum(-1).transpose(1, 2)  # (b, h, i)
+    ds = p * (torch.einsum("bihd,bjhd->bhij", do, v) - delta[..., None])
+    delta_err = (out * do.abs()).sum(-1).transpose(1, 2)
+    ds_err = u * ds.abs() + p * delta_err[..., None]
+    dq, dk, dv = (g.view(b, s, -1, d).abs() for g in r["want_grads"])
+    return {
+        "out": out,
+        "q": scale * torch.einsum("bhij,bjhd->bihd", ds_err, k.abs()) + u * dq,
+        "k": per_kv_head(scale * torch.einsum("bhij,bihd->bjhd", ds_err, q.abs())) + u * dk,
+        "v": per_kv_head(2 * u * torch.einsum("bhij,bihd->bjhd", p, do.abs())),
+    }
+
+
+@pytest.mark.parametrize("case", ["causal", "all_features"])
+def test_bf16_on_a_cpu_within_its_roundings(case, gpu_like_bf16):
+    """The bf16 path, which only a GPU ran: the kernel's output and dq, dk, dv against the
+    float64 reference, each element within the bound of :func:`bf16_bounds` (x 1.05, and
+    float32's sums: 1e-5 of the largest value)."""
+    kw = {"kv_heads": 2, "head_dim": 32, **CASES[case]}
+    r = run_both(batch=2, seq=48, n_heads=4, dtype=torch.bfloat16, **kw)
+    bounds = bf16_bounds(r, kw["kv_heads"])
+    got = {"out": r["out"], **dict(zip("qkv", r["grads"]))}
+    want = {"out": r["want"], **dict(zip("qkv", r["want_grads"]))}
+    for name, bound in bounds.items():
+        ref = want[name].detach().reshape(bound.shape)
+        err = (got[name].double().reshape(bound.shape) - ref).abs()
+        slack = 1.05 * bound + 1e-5 * ref.abs().max()
+        worst = (err / slack).max().item()
+        assert worst <= 1, f"{name}: error up to {worst:.2f} x its bound"
+        assert err.max() > 0  # bf16 rounded something: the kernel ran in bf16
 
 
 @pytest.mark.slow

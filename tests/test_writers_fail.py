@@ -277,3 +277,45 @@ def test_a_rename_failing_half_way_through_the_commit_is_undone(tmp_path, monkey
         for name in ("a.txt", "b.txt", "c.txt"):
             stage(tmp_path / name).write_text(f"new {name}")
     assert tree(tmp_path) == {n: f"new {n}".encode() for n in ("a.txt", "b.txt", "c.txt")}
+
+
+@pytest.mark.parametrize("kill_before", ["link", "replace", "nothing"])
+def test_a_kill_inside_an_atomic_replace_leaves_the_old_or_the_new_file_whole(
+        tmp_path, monkeypatch, kill_before):
+    """``write_text_atomically`` over an existing file (a checkpoint's JSON, a results file),
+    the process dying before each file-system step (no except or finally runs): the path
+    holds, whole, what it held or the new text; never nothing (the old one is kept by a hard
+    link while the new one is renamed over it)."""
+    import types
+
+    from foundryx import atomic_writes
+
+    class Killed(BaseException):
+        pass
+
+    path = tmp_path / "trainer_state.json"
+    path.write_text("old " * 1000)
+    steps = []
+
+    def step(name):
+        real = getattr(os, name)
+
+        def run(*args, **kwargs):
+            steps.append(name)
+            if name == kill_before:
+                raise Killed
+            return real(*args, **kwargs)
+        return run
+
+    fake_os = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})
+    fake_os.link, fake_os.replace = step("link"), step("replace")
+    monkeypatch.setattr(atomic_writes, "os", fake_os)
+    try:
+        atomic_writes.write_text_atomically(path, "new " * 2000)
+    except Killed:
+        pass
+    monkeypatch.undo()
+    assert path.exists(), "the kill left nothing at the path"
+    assert path.read_text() == ("new " * 2000 if kill_before == "nothing" else "old " * 1000)
+    assert steps == {"link": ["link"], "replace": ["link", "replace"],
+                     "nothing": ["link", "replace"]}[kill_before]

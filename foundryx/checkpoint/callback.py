@@ -17,7 +17,7 @@ from foundryx.checkpoint.lock import SaveFolderLock
 from foundryx.checkpoint.lora import base_record, check_base, read_base
 from foundryx.checkpoint.metadata import read_components, record_of
 from foundryx.checkpoint.run_shape import check_resume
-from foundryx.checkpoint.save import save
+from foundryx.checkpoint.save import finish_interrupted_commits, save
 from foundryx.checkpoint.trainer_state import set_rng_state
 from foundryx.checkpoint.weights import load_model_weights, match_prefix
 from foundryx.errors import CheckpointError
@@ -148,7 +148,11 @@ class Checkpointer(Callback):
             self._lock = None
 
     def _tidy(self, root: Path) -> None:
-        """Remove temp folders of saves that never committed (rank 0)."""
+        """Finish commits a kill interrupted, then remove temp folders of saves that never
+        committed (rank 0)."""
+        if dist.get_global_rank() == 0:
+            for line in finish_interrupted_commits(root):
+                log.info("checkpoint commit interrupted by the end of the last run: %s", line)
         stale = dist.all_gather_object([str(p) for p in unfinished_saves(root)])[0]
         if dist.get_global_rank() == 0 and stale:
             for p in stale:

@@ -186,12 +186,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _set_aside_name(root: Path, name: str) -> Path:
+    """Where a commit keeps the checkpoint it replaces until the new one is in place."""
+    return root / (TMP_PREFIX + "old-" + name)
+
+
 def _commit(root: Path, tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced."""
+    """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced:
+    set aside, the new one renamed in, the old one deleted. A process killed between the two
+    renames leaves no ``final``: :func:`finish_interrupted_commits` completes it."""
     assert (tmp / MANIFEST).is_file()
     old = None
     if final.exists():
-        old = root / (TMP_PREFIX + "old-" + final.name)
+        old = _set_aside_name(root, final.name)
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
@@ -199,6 +206,28 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old)
+
+
+def finish_interrupted_commits(root: Path) -> list[str]:
+    """Complete each commit that was killed between its two renames (rank 0, before the temp
+    folders of unfinished saves are removed): the checkpoint's name is missing and what it
+    held is set aside. The new save, whole when it holds its manifest (written before the
+    commit began), is renamed into place; without one the set-aside checkpoint goes back.
+    Returns a line for each, for the log."""
+    done = []
+    for aside in sorted(root.glob(TMP_PREFIX + "old-*")) if root.is_dir() else []:
+        name = aside.name[len(TMP_PREFIX + "old-"):]
+        final, new = root / name, root / (TMP_PREFIX + name)
+        if final.exists() or not (aside / MANIFEST).is_file():
+            continue  # the commit got past its renames: the set-aside copy is only left over
+        if (new / MANIFEST).is_file():
+            os.replace(new, final)
+            done.append(f"{name}: its save was complete; now in place of the previous {name}")
+        else:
+            os.replace(aside, final)
+            done.append(f"{name}: the previous {name} is back in place")
+        fsync_dir(root)
+    return done
 
 
 def _after_commit(root: Path, name: str, keep: int, replace: set[str]) -> None:
