@@ -116,6 +116,7 @@ test-fast: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(PY) tools/check_layers.py .
 
 clean:
 	rm -rf runs data/quickstart
