@@ -31,7 +31,7 @@ from foundryx.checkpoint.lora import adapter_state, write_base
 from foundryx.checkpoint.metadata import write_components, write_model_metadata
 from foundryx.checkpoint.tp_rows import to_logical_rows
 from foundryx.checkpoint.verify import file_digest, signature
-from foundryx.checkpoint.write_failure import describe, state_bytes
+from foundryx.checkpoint.write_failure import describe, interrupted, state_bytes
 from foundryx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ def save(
             if lora is not None:
                 write_base(tmp, lora)  # the LoRA base's source and config hash
     except WRITE_ERRORS as e:
+        if interrupted(e):  # a second Ctrl-C: stop now (foundryx.preempt), not a write failure
+            raise KeyboardInterrupt from None
         failure = e
     _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
 
