@@ -188,7 +188,10 @@ def test_ctrl_c_saves_after_the_batch_and_twice_stops_at_once(user):
     once.send_signal(signal.SIGINT)
     after_batch_1(user, "ctrl-c-twice", twice, twice_log)
     twice.send_signal(signal.SIGINT)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 600
+    while "foundryx: Ctrl-C: stopping" not in twice_log.read_text():  # the first is handled
+        assert twice.poll() is None and time.monotonic() < deadline, twice_log.read_text()[-3000:]
+        time.sleep(0.005)
     twice.send_signal(signal.SIGINT)
 
     assert once.wait(timeout=600) == 130, once_log.read_text()[-3000:]

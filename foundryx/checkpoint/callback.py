@@ -265,7 +265,6 @@ class Checkpointer(Callback):
         self._save(state)
         self.replace = set()
         self._last_saved = int(state.timestamp.batch)
-        preempt.checkpointed(self._last_saved)
 
     def _save(self, state: State) -> Path:
         """Write and commit one checkpoint (RemoteCheckpointer: then upload it)."""

@@ -13,6 +13,7 @@ import torch
 from composer.utils import dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from foundryx import preempt
 from foundryx.checkpoint import trainer_state
 from foundryx.checkpoint.layout import (
     DCP_DIR,
@@ -189,7 +190,8 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _commit(root: Path, tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced."""
+    """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced.
+    Said to foundryx.preempt at once: a Ctrl-C from here on names this checkpoint as the last."""
     assert (tmp / MANIFEST).is_file()
     old = None
     if final.exists():
@@ -198,6 +200,7 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
+    preempt.checkpointed(int(final.name.rsplit("-ba", 1)[1]))  # checkpoint_name's batch
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old)
