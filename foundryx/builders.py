@@ -26,8 +26,8 @@ from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
 from foundryx.loading import keep_stored_dtype, wants_pretrained
 from foundryx.loading import load as load_pretrained
-from foundryx.loading.adapter import ADAPTER_ATTR, load_adapter_shards
 from foundryx.loading import prepare as prepare_pretrained
+from foundryx.loading.adapter import ADAPTER_ATTR, load_adapter_shards
 from foundryx.models.peft.adapters import load_adapter, section_options
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base, stored_bytes
 from foundryx.models.peft.frozen_options import FrozenBaseOptions

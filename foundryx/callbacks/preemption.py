@@ -21,6 +21,8 @@ exits) does not kill it: it is noted while the checkpoint is written, and from t
 training ignored until the process exits. A signal before ``fit_start`` (while the run starts)
 is foundryx.preempt's: one line, nothing to save, exit 75.
 Without a ``save_folder`` the run stops without a checkpoint (said when training starts).
+Ctrl-C (SIGINT) while training is noted the same way (foundryx.preempt: one line at once, exit
+130); a second Ctrl-C stops at once, saying which batches that lost.
 """
 
 from __future__ import annotations

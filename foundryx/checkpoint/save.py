@@ -200,7 +200,9 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
-    preempt.checkpointed(int(final.name.rsplit("-ba", 1)[1]))  # checkpoint_name's batch
+    batch = final.name.rsplit("-ba", 1)[-1]  # checkpoint_name's batch
+    if batch.isdigit():
+        preempt.checkpointed(int(batch))
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old)
