@@ -27,6 +27,7 @@ from foundryx.errors import ConfigError
 from foundryx.loading import keep_stored_dtype, wants_pretrained
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
+from foundryx.loading.adapter import ADAPTER_ATTR, load_adapter_shards
 from foundryx.models.peft.adapters import load_adapter, section_options
 from foundryx.models.peft.frozen_base import LowPrecisionLinear, apply_frozen_base, stored_bytes
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
@@ -62,8 +63,8 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
         if cfg.model.get("peft_config") is None:  # taken from the adapter: recorded in checkpoints
             cfg.model["peft_config"] = dataclasses.asdict(options)
         model = apply_lora(model, options)
-        if adapter is not None:
-            load_adapter(inner_model(model), adapter)
+        if adapter is not None and not load_adapter(inner_model(model), adapter):
+            setattr(model, ADAPTER_ATTR, adapter)  # built on meta: read in after parallelism
     frozen = cfg.model.get("frozen_base")
     if frozen is not None:  # after LoRA, before parallelism
         model = apply_frozen_storage(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"),
@@ -190,8 +191,9 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
 
 
 def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> Any:
-    """:func:`foundryx.parallel.parallelize` with ``kwargs``, and the pretrained weights of a
-    meta-built model read into its shards afterwards."""
+    """:func:`foundryx.parallel.parallelize` with ``kwargs``, and the pretrained weights (and
+    ``pretrained_lora_id_or_path``'s adapter) of a meta-built model read into its shards
+    afterwards."""
     folder = wants_pretrained(model)
     plan = prepare_pretrained(model, folder) if folder else None
     if plan is not None:  # frozen-only FSDP2 units keep the checkpoint's dtype
@@ -205,6 +207,8 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
                      if isinstance(m, LowPrecisionLinear) and m.offload is not None]
         if offloaded and not offloaded[0].offload.host.is_meta:
             pack_offloaded(offloaded, device)
+    if getattr(model, ADAPTER_ATTR, None):  # a meta-built model's pretrained_lora_id_or_path
+        load_adapter_shards(model, getattr(model, ADAPTER_ATTR))
     return model
 
 

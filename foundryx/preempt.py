@@ -36,6 +36,10 @@ from typing import Any
 # `afterok` dependency would start the next stage on an unfinished model); not 143 (128 +
 # SIGTERM), which reads as "killed", work lost. docs/operations.md, "preemption".
 PREEMPTED = 75
+# Ctrl-C (SIGINT) while training: the first stops after the batch with a checkpoint, the second
+# at once (:func:`_interrupt`); either way the process exits 130 (128 + SIGINT), as an
+# interrupted command does: a wrapper that runs a job again on 75 does not run this one again.
+INTERRUPTED = 130
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 # Set by foundryx's launcher (foundryx.composer_launcher) for the ranks it starts with these
 # signals blocked: comma-separated signal numbers.
@@ -52,7 +56,8 @@ class Preempted(BaseException):
 
 
 _state: dict[str, Any] = {"received": 0, "phase": "off", "watched": (), "previous": {},
-                          "stopped_at": None, "owned": False, "began": False, "said": False}
+                          "stopped_at": None, "owned": False, "began": False, "said": False,
+                          "interrupts": 0, "batch": 0, "saved": None}
 
 
 def numbers(names: Iterable[str]) -> tuple[int, ...]:
@@ -78,7 +83,55 @@ def _handle(signum: int, frame: Any) -> None:
         raise Preempted(signum)
 
 
-_OURS: list[Any] = [_handle]  # handlers that stay in place inside kept() (the launcher adds its own)
+def _interrupt(signum: int, frame: Any) -> None:
+    """Ctrl-C while training (:func:`watch`): the first is noted as a preemption signal (the
+    run stops after the batch, with a checkpoint) and said at once; the second stops now,
+    saying which batches that loses (:class:`KeyboardInterrupt`, exit :data:`INTERRUPTED`)."""
+    _state["interrupts"] += 1
+    if _state["interrupts"] == 1 and _state["phase"] == "training":
+        _state["received"] = _state["received"] or signum
+        _say(f"foundryx: Ctrl-C: stopping after batch {_state['batch'] + 1} with a checkpoint, "
+             f"then exit {INTERRUPTED}; Ctrl-C again stops at once, losing {_since_saved()}")
+        return
+    _state["said"] = True
+    _say(f"foundryx: Ctrl-C again: stopped at once in batch {_state['batch'] + 1}; lost: "
+         f"{_since_saved()}; exit {INTERRUPTED}")
+    raise KeyboardInterrupt
+
+
+def _since_saved() -> str:
+    """The batches a stop now would lose: those since the last checkpoint of this run."""
+    batch, saved = _state["batch"], _state["saved"]
+    first = 1 if saved is None else saved + 1
+    lost = ("nothing" if batch < first else f"batch {batch}" if batch == first
+            else f"batches {first}-{batch}")
+    return f"{lost} ({'no checkpoint yet' if saved is None else f'the last checkpoint is batch {saved}'})"
+
+
+def _say(line: str) -> None:
+    """One line on stderr from a signal handler, on rank 0 only (a terminal's Ctrl-C reaches
+    every rank). ``os.write``: a print could interrupt a print of the main thread."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, f"\n{line}\n".encode())
+
+
+def batch_done(batch: int) -> None:
+    """Training finished ``batch`` (the preemption callback says so after each batch)."""
+    _state["batch"] = batch
+
+
+def checkpointed(batch: int) -> None:
+    """This run's latest checkpoint is of ``batch`` (written, or resumed from)."""
+    _state["saved"] = batch
+
+
+def interrupted() -> int:
+    """How many times Ctrl-C came while training (1: stopping after the batch, saved; 2 or
+    more: stopped at once); 0: none."""
+    return _state["interrupts"]
+
+
+_OURS: list[Any] = [_handle, _interrupt]  # they stay in place inside kept() (and the launcher's)
 
 
 def _install(signums: Iterable[int], phase: str) -> None:
@@ -171,6 +224,8 @@ def watch(signums: Iterable[int], *, training: bool) -> None:
     _state["watched"] = ()
     if signums:
         _install(signums, "training" if training else _state["phase"])
+        if training and threading.current_thread() is threading.main_thread():
+            install(_interrupt, (int(signal.SIGINT),))  # Ctrl-C: save and stop, twice: stop now
     _state["began"] = _state["began"] or training
     if before:  # raised once already, and caught on the way (a finalizer): raised again here
         _state["phase"] = "noting"
@@ -181,7 +236,8 @@ def new_run() -> None:
     """A run starting in a process where an earlier one ended (tests, a notebook): what that
     one noted is not this one's."""
     if _state["phase"] in ("off", "stopping"):
-        _state.update(received=0, stopped_at=None, began=False, said=False)
+        _state.update(received=0, stopped_at=None, began=False, said=False, interrupts=0,
+                      batch=0, saved=None)
 
 
 def whole_process() -> None:
@@ -219,8 +275,10 @@ def restore() -> None:
 
 def exit_code() -> int:
     """What the process exits with after ``train`` returns: :data:`PREEMPTED` when it stopped
-    for a signal before the run's end, else 0."""
-    return PREEMPTED if _state["stopped_at"] is not None else 0
+    for a signal before the run's end (:data:`INTERRUPTED` for Ctrl-C), else 0."""
+    if _state["stopped_at"] is None:
+        return 0
+    return INTERRUPTED if _state["received"] == signal.SIGINT else PREEMPTED
 
 
 class _Deadline:

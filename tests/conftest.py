@@ -51,6 +51,7 @@ MODERN_LEG_SLOW_FILES = {
     "test_quickstart_e2e.py",
     "test_plugin_model.py",
     "test_walkthrough.py",
+    "test_lora_second_run.py",
     "test_export_standard_use.py",
     "test_tp_docs.py",
 }

@@ -31,14 +31,15 @@ FAMILIES = {
 }
 
 
-def save_family(name: str, folder, dtype="bfloat16", shard: str = "40KB") -> str:
-    """A tiny random model of family ``name`` saved as ``dtype`` in several safetensors files."""
+def save_family(name: str, folder, dtype="bfloat16", shard: str = "40KB", **sizes) -> str:
+    """A tiny random model of family ``name`` saved as ``dtype`` in several safetensors files
+    (``sizes``: config fields changed)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, config = FAMILIES[name]
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, **config)
+    cfg = AutoConfig.for_model(model_type, **{**config, **sizes})
     model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
     model.config.dtype = dtype  # 4.x writes it as torch_dtype, 5.x as dtype
     model.save_pretrained(folder, max_shard_size=shard)

@@ -21,6 +21,8 @@ exits) does not kill it: it is noted while the checkpoint is written, and from t
 training ignored until the process exits. A signal before ``fit_start`` (while the run starts)
 is foundryx.preempt's: one line, nothing to save, exit 75.
 Without a ``save_folder`` the run stops without a checkpoint (said when training starts).
+Ctrl-C (SIGINT) while training is noted the same way (foundryx.preempt: one line at once, exit
+130); a second Ctrl-C stops at once, saying which batches that lost.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Preemption(Callback):
 
     def batch_end(self, state: State, logger: Logger) -> None:
         # [signal number or 0, rank + 1 of a rank that got one or 0]: MAX over ranks
+        preempt.batch_done(int(state.timestamp.batch))  # what a second Ctrl-C would lose
         got = preempt.received()
         flags = state.device.tensor_to_device(torch.tensor(
             [got, (dist.get_global_rank() + 1) if got else 0], dtype=torch.int64))
@@ -90,7 +93,7 @@ class Preemption(Callback):
         state.stop_training()  # the Checkpointer saves this batch: it is now the last one
         for evaluator in state.evaluators:  # no end-of-training eval: time is short
             evaluator.eval_interval = lambda state, event: False
-        if dist.get_global_rank() == 0:
+        if dist.get_global_rank() == 0 and signum != signal.SIGINT:  # Ctrl-C: said at once
             log.warning("preemption: %s received (rank %d got it); stopping after batch %d with a "
                         "checkpoint, exit %d; autoresume continues from it",
                         signal.Signals(signum).name, rank - 1, self.stopped_at, preempt.PREEMPTED)

@@ -11,6 +11,7 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist
 
+from foundryx import preempt
 from foundryx.checkpoint import load as loader
 from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
 from foundryx.checkpoint.lock import SaveFolderLock
@@ -68,6 +69,7 @@ class Checkpointer(Callback):
         self.loaded: Path | None = None
         self._rng: dict[str, Any] | None = None
         self._last_saved = -1
+        self._due = False  # a save due at the last batch of an epoch, made at the epoch's end
         self._lock: SaveFolderLock | None = None
         self._base: dict[str, Any] | None = None  # a LoRA run's base record (lora.py)
 
@@ -81,7 +83,7 @@ class Checkpointer(Callback):
 
     def _resume_or_load(self, state: State) -> None:
         section = self.components.get("model") if self.components is not None else None
-        self._base = base_record(state.model, section, self.load_path)
+        self._base = base_record(state.model, section, self.load_path, self._lora_of_load_path())
         if self._base is not None and not self._base["adapter_only"] and self.save_folder:
             log.info("LoRA on a randomly initialised base (no pretrained_model_name_or_path with "
                      "pretrained: true, no load_path): checkpoints hold the whole model, base "
@@ -96,6 +98,7 @@ class Checkpointer(Callback):
                     self._load_lora_base(state, found)
                     self._rng = loader.load(state, found, base=self._base)
                     self.loaded, self._last_saved = found, int(state.timestamp.batch)
+                    preempt.checkpointed(self._last_saved)
                     return
                 log.info("autoresume: no checkpoint in %s yet; starting from the beginning",
                          self.save_folder)
@@ -103,6 +106,16 @@ class Checkpointer(Callback):
                 self._check_reuse(self.save_folder)
         if self.load_path:
             self._load_path(state, self.load_path)
+
+    def _lora_of_load_path(self) -> dict[str, Any] | None:
+        """The base record of the LoRA checkpoint ``load_path`` names (local), else None."""
+        path = Path(self.load_path) if self.load_path else None
+        if path is None or (path.is_file() and path.name != "manifest.json"):
+            return None
+        try:
+            return read_base(resolve_checkpoint(path))
+        except CheckpointError:  # not a checkpoint (yet): said when it is loaded
+            return None
 
     def _check_resume(self, folder: Path) -> None:
         """Before a resume loads anything: the run that saved ``folder`` and this one agree on
@@ -190,7 +203,8 @@ class Checkpointer(Callback):
                 f"model.pretrained_lora_id_or_path and load_path: {saved['source']}")
         if not self.load_weights_only:
             self._check_resume(folder)
-        self._rng = loader.load(state, folder, weights_only=self.load_weights_only, base=self._base)
+        self._rng = loader.load(state, folder, weights_only=self.load_weights_only, base=self._base,
+                                via="load_path")
         self.loaded = folder
 
     def _load_weights_file(self, state: State, path: Path) -> None:
@@ -220,10 +234,17 @@ class Checkpointer(Callback):
         self.loaded = path
 
     # -- during training ----------------------------------------------------------------
-    def batch_start(self, state: State, logger: Logger) -> None:
-        if self._rng is not None:  # here, after the dataloader has (re)started, as when saved
+    def epoch_start(self, state: State, logger: Logger) -> None:
+        if self._rng is not None:  # a checkpoint of an epoch's start: before its loader starts
             set_rng_state(self._rng)
             self._rng = None
+
+    def batch_start(self, state: State, logger: Logger) -> None:
+        if self._rng is not None:  # mid-epoch: here, after the loader has skipped to the batch
+            set_rng_state(self._rng)
+            self._rng = None
+        if self._due:  # the epoch did not end after all (a loader longer than its len)
+            self._save_now(state)
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._maybe_save(state, Event.BATCH_CHECKPOINT)
@@ -232,10 +253,19 @@ class Checkpointer(Callback):
         self._maybe_save(state, Event.EPOCH_CHECKPOINT)
 
     def _maybe_save(self, state: State, event: Event) -> None:
-        if self.save_folder is None or not self.should_save(state, event):
+        if self.save_folder is None:
+            return
+        if not self.should_save(state, event) and not (self._due and event == Event.EPOCH_CHECKPOINT):
             return
         if int(state.timestamp.batch) == self._last_saved:
             return
+        if event == Event.BATCH_CHECKPOINT and _ends_epoch(state):
+            self._due = True  # saved at EPOCH_CHECKPOINT, as the next epoch starts (see _ends_epoch)
+            return
+        self._save_now(state)
+
+    def _save_now(self, state: State) -> None:
+        self._due = False
         self._save(state)
         self.replace = set()
         self._last_saved = int(state.timestamp.batch)
@@ -244,6 +274,18 @@ class Checkpointer(Callback):
         """Write and commit one checkpoint (RemoteCheckpointer: then upload it)."""
         return save(state, self.save_folder, run_name=self.run_name, keep=self.keep,
                     replace=self.replace, components=self.components, lora=self._base)
+
+
+def _ends_epoch(state: State) -> bool:
+    """Whether this batch is the last of its epoch. A checkpoint due there is written at the
+    epoch's end (Composer's EPOCH_CHECKPOINT, named for the next epoch): after the epoch's end
+    events (train metrics, EPOCH_END evals), at the next epoch's start, which a resume continues
+    from exactly (the sampler's next epoch, the loader started afresh, the RNG as it was before
+    it started). A checkpoint of the last batch itself would resume into an epoch with nothing
+    left, which Composer runs through empty, the RNG restored only after the next epoch's loader
+    has started."""
+    length = state.dataloader_len
+    return length is not None and int(state.timestamp.batch_in_epoch) == int(length)
 
 
 def _match_keys(weights: dict[str, Any], expected: set[str], path: Path) -> dict[str, Any]:

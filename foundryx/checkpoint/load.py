@@ -98,7 +98,7 @@ def check_model_matches(folder: Path, model_sd: dict[str, Any]) -> None:
 
 
 def load(state: Any, folder: Path, weights_only: bool = False,
-         base: dict[str, Any] | None = None) -> dict[str, Any] | None:
+         base: dict[str, Any] | None = None, via: str = "save_folder") -> dict[str, Any] | None:
     """Load ``folder`` into Composer ``state``: model weights, and unless ``weights_only`` the
     optimizer, schedulers, timestamp and data position. Returns this rank's saved RNG state
     when the world size is unchanged (apply it before the next batch), else None.
@@ -106,7 +106,8 @@ def load(state: Any, folder: Path, weights_only: bool = False,
     ``base``: this run's LoRA base record (:func:`~foundryx.checkpoint.lora.base_record`),
     None without LoRA. A LoRA checkpoint must record the same base (else CheckpointError
     naming both); an adapter-only one loads into the LoRA weights only (the base is already
-    in place). A checkpoint without LoRA loads, weights only, into a LoRA model's base."""
+    in place). A checkpoint without LoRA loads, weights only, into a LoRA model's base.
+    ``via``: how the run names ``folder`` (``save_folder`` or ``load_path``), for the fix."""
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -116,7 +117,7 @@ def load(state: Any, folder: Path, weights_only: bool = False,
     )
 
     manifest = Manifest.read(folder)
-    saved = check_base(folder, base)
+    saved = check_base(folder, base, via)
     partial = saved is not None and bool(saved.get("adapter_only"))
     if weights_only:
         model_sd, optim_sd = get_model_state_dict(state.model), {}

@@ -53,14 +53,17 @@ def _normalise(source: str) -> str:
 
 
 def base_record(model: nn.Module, model_section: dict[str, Any] | None,
-                load_path: str | None) -> dict[str, Any] | None:
+                load_path: str | None, loaded: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """What a checkpoint of ``model`` records about its base, or None when it has no LoRA:
-    ``{"source": ..., "source_field": ..., "config_sha256": ..., "adapter_only": bool}``."""
+    ``{"source": ..., "source_field": ..., "config_sha256": ..., "adapter_only": bool}``.
+    ``loaded``: the base record of the checkpoint ``load_path`` names, if it is a LoRA run's.
+    An adapter-only one gives this run its adapters, not its base (which comes, as it did for
+    that run, from the model section): this run continues training them."""
     if not has_lora(model):
         return None
     section = model_section or {}
     source, field = None, None
-    if load_path:
+    if load_path and not (loaded and loaded.get("adapter_only")):
         source, field = _normalise(str(load_path)), "load_path"
     elif section.get("pretrained_model_name_or_path") and section.get("pretrained", True):
         source, field = _normalise(str(section["pretrained_model_name_or_path"])), \
@@ -95,22 +98,37 @@ def describe(record: dict[str, Any]) -> str:
     return f"{source} (config sha256 {record.get('config_sha256')})"
 
 
-def check_base(folder: Path, current: dict[str, Any] | None) -> dict[str, Any] | None:
+def check_base(folder: Path, current: dict[str, Any] | None,
+               via: str = "save_folder") -> dict[str, Any] | None:
     """The checkpoint's base record after checking that this run has LoRA and the same base;
-    CheckpointError naming both bases otherwise."""
+    CheckpointError naming both bases otherwise, with the fix that applies to how the run
+    reached ``folder`` (``via``: ``save_folder``, autoresume, or ``load_path``)."""
     saved = read_base(folder)
     if saved is None:
         return None
+    where = f"load_path {folder}" if via == "load_path" else str(folder)
     if current is None:
         raise CheckpointError(
-            f"{folder} is a checkpoint of a LoRA run (its base: {describe(saved)}), but this run's "
-            "model has no peft_config; add the run's peft_config, or use another save_folder")
+            f"{where} is a checkpoint of a LoRA run (its base: {describe(saved)}), but this run's "
+            f"model has no peft_config; add the run's peft_config, or {_other(via)}")
     same_source = saved.get("source") == current.get("source") or not saved.get("adapter_only")
     if not same_source or saved.get("config_sha256") != current.get("config_sha256"):
         raise CheckpointError(
-            f"{folder} holds LoRA adapters trained on {describe(saved)}, but this run's base is "
-            f"{describe(current)}; resume it with the base it records, or use another save_folder")
+            f"{where} holds LoRA adapters trained on {describe(saved)}, but this run's base is "
+            f"{describe(current)}; {_same_base(saved)}, or {_other(via)}")
     return saved
+
+
+def _same_base(saved: dict[str, Any]) -> str:
+    """The fix that gives a run the base ``saved`` records."""
+    if saved.get("source") and saved.get("adapter_only"):
+        return f"set {saved['source_field']}: {saved['source']} (the base they were trained on)"
+    return "give the model section the run was trained with (the base they were trained on)"
+
+
+def _other(via: str) -> str:
+    return ("drop load_path to train new adapters on this base" if via == "load_path"
+            else "use another save_folder")
 
 
 def lora_options(section: dict[str, Any] | None) -> LoraOptions | None:

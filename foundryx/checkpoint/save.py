@@ -13,6 +13,7 @@ import torch
 from composer.utils import dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from foundryx import preempt
 from foundryx.checkpoint import trainer_state
 from foundryx.checkpoint.layout import (
     DCP_DIR,
@@ -31,7 +32,7 @@ from foundryx.checkpoint.lora import adapter_state, write_base
 from foundryx.checkpoint.metadata import write_components, write_model_metadata
 from foundryx.checkpoint.tp_rows import to_logical_rows
 from foundryx.checkpoint.verify import file_digest, signature
-from foundryx.checkpoint.write_failure import describe, state_bytes
+from foundryx.checkpoint.write_failure import describe, interrupted, state_bytes
 from foundryx.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ def save(
             if lora is not None:
                 write_base(tmp, lora)  # the LoRA base's source and config hash
     except WRITE_ERRORS as e:
+        if interrupted(e):  # a second Ctrl-C: stop now (foundryx.preempt), not a write failure
+            raise KeyboardInterrupt from None
         failure = e
     _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
 
@@ -194,7 +197,8 @@ def _set_aside_name(root: Path, name: str) -> Path:
 def _commit(root: Path, tmp: Path, final: Path) -> None:
     """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced:
     set aside, the new one renamed in, the old one deleted. A process killed between the two
-    renames leaves no ``final``: :func:`finish_interrupted_commits` completes it."""
+    renames leaves no ``final``: :func:`finish_interrupted_commits` completes it. Said to
+    foundryx.preempt at once: a Ctrl-C from here on names this checkpoint as the last."""
     assert (tmp / MANIFEST).is_file()
     old = None
     if final.exists():
@@ -203,6 +207,9 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
     os.replace(tmp, final)
+    batch = final.name.rsplit("-ba", 1)[-1]  # checkpoint_name's batch
+    if batch.isdigit():
+        preempt.checkpointed(int(batch))
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old)

@@ -41,8 +41,19 @@ def capture(state: Any) -> dict[str, Any]:
     }
     dataset = train_dataset(state)
     if callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None)):
-        out["dataset"] = dataset.state_dict(int(state.timestamp.sample_in_epoch), True)
+        out["dataset"] = _at_epoch_start(dataset.state_dict(int(state.timestamp.sample_in_epoch), True),
+                                         state.timestamp)
     return out
+
+
+def _at_epoch_start(data: Any, timestamp: Any) -> Any:
+    """A streaming dataset's state at an epoch's start (a checkpoint written as an epoch ends):
+    it still names the epoch it finished (it counts an epoch when its next one is iterated);
+    the timestamp's, which has moved on, is the one to resume."""
+    if (isinstance(data, dict) and isinstance(data.get("epoch"), int)
+            and int(timestamp.batch_in_epoch) == 0 and data["epoch"] < int(timestamp.epoch)):
+        data = {**data, "epoch": int(timestamp.epoch), "sample_in_epoch": 0}
+    return data
 
 
 def restore(state: Any, data: dict[str, Any], weights_from: str) -> None:

@@ -39,6 +39,11 @@ def os_error_in(e: BaseException) -> OSError | None:
     return next((x for x in _chain(e) if isinstance(x, OSError) and x.errno), None)
 
 
+def interrupted(e: BaseException) -> bool:
+    """Whether ``e`` is a Ctrl-C (KeyboardInterrupt) that DCP caught while writing and wrapped."""
+    return any(isinstance(x, KeyboardInterrupt) for x in _chain(e))
+
+
 def state_bytes(*state_dicts: dict[str, Any]) -> int:
     """Bytes of every tensor in (possibly sharded, possibly nested) state dicts, global sizes."""
     total = 0

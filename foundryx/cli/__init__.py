@@ -158,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         preempt.stop(None)  # the same signal again (the launcher repeats it) must not kill the exit
         print(preempt.said(preempt.before_training_line(e.signum)), file=sys.stderr, flush=True)
         return preempt.PREEMPTED
+    except KeyboardInterrupt:
+        if not preempt.interrupted():  # Ctrl-C outside training: Python's own way out
+            raise
+        preempt.stop(None)  # a third Ctrl-C must not interrupt the way out
+        return preempt.INTERRUPTED  # the line is said: foundryx.preempt._interrupt
     except FoundryxError as e:
         if preempt.received():
             return _preempted(e)
@@ -174,8 +179,10 @@ def _preempted(error: BaseException) -> int:
     """A failure after a preemption signal (another rank left first and broke a collective):
     one line naming the signal, not the traceback; exit foundryx.preempt.PREEMPTED."""
     preempt.stop(None)
+    if preempt.interrupted() > 1:  # a second Ctrl-C, turned into this error on its way out
+        return preempt.INTERRUPTED  # its line is said
     print(preempt.said(preempt.failed_line(preempt.received(), error)), file=sys.stderr, flush=True)
-    return preempt.PREEMPTED
+    return preempt.INTERRUPTED if preempt.interrupted() else preempt.PREEMPTED
 
 
 def run(argv: list[str] | None = None) -> NoReturn:

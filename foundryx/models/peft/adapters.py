@@ -143,33 +143,44 @@ def read_adapter_weights(folder: str | Path) -> dict[str, torch.Tensor]:
     return {from_peft_key(k): v for k, v in tensors.items()}
 
 
-def load_adapter(model: nn.Module, folder: str | Path) -> None:
+def load_adapter(model: nn.Module, folder: str | Path) -> bool:
     """Copy the adapter weights of ``folder`` into ``model`` (the inner model, adapters already
-    injected, not yet sharded). ConfigError naming the first weight that does not fit (missing
-    from the model or the adapter, or of another shape) with both shapes."""
+    injected, not yet sharded); ConfigError when they do not fit (:func:`check_fits`). A model
+    built on the meta device has no memory to copy into yet: the adapter is only checked, and
+    False returned (the loader reads it into the shards after materialisation:
+    foundryx.loading.adapter)."""
     weights = read_adapter_weights(folder)
     params = {n: p for n, p in model.named_parameters() if is_adapter_key(n)}
+    check_fits(folder, {n: tuple(w.shape) for n, w in weights.items()},
+               {n: tuple(p.shape) for n, p in params.items()})
     if any(p.is_meta for p in params.values()):
-        raise ConfigError([f"{PATH} with init_device: meta is not built yet (the adapter would be "
-                           "loaded into tensors that do not exist yet); use init_device: cpu"])
-    for name in sorted(set(weights) | set(params)):
-        if name not in params:
-            raise ConfigError([f"{PATH}: the adapter in {folder} does not fit the model: its weight "
-                               f"{to_peft_key(name)!r} {tuple(weights[name].shape)} has no LoRA "
-                               "layer in the model (another base, or other target_modules)"])
-        if name not in weights:
-            raise ConfigError([f"{PATH}: the adapter in {folder} does not fit the model: the model's "
-                               f"LoRA weight {to_peft_key(name)!r} {tuple(params[name].shape)} is "
-                               "missing from it (other target_modules)"])
-        if tuple(weights[name].shape) != tuple(params[name].shape):
-            raise ConfigError([f"{PATH}: the adapter in {folder} does not fit the model: weight "
-                               f"{to_peft_key(name)!r} has shape {tuple(weights[name].shape)} in "
-                               f"the adapter, {tuple(params[name].shape)} in the model (an adapter "
-                               "trained on another base)"])
+        return False
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name].to(p.dtype))
     log.info("LoRA adapter loaded from %s (%d weights)", folder, len(params))
+    return True
+
+
+def check_fits(folder: str | Path, weights: dict[str, tuple[int, ...]],
+               params: dict[str, tuple[int, ...]]) -> None:
+    """ConfigError naming the first weight of the adapter in ``folder`` that does not fit the
+    model's LoRA weights (missing from the model or the adapter, or of another shape), with
+    both shapes. ``weights`` and ``params``: shapes by inner-model name."""
+    for name in sorted(set(weights) | set(params)):
+        if name not in params:
+            raise ConfigError([f"{PATH}: the adapter in {folder} does not fit the model: its weight "
+                               f"{to_peft_key(name)!r} {weights[name]} has no LoRA "
+                               "layer in the model (another base, or other target_modules)"])
+        if name not in weights:
+            raise ConfigError([f"{PATH}: the adapter in {folder} does not fit the model: the model's "
+                               f"LoRA weight {to_peft_key(name)!r} {params[name]} is "
+                               "missing from it (other target_modules)"])
+        if weights[name] != params[name]:
+            raise ConfigError([f"{PATH}: the adapter in {folder} does not fit the model: weight "
+                               f"{to_peft_key(name)!r} has shape {weights[name]} in "
+                               f"the adapter, {params[name]} in the model (an adapter "
+                               "trained on another base)"])
 
 
 def section_options(peft_section: Any, adapter: str | None) -> LoraOptions | None:
