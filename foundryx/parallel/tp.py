@@ -147,6 +147,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
             if not fnmatch.fnmatchcase(rel, pattern):
                 continue
             trainable = {n: p.requires_grad for n, p in module.named_parameters()}
+            if getattr(module, "one_pass", False):  # its adapters become DTensors (split or
+                module.one_pass = False  # replicated): PEFT's forward runs them (said below)
             if style == KV_REPLICATED:  # the LoRA layer as a whole, when there is one
                 replicate_kv_projection(module, tp_mesh, kv["count"],
                                         partial(cut_params, defaultdict(Replicate)))

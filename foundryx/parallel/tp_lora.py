@@ -35,8 +35,6 @@ def apply_lora(module: nn.Module, style: str, tp_mesh: DeviceMesh, model_name: s
         tp = tp_mesh.size()
         reorder_fused_rows(module.base_layer, tp)
         module.slice_sizes = tuple(n // tp for n in module.slice_sizes)
-    if getattr(module, "one_pass", False):  # its adapters become DTensors: PEFT's forward
-        module.one_pass = False  # runs them (tp.py says so once)
     for s in styles_for(style, module.base_layer):
         parallelize_module(module.base_layer, tp_mesh, s)
     for key in module.lora_A:
