@@ -370,7 +370,7 @@ step_throughput() {
   { echo "Command: \`$(show "${CMD_TP[@]:0:${#CMD_TP[@]}-2}")\`"; echo
     if [ $rc = 0 ]; then "$PYTHON" "$HELPER" throughput "$WORK/throughput.json"; echo; fi
     echo "Random tokens, seq 2048, bf16 (amp_bf16), one process, attn_impl of the yamls (torch)."
-    echo "MFU is n/a when foundryx/devices.py (the speed monitor's peak table) has no bf16 peak for this GPU."
+    echo "MFU is n/a when foundryx/runtime/devices.py (the speed monitor's peak table) has no bf16 peak for this GPU."
   } >"$1"
   return $rc
 }
@@ -414,7 +414,7 @@ mfu_report() { # mfu_report JSON CMD...: the throughput table, failed cases, the
     echo "Random tokens, seq 2048, amp_bf16, one process, attn_impl of the yamls (torch), micro-batch"
     echo "125m/350m 16, 1b 8. MFU as the speed monitor counts it: flops_per_batch / batch seconds /"
     echo "peak, flops_per_batch = 3 * b * (2 * N * s + 4 * n_layers * d_model * s^2) (N: matmul"
-    echo "parameters), peak: the GPU's dense bf16 FLOP/s (foundryx/devices.py), float8 rows included."
+    echo "parameters), peak: the GPU's dense bf16 FLOP/s (foundryx/runtime/devices.py), float8 rows included."
   }
 }
 

@@ -23,7 +23,7 @@ phase of the last step: peak, what is named, what glibc keeps free, and the rest
 and a step's transients, Python objects, in glibc's heap; outside it: libraries, Python's own
 arenas, mapped files). ``--env MALLOC_MMAP_THRESHOLD_=131072`` and the like
 run the same with glibc tuned; ``--host-heap bounded`` with foundryx's own setting
-(foundryx.host_heap); ``--trim`` calls glibc's ``malloc_trim(0)`` after each step. Each rank's
+(foundryx.runtime.host_heap); ``--trim`` calls glibc's ``malloc_trim(0)`` after each step. Each rank's
 seconds a step (the median of steps 3 on) are printed too.
 """
 

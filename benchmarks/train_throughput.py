@@ -18,7 +18,7 @@ MFU are the speed_monitor's numbers, averaged over the batches after ``--warmup`
 
 with N the parameters used in matmuls (foundryx/models/mpt/composer.py: every parameter but the
 lookup tables), b the sequences of a batch, s its length, and the peak the GPU's dense bf16
-FLOP/s from foundryx/devices.py (989e12 for an H100 SXM), also for the float8 settings (their
+FLOP/s from foundryx/runtime/devices.py (989e12 for an H100 SXM), also for the float8 settings (their
 MFU is against the bf16 peak, so it can pass what bf16 allows). Settings (``--settings``):
 {eager, compile} x {no AC, AC every block (``ac-``), selective AC (``sel-``)}, and compiled
 float8 without AC (``fp8-rowwise``, ``fp8-tensorwise``; torchao, GPUs with FP8 tensor cores). A
@@ -278,7 +278,7 @@ def main() -> None:
     if args.mode == "gpu":
         print("\nMFU = flops_per_batch / batch seconds / peak (the speed monitor's); flops_per_batch "
               "= 3 * b * (2 * N * s + 4 * n_layers * d_model * s^2), N the matmul parameters; peak: "
-              "the GPU's dense bf16 FLOP/s (foundryx/devices.py), float8 settings included.")
+              "the GPU's dense bf16 FLOP/s (foundryx/runtime/devices.py), float8 settings included.")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

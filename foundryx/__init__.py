@@ -1,6 +1,6 @@
 """foundryx: a plugin-based LLM training framework on Composer."""
 
-from foundryx import known_warnings, preempt
+from foundryx.runtime import known_warnings, preempt
 
 __version__ = "0.1.0"
 

@@ -9,16 +9,16 @@ SIGKILLed them after 30 s, and a signal while it was still importing ``composer`
 by an import (the ranks never heard of it: the run went on). For a foundryx training script
 this module's :func:`main` runs instead of Composer's ``main``:
 
-- foundryx's handler of the preemption signals (foundryx.preempt.DEFAULT_SIGNALS) is set as
-  torch's import ends, and Composer's import leaves it in place (foundryx.preempt.kept), so
+- foundryx's handler of the preemption signals (foundryx.runtime.preempt.DEFAULT_SIGNALS) is set as
+  torch's import ends, and Composer's import leaves it in place (foundryx.runtime.preempt.kept), so
   none is lost or kills it;
 - the ranks start with them held too (``FOUNDRYX_HELD_SIGNALS``: foundryx's import releases
-  them into a handler that notes them, foundryx.preempt), so a rank that has not set its
+  them into a handler that notes them, foundryx.runtime.preempt), so a rank that has not set its
   handler yet is not killed by one either;
 - the launcher passes a signal on to every rank, again each second until they exit (a rank
   that was still starting, or a launcher signalled alone, as Kubernetes signals a container's
   first process), and waits for them: no 30-second kill, the scheduler's own grace bounds it;
-- it ends with one line and exit 75 (foundryx.preempt.PREEMPTED) when the ranks stopped for
+- it ends with one line and exit 75 (foundryx.runtime.preempt.PREEMPTED) when the ranks stopped for
   the signal (a checkpoint saved, or training had not begun), 0 when the run finished. A rank
   that fails otherwise is Composer's case as before (the others stopped, its output printed).
 
@@ -33,7 +33,7 @@ through it); in the command it calls :func:`autoload` here. There it sets the ha
 the command's ``from composer.cli.launcher import main`` then gets). A signal in the command's
 first seconds, before torch is imported, ends it as it would any process (exit 143, no line):
 no rank has started, nothing is lost. ``import foundryx``
-there also filters the known import-time log lines (foundryx.known_warnings: torchao's
+there also filters the known import-time log lines (foundryx.runtime.known_warnings: torchao's
 "Skipping import of cpp extensions"). A script that does not import foundryx gets Composer's
 ``main`` unchanged. ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` or ``FOUNDRYX_LAUNCHER=0`` turns all of
 this off.
@@ -59,7 +59,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-from foundryx import preempt
+from foundryx.runtime import preempt
 
 LAUNCHER = "composer.cli.launcher"
 HELD = preempt.numbers(preempt.DEFAULT_SIGNALS)
@@ -209,7 +209,7 @@ def _wait(real: Any, processes: dict[int, subprocess.Popen], relay: _Relay) -> i
 @contextlib.contextmanager
 def _ranks_hold_signals():
     """The ranks launched inside start with the signals blocked, and told so (they release
-    them as foundryx is imported: foundryx.preempt.release_held)."""
+    them as foundryx is imported: foundryx.runtime.preempt.release_held)."""
     os.environ[preempt.HELD_ENV] = ",".join(str(s) for s in HELD)
     try:
         with preempt.held(HELD):

@@ -16,7 +16,7 @@ from composer import Trainer
 from composer.core import Evaluator
 from composer.utils import dist, get_device, reproducibility
 
-from foundryx import builders, host_heap, known_warnings, preempt
+from foundryx import builders
 from foundryx.algorithms import check_algorithms
 from foundryx.callbacks.cpu_autocast import CpuAutocast
 from foundryx.callbacks.preemption import Preemption
@@ -27,13 +27,10 @@ from foundryx.config.load import read_resolved
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.quickstart import STAMP as QUICKSTART_STAMP
 from foundryx.data.workers import unraisable_deaths_kept_quiet, worker_death_error
-from foundryx.device_choice import pick_device
-from foundryx.devices import machine_from_torch, run_problems
 from foundryx.doctor.facts import environment
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.eval.evaluators import build_icl_evaluators
-from foundryx.log_setup import setup_logging
 from foundryx.loggers.console import ConsoleLogger
 from foundryx.loggers.jsonl import JSONLLogger
 from foundryx.models.peft.frozen_base import storage_on_rank
@@ -43,8 +40,12 @@ from foundryx.plan.node import machine
 from foundryx.plan.planner import plan_here
 from foundryx.plan.prelaunch import check_fits, host_problem
 from foundryx.plan.render import render
-from foundryx.process_groups import with_host_collectives
-from foundryx.run_summary import RunFacts, summary
+from foundryx.runtime import host_heap, known_warnings, preempt
+from foundryx.runtime.device_choice import pick_device
+from foundryx.runtime.devices import machine_from_torch, run_problems
+from foundryx.runtime.log_setup import setup_logging
+from foundryx.runtime.process_groups import with_host_collectives
+from foundryx.runtime.run_summary import RunFacts, summary
 
 log = logging.getLogger("foundryx")
 

@@ -16,12 +16,12 @@ from composer.models import ComposerClassifier
 from composer.utils import dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from foundryx import known_warnings
 from foundryx.callbacks.memory_monitor import MemoryMonitor
 from foundryx.callbacks.speed_monitor import SpeedMonitor
 from foundryx.errors import ConfigError
 from foundryx.loggers.console import ConsoleLogger, format_eval_table, format_line
-from foundryx.run_summary import RunFacts, summary
+from foundryx.runtime import known_warnings
+from foundryx.runtime.run_summary import RunFacts, summary
 
 
 def test_line_format():

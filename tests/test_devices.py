@@ -1,4 +1,4 @@
-"""The one peak-FLOPs table (foundryx.devices) and the speed monitor's MFU from it."""
+"""The one peak-FLOPs table (foundryx.runtime.devices) and the speed monitor's MFU from it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from composer.core import Precision
 
-from foundryx import devices
 from foundryx.callbacks import speed_monitor
 from foundryx.callbacks.speed_monitor import SpeedMonitor
 from foundryx.errors import ConfigError
+from foundryx.runtime import devices
 
 T = 1e12
 
@@ -53,7 +53,7 @@ def test_known_devices(name, dtype, expected, caplog):
     ("NVIDIA H100 80GB HBM3", "fp32", "bf16, fp16 and fp8 peaks only"),
 ])
 def test_unknown_is_one_warning_and_no_number(name, dtype, why, caplog):
-    with caplog.at_level(logging.WARNING, logger="foundryx.devices"):
+    with caplog.at_level(logging.WARNING, logger="foundryx.runtime.devices"):
         assert devices.peak_flops(name, dtype) is None
         assert devices.peak_flops(name, dtype) is None  # asked again: no second warning
     warnings = [r.getMessage() for r in caplog.records]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from foundryx.config_paths import path_problems
+from foundryx.cli.config_paths import path_problems
 
 ROOT = Path(__file__).parents[1]
 
@@ -43,8 +43,8 @@ def test_a_missing_path_stops_the_run_before_torch(quickstart_data, tmp_path, ov
 
 
 def test_what_is_not_a_local_path_is_left_to_the_loaders(tmp_path, monkeypatch):
-    monkeypatch.setattr("foundryx.hub.is_offline", lambda: False)  # hub names: the hub answers
-    monkeypatch.setattr("foundryx.hub.hub_reachable", lambda: True)
+    monkeypatch.setattr("foundryx.runtime.hub.is_offline", lambda: False)  # hub names: the hub answers
+    monkeypatch.setattr("foundryx.runtime.hub.hub_reachable", lambda: True)
     assert path_problems({"load_path": "s3://bucket/ckpt", "tokenizer": {"name": "hf", "path": "gpt2"},
                           "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": "meta-llama/x"},
                           "train_loader": {"name": "finetuning", "dataset": {"hf_name": "x"}}}) == []

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundryx import devices
 from foundryx.config.schema import Float8Config
-from foundryx.devices import Machine, float8_problems
 from foundryx.errors import ConfigError
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import MPTForCausalLM, causal_lm_loss
 from foundryx.parallel.float8 import apply_float8, float8_targets
+from foundryx.runtime import devices
+from foundryx.runtime.devices import Machine, float8_problems
 
 ROOT = Path(__file__).parents[1]
 ON = {"float8": {"enabled": True, "recipe": "rowwise"}, "device": "gpu", "precision": "amp_bf16"}

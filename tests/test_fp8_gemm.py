@@ -12,13 +12,13 @@ import torch
 from hf_tiny import LLAMA_STYLE, MPT_TINY, token_batch
 
 from foundryx.builders import apply_frozen_storage
-from foundryx.devices import fp8_gemm_dtype
 from foundryx.models.peft import fp8_gemm
 from foundryx.models.peft.frozen_base import LowPrecisionLinear
 from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora
 from foundryx.models.peft.options import LoraOptions
 from foundryx.models.peft.rowwise import RowScaledTensor
+from foundryx.runtime.devices import fp8_gemm_dtype
 
 E4M3 = torch.float8_e4m3fn
 FNUZ = getattr(torch, "float8_e4m3fnuz", None)

@@ -92,7 +92,7 @@ def test_sigterm_saves_at_the_next_batch_exits_75_and_autoresume_ends_as_uninter
     time.sleep(0.3)
     os.kill(int(pids[0].read_text()), signal.SIGTERM)
     rc, said = finish(p, out)
-    assert rc == 75, said[-3000:]  # preempted and saved (foundryx.preempt.PREEMPTED)
+    assert rc == 75, said[-3000:]  # preempted and saved (foundryx.runtime.preempt.PREEMPTED)
     assert "foundryx: preempted by a preemption signal" in said and "Traceback" not in said
     lines = [ln for ln in said.splitlines() if "preemption: SIGTERM received" in ln]
     assert len(lines) == 1, said[-3000:]

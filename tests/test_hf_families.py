@@ -29,7 +29,7 @@ CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": 
 
 def _other_leg_python() -> tuple[str, str]:
     """(python, which) of the venv of the other transformers major version, else this one."""
-    from foundryx.hf_compat import TRANSFORMERS_5
+    from foundryx.runtime.hf_compat import TRANSFORMERS_5
 
     other = ROOT / (".venv" if TRANSFORMERS_5 else ".venv-modern") / "bin" / "python"
     return (str(other), "other leg") if other.is_file() else (sys.executable, "this leg")

@@ -1,4 +1,4 @@
-"""What a run frees goes back to the OS (foundryx.host_heap, the run config's ``host_heap``):
+"""What a run frees goes back to the OS (foundryx.runtime.host_heap, the run config's ``host_heap``):
 glibc's mmap threshold fixed at 128 KiB where foundryx starts a run, so that a fragmented heap
 cannot keep a step's freed temporaries (issue 38: about 1 GiB per rank at 0.65B on CPU); auto
 on a GPU, not on a CPU device (where it costs step time). It reaches DataLoader workers however
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from foundryx import host_heap
+from foundryx.runtime import host_heap
 
 pytestmark = pytest.mark.skipif(host_heap.glibc() is None, reason="glibc's allocator only")
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(host_heap.glibc() is None, reason="glibc's alloc
 HEAP_PROBE = r"""
 import ctypes, sys
 import torch
-from foundryx.host_heap import bound_host_heap
+from foundryx.runtime.host_heap import bound_host_heap
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

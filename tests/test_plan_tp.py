@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from foundryx.cli import main
-from foundryx.hf_compat import TRANSFORMERS_5
 from foundryx.plan.census import NotPlannable, build_meta, take_census
 from foundryx.plan.memory import Setup, kv_divisor, kv_weight_divisor, terms, tp_params
 from foundryx.plan.planner import make_plan
 from foundryx.plan.render import render
 from foundryx.plan.settings import tp_settings
 from foundryx.plan.tp import at_tp, communication, tp_collectives, tp_degrees
+from foundryx.runtime.hf_compat import TRANSFORMERS_5
 
 ROOT = Path(__file__).parents[1]
 

@@ -1,6 +1,6 @@
 """Preemption is on wherever a save_folder is set: a scheduler's SIGTERM to a run whose config
 never mentions ``callbacks.preemption`` ends it with a checkpoint and exit 75 (preempted and
-saved: foundryx.preempt.PREEMPTED; not exit 143 and nothing saved); ``callbacks.preemption: null`` turns it off. The 2-process preemption run
+saved: foundryx.runtime.preempt.PREEMPTED; not exit 143 and nothing saved); ``callbacks.preemption: null`` turns it off. The 2-process preemption run
 with autoresume to the same numbers is tests/test_guards_e2e.py."""
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ yamls/quickstart.yaml ...``, as Slurm and ``kill -TERM -PGID`` send it, during t
 start-up, a rank's start-up, torch.compile, a step, a save or an eval. Each time either a
 checkpoint of the batch the run stopped after is saved, or one line says why none could be
 (training had not begun); the launcher ends with one line, no traceback, exit 75
-(foundryx.preempt.PREEMPTED). The one other ending allowed: the launcher killed by the signal
+(foundryx.runtime.preempt.PREEMPTED). The one other ending allowed: the launcher killed by the signal
 before torch is imported in it (before any foundryx code runs there; no rank has started, so
-nothing exists to save), exit -15. See foundryx.composer_launcher and foundryx.preempt.
+nothing exists to save), exit -15. See foundryx.composer_launcher and foundryx.runtime.preempt.
 
 Also here: the launcher's stderr lacks torchao's "Skipping import of cpp extensions" (pinned
 leg: torch 2.7 with torchao 0.16), filtered in the launcher process by the same hook.
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from foundryx import preempt
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.composer_launcher import foundryx_script, outcome
+from foundryx.runtime import preempt
 
 ROOT = Path(__file__).parents[1]
 BIN = Path(sys.executable).parent
@@ -94,7 +94,7 @@ os.environ["FOUNDRYX_HELD_SIGNALS"] = "15,10"
 signal.pthread_sigmask(signal.SIG_BLOCK, [15, 10])
 os.kill(os.getpid(), signal.SIGTERM)          # held: it waits
 import foundryx                               # released into a handler that notes it
-from foundryx import preempt
+from foundryx.runtime import preempt
 assert preempt.received() == 15 and "FOUNDRYX_HELD_SIGNALS" not in os.environ
 with preempt.kept():                          # an import setting its own handler leaves ours
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
@@ -114,7 +114,7 @@ def test_a_held_signal_is_noted_then_acted_on_and_an_import_does_not_replace_the
 
 SWALLOWED = r"""
 import os, signal, time
-from foundryx import preempt
+from foundryx.runtime import preempt
 preempt._Deadline.GRACE_S = 1.0
 preempt.take_over()
 try:

@@ -3,7 +3,7 @@ CUDA tensors only, and the load of an NF4 base with offload (its block maxima ar
 host memory) and the tensor-parallel re-cut of offloaded weights run collectives on host
 tensors. These run on 2 CPU ranks through a backend that refuses host tensors as NCCL does
 (``tests/nccl_like.py``), with the group built as a GPU run builds it
-(:func:`foundryx.process_groups.process_group_backend`), and with today's Composer construction (the
+(:func:`foundryx.runtime.process_groups.process_group_backend`), and with today's Composer construction (the
 device's backend alone), which must fail."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from nccl_like import NAME
 from test_loading_dist import save_llama
 
 from foundryx.errors import ConfigError
-from foundryx.process_groups import process_group_backend, with_host_collectives
+from foundryx.runtime.process_groups import process_group_backend, with_host_collectives
 
 GPU_RUN = process_group_backend(NAME)  # what foundryx gives Composer on a GPU node
 COMPOSER = NAME  # Composer's own: DeviceGPU.dist_backend alone

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundryx import known_warnings
+from foundryx.runtime import known_warnings
 
 ROOT = Path(__file__).parents[1]
 DEPRECATED = "`torch_dtype` is deprecated"

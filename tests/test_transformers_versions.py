@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from foundryx.hf_compat import TRANSFORMERS_5, TRANSFORMERS_VERSION
+from foundryx.runtime.hf_compat import TRANSFORMERS_5, TRANSFORMERS_VERSION
 
 ROOT = Path(__file__).resolve().parents[1]
 FOUNDRYX = str(Path(sys.executable).parent / "foundryx")
@@ -58,7 +58,7 @@ def test_a_model_type_unknown_here_names_the_installed_version():
     with pytest.raises(ConfigError) as e:
         build_config(None, {"model_type": "llama9"}, {})
     assert "'llama9' is not a Hugging Face model type" in str(e.value)
-    from foundryx.hf_compat import newer_transformers_hint
+    from foundryx.runtime.hf_compat import newer_transformers_hint
 
     hint = newer_transformers_hint(ValueError("has model type `llama9` but Transformers does not "
                                               "recognize this architecture"), "/nonexistent")

@@ -27,7 +27,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_layers=2", "max_duration
         "device_eval_batch_size=4", "eval_subset_num_batches=1", "console_log_interval=2ba"]
 LORA_TINY = [o for o in TINY if not o.startswith("model.")]
 EVAL_TINY = ["icl_max_examples=4", "progress_bar=false"]
-# known-harmless warnings (foundryx/known_warnings.py) and options that only make warnings
+# known-harmless warnings (foundryx/runtime/known_warnings.py) and options that only make warnings
 NOISE = ("torch.distributed is disabled", "Skipping import of cpp extensions",
          "Specifying `eval_interval", "TypedStorage is deprecated", "Traceback")
 

@@ -4,7 +4,7 @@ naming the location (exit code 2 from the CLI, no traceback).
 
 Writers: ``foundryx data convert``, ``foundryx export``, ``foundryx eval`` (results, comparisons
 and dumped examples as one set) and the results report (``write_results``), plus the commit
-step they share (:func:`foundryx.atomic_writes.write_together`). Each runs once successfully, then
+step they share (:func:`foundryx.runtime.atomic_writes.write_together`). Each runs once successfully, then
 again with a full disk (``ENOSPC``) injected in the middle. Checkpoint saves are covered by
 the checkpoint tests.
 """
@@ -23,11 +23,11 @@ from test_cli import in_process
 from test_convert import SEQ, expected, stored, write_txt
 from test_eval_compare import setup as eval_setup  # noqa: F401 (a fixture: two fake models)
 
-from foundryx.atomic_writes import write_together
 from foundryx.data.synthetic import generate_corpus
 from foundryx.errors import EvalError
 from foundryx.eval import report
 from foundryx.eval.report import EvalResults, write_results
+from foundryx.runtime.atomic_writes import write_together
 
 FULL = os.strerror(errno.ENOSPC)  # "No space left on device"
 
@@ -288,7 +288,7 @@ def test_a_kill_inside_an_atomic_replace_leaves_the_old_or_the_new_file_whole(
     link while the new one is renamed over it)."""
     import types
 
-    from foundryx import atomic_writes
+    from foundryx.runtime import atomic_writes
 
     class Killed(BaseException):
         pass

@@ -10,18 +10,18 @@ other signals::
 
 Slurm sends SIGTERM to every task of a job before it kills it (and SIGUSR1 ahead of time with
 ``#SBATCH --signal=USR1@120``); Kubernetes and most schedulers send SIGTERM. From ``fit_start``
-the handler (foundryx.preempt) only notes the signal. After each batch the ranks agree in one
+the handler (foundryx.runtime.preempt) only notes the signal. After each batch the ranks agree in one
 small all-reduce whether any of them got one (a signal may reach one rank first), so every rank
 stops after the same batch. The run then stops as if that batch were the last: the Checkpointer
 saves it (the end of training is always saved), the end-of-training eval is skipped, and the
-process exits 75 (foundryx.preempt.PREEMPTED: "preempted, saved, run me again") with one log
+process exits 75 (foundryx.runtime.preempt.PREEMPTED: "preempted, saved, run me again") with one log
 line saying why. Autoresume continues from that checkpoint and loses nothing. Once the run is
 stopping for a signal, the signal reaching a rank late (while it saves, closes its loggers or
 exits) does not kill it: it is noted while the checkpoint is written, and from the end of
 training ignored until the process exits. A signal before ``fit_start`` (while the run starts)
-is foundryx.preempt's: one line, nothing to save, exit 75.
+is foundryx.runtime.preempt's: one line, nothing to save, exit 75.
 Without a ``save_folder`` the run stops without a checkpoint (said when training starts).
-Ctrl-C (SIGINT) while training is noted the same way (foundryx.preempt: one line at once, exit
+Ctrl-C (SIGINT) while training is noted the same way (foundryx.runtime.preempt: one line at once, exit
 130); a second Ctrl-C stops at once, saying which batches that lost.
 """
 
@@ -37,9 +37,9 @@ from composer.core import Callback, State
 from composer.loggers import Logger
 from composer.utils import dist
 
-from foundryx import preempt
 from foundryx.checkpoint.callback import Checkpointer
 from foundryx.config.types import option, options_or_fields
+from foundryx.runtime import preempt
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Preemption(Callback):
         return preempt.received()
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        # a signal noted before (while the run started) raises foundryx.preempt.Preempted here
+        # a signal noted before (while the run started) raises foundryx.runtime.preempt.Preempted here
         preempt.watch(preempt.numbers(self.options.signals), training=True)
         if not any(isinstance(c, Checkpointer) and c.save_folder is not None for c in state.callbacks):
             if dist.get_global_rank() == 0:
@@ -106,7 +106,7 @@ class Preemption(Callback):
 
     def _end(self, state: State) -> None:
         """Stopped for a signal, or in ``foundryx train``'s own process: the signals are
-        ignored from here (foundryx.preempt.stop); else the handlers as they were."""
+        ignored from here (foundryx.runtime.preempt.stop); else the handlers as they were."""
         if self.stopped_at is not None:
             preempt.stop(None if self.finished else self.stopped_at)
         elif preempt.owned():

@@ -2,7 +2,7 @@
 
 Composer's SpeedMonitor (the same ``throughput/...`` and ``time/...`` keys, over a rolling
 window of batches) with the device's peak taken from foundryx's one table,
-:mod:`foundryx.devices`, for the run's precision. MFU is ``throughput/device/mfu`` =
+:mod:`foundryx.runtime.devices`, for the run's precision. MFU is ``throughput/device/mfu`` =
 the model's ``flops_per_batch`` per second per device / that peak. Where there is no peak it
 says why once and logs no MFU: on CPU (no CPU peak in the table: MFU is a GPU measure), on a
 device or precision the table lacks (one warning), or give the number yourself::
@@ -21,15 +21,15 @@ from composer.callbacks import SpeedMonitor as ComposerSpeedMonitor
 from composer.core import State
 from composer.loggers import Logger
 
-from foundryx import devices
 from foundryx.errors import ConfigError
+from foundryx.runtime import devices
 
 log = logging.getLogger(__name__)
 
 
 class SpeedMonitor(ComposerSpeedMonitor):
     """Args: ``window_size`` (batches averaged), ``peak_flops`` (peak dense FLOP/s of one
-    device; none: from :mod:`foundryx.devices`), ``time_unit`` (of ``time/...``: seconds,
+    device; none: from :mod:`foundryx.runtime.devices`), ``time_unit`` (of ``time/...``: seconds,
     minutes, hours or days)."""
 
     def __init__(self, window_size: int = 100, peak_flops: float | None = None,
@@ -66,7 +66,7 @@ def device_peak(state: State) -> float | None:
     name, precision = torch.cuda.get_device_name(), state.precision.value
     peak = devices.peak_flops(name, precision)
     if peak is not None:
-        log.info("MFU: against %.0f TFLOP/s, the %s %s peak of %s (foundryx/devices.py)",
+        log.info("MFU: against %.0f TFLOP/s, the %s %s peak of %s (foundryx/runtime/devices.py)",
                  peak / 1e12, devices.find_device(name).key,
                  devices.PRECISION_DTYPE.get(precision, precision), name)
     return peak

@@ -11,7 +11,6 @@ from composer.core import Callback, Event, State
 from composer.loggers import Logger
 from composer.utils import create_interval_scheduler, dist
 
-from foundryx import preempt
 from foundryx.checkpoint import load as loader
 from foundryx.checkpoint.layout import complete_checkpoints, resolve_checkpoint, unfinished_saves
 from foundryx.checkpoint.lock import SaveFolderLock
@@ -24,6 +23,7 @@ from foundryx.checkpoint.weights import load_model_weights, match_prefix
 from foundryx.errors import CheckpointError
 from foundryx.models.peft.adapters import base_key, is_adapter_key
 from foundryx.parallel.tp_fused import permute_full_state
+from foundryx.runtime import preempt
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from foundryx.atomic_writes import write_text_atomically
 from foundryx.errors import CheckpointError
+from foundryx.runtime.atomic_writes import write_text_atomically
 
 FORMAT = "foundryx-checkpoint"
 VERSION = 1

@@ -20,7 +20,7 @@ from typing import Any
 from foundryx.checkpoint.layout import MANIFEST, resolve_checkpoint, write_json_atomic
 from foundryx.checkpoint.remote import fetch, is_remote
 from foundryx.errors import CheckpointError
-from foundryx.hf_compat import portable_tokenizer_config
+from foundryx.runtime.hf_compat import portable_tokenizer_config
 
 METADATA_DIR = "hf"  # inside a checkpoint folder: config.json and tokenizer files
 COMPONENTS = "components.json"  # inside a checkpoint folder: the model and tokenizer sections
@@ -110,7 +110,7 @@ def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
     :data:`UNUSED_INPUTS`: a tokenizer made with ``PreTrainedTokenizerFast`` (the quickstart's)
     returns ``token_type_ids`` by default, which ``model.generate(**tok(text,
     return_tensors="pt"))`` refuses; and a tokenizer class that transformers 4 and 5 both load
-    (:func:`foundryx.hf_compat.portable_tokenizer_config`). The tokenizer object itself is left
+    (:func:`foundryx.runtime.hf_compat.portable_tokenizer_config`). The tokenizer object itself is left
     as it is."""
     tokenizer.save_pretrained(folder)
     path = Path(folder) / TOKENIZER_CONFIG

@@ -36,13 +36,13 @@ from foundryx.checkpoint.weights import fit_weights, load_model_weights
 from foundryx.config.components import build_component, component_problems
 from foundryx.config.load import precheck_sections
 from foundryx.errors import CheckpointError, ConfigError, FoundryxError
-from foundryx.hf_compat import no_init_weights
 from foundryx.loading import load as load_pretrained
 from foundryx.loading import prepare as prepare_pretrained
 from foundryx.loading import wants_pretrained
 from foundryx.models.composer_base import CausalLMBase
 from foundryx.models.peft.lora import apply_lora
 from foundryx.parallel.materialize import has_meta, init_meta
+from foundryx.runtime.hf_compat import no_init_weights
 
 log = logging.getLogger(__name__)
 

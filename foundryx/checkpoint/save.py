@@ -13,7 +13,6 @@ import torch
 from composer.utils import dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from foundryx import preempt
 from foundryx.checkpoint import trainer_state
 from foundryx.checkpoint.layout import (
     DCP_DIR,
@@ -34,6 +33,7 @@ from foundryx.checkpoint.tp_rows import to_logical_rows
 from foundryx.checkpoint.verify import file_digest, signature
 from foundryx.checkpoint.write_failure import describe, interrupted, state_bytes
 from foundryx.errors import CheckpointError
+from foundryx.runtime import preempt
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def save(
             if lora is not None:
                 write_base(tmp, lora)  # the LoRA base's source and config hash
     except WRITE_ERRORS as e:
-        if interrupted(e):  # a second Ctrl-C: stop now (foundryx.preempt), not a write failure
+        if interrupted(e):  # a second Ctrl-C: stop now (foundryx.runtime.preempt), not a write failure
             raise KeyboardInterrupt from None
         failure = e
     _agree(failure, root, tmp, lambda: state_bytes(model_sd, optim_sd))
@@ -198,7 +198,7 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
     """Rename ``tmp`` (holding its manifest) to ``final``; an existing ``final`` is replaced:
     set aside, the new one renamed in, the old one deleted. A process killed between the two
     renames leaves no ``final``: :func:`finish_interrupted_commits` completes it. Said to
-    foundryx.preempt at once: a Ctrl-C from here on names this checkpoint as the last."""
+    foundryx.runtime.preempt at once: a Ctrl-C from here on names this checkpoint as the last."""
     assert (tmp / MANIFEST).is_file()
     old = None
     if final.exists():

@@ -32,7 +32,7 @@ from typing import Any
 from foundryx.checkpoint.remote import RemoteFolder, client, describe_error
 from foundryx.checkpoint.upload import Upload, UploadHandle, staged_bytes
 from foundryx.errors import CheckpointError, RunError
-from foundryx.log_setup import setup_logging
+from foundryx.runtime.log_setup import setup_logging
 
 log = logging.getLogger(__name__)
 

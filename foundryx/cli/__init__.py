@@ -22,7 +22,7 @@ import platform
 import sys
 from typing import NoReturn
 
-from foundryx import __version__, known_warnings, preempt
+from foundryx import __version__
 from foundryx.cli import (
     data_command,
     doctor_command,
@@ -36,7 +36,8 @@ from foundryx.cli.common import is_rank_zero
 from foundryx.config.load import is_override
 from foundryx.errors import FoundryxError
 from foundryx.plan.command import add_parser as add_plan_parser
-from foundryx.stack import frozen_missing
+from foundryx.runtime import known_warnings, preempt
+from foundryx.runtime.stack import frozen_missing
 
 DESCRIPTION = """LLM training on Composer: train, evaluate, export and plan runs from one YAML config.
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if not preempt.interrupted():  # Ctrl-C outside training: Python's own way out
             raise
         preempt.stop(None)  # a third Ctrl-C must not interrupt the way out
-        return preempt.INTERRUPTED  # the line is said: foundryx.preempt._interrupt
+        return preempt.INTERRUPTED  # the line is said: foundryx.runtime.preempt._interrupt
     except FoundryxError as e:
         if preempt.received():
             return _preempted(e)
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preempted(error: BaseException) -> int:
     """A failure after a preemption signal (another rank left first and broke a collective):
-    one line naming the signal, not the traceback; exit foundryx.preempt.PREEMPTED."""
+    one line naming the signal, not the traceback; exit foundryx.runtime.preempt.PREEMPTED."""
     preempt.stop(None)
     if preempt.interrupted() > 1:  # a second Ctrl-C, turned into this error on its way out
         return preempt.INTERRUPTED  # its line is said

@@ -10,7 +10,7 @@ from foundryx.data.convert import convert_to_mds
 from foundryx.data.quickstart import prepare_quickstart
 from foundryx.data.tokenizers import build_hf_tokenizer
 from foundryx.errors import FoundryxError
-from foundryx.log_setup import setup_logging
+from foundryx.runtime.log_setup import setup_logging
 
 
 def cmd_data_quickstart(args: argparse.Namespace) -> int:

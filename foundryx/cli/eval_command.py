@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 
 from foundryx.cli.common import is_rank_zero
-from foundryx.devices import run_problems
 from foundryx.errors import ConfigError
 from foundryx.eval.config import load_eval_config
 from foundryx.eval.task_config import SCORINGS
+from foundryx.runtime.devices import run_problems
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

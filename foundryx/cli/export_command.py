@@ -6,7 +6,7 @@ import argparse
 
 from foundryx.config.load import precheck_sections
 from foundryx.errors import FoundryxError
-from foundryx.log_setup import setup_logging
+from foundryx.runtime.log_setup import setup_logging
 
 
 def cmd_export(args: argparse.Namespace) -> int:

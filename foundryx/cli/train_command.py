@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from foundryx import preempt
+from foundryx.cli.config_paths import path_problems
 from foundryx.config.help import component_help, config_help
 from foundryx.config.load import precheck
-from foundryx.config_paths import path_problems
-from foundryx.devices import run_problems
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
+from foundryx.runtime import preempt
+from foundryx.runtime.devices import run_problems
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -23,7 +23,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     # machine cannot run after its plan (a GPU recipe checked on a laptop still shows one).
     precheck(args.config, args.overrides,
              checks=(run_config_icl_problems,) + (() if args.dry_run else (run_problems, path_problems)))
-    if not args.dry_run:  # a signal from here: one line and exit 75 (foundryx.preempt)
+    if not args.dry_run:  # a signal from here: one line and exit 75 (foundryx.runtime.preempt)
         preempt.take_over()
     with preempt.kept():  # Composer's import sets its own SIGTERM handler (exit 143 at once)
         from foundryx import train as training  # torch + Composer: only when a run is loaded

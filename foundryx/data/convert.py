@@ -48,13 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from foundryx.atomic_writes import replace_all
 from foundryx.data import partitions
 from foundryx.data import remote as remotes
 from foundryx.data.parallel import tokenize_in_order
 from foundryx.data.partial import Partial
 from foundryx.data.sources import Source, open_source, read_documents  # noqa: F401 (re-export)
 from foundryx.errors import DataError
+from foundryx.runtime.atomic_writes import replace_all
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from foundryx.config.types import option
 from foundryx.errors import ConfigError, DataError
-from foundryx.hf_compat import newer_transformers_hint, portable_tokenizer_config
-from foundryx.hub import looks_like_path, nearest_folder, resolve_source
+from foundryx.runtime.hf_compat import newer_transformers_hint, portable_tokenizer_config
+from foundryx.runtime.hub import looks_like_path, nearest_folder, resolve_source
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast

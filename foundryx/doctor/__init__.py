@@ -34,7 +34,7 @@ def _rows(f: Facts) -> list[tuple[str, str]]:
             ("transformers", v(f.transformers)), ("foundryx", v(f.foundryx))]
     for i, g in enumerate(f.gpus):
         peak = (f"{g.table_key}: {g.peak_bf16_tflops:g} TFLOP/s bf16 dense" if g.peak_bf16_tflops
-                else "not in the device table (foundryx/devices.py): no MFU")
+                else "not in the device table (foundryx/runtime/devices.py): no MFU")
         rows.append((f"gpu {i}", f"{g.name}, {g.memory_gib:g} GiB; peak {peak}"))
     if not f.gpus:
         rows.append(("gpus", "none"))

@@ -12,14 +12,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from foundryx.devices import find_device, peak_flops
+from foundryx.runtime.devices import find_device, peak_flops
 
 
 @dataclass
 class GPU:
     name: str
     memory_gib: float
-    table_key: str | None = None  # the device table's entry (foundryx/devices.py), if any
+    table_key: str | None = None  # the device table's entry (foundryx/runtime/devices.py), if any
     peak_bf16_tflops: float | None = None
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from foundryx.eval.generate import generation_model
 from foundryx.eval.kv_cache import new_cache
-from foundryx.hf_compat import cache_argument
+from foundryx.runtime.hf_compat import cache_argument
 
 AUTO_CAP = 32  # rows: past this a CPU's decoding step grows about as fast as its rows
 

@@ -24,7 +24,7 @@ import torch
 
 from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.plain_causal import plain_causal
-from foundryx.hf_compat import cache_argument, output_cache
+from foundryx.runtime.hf_compat import cache_argument, output_cache
 
 # generation config fields that add logits processors or stopping rules to greedy decoding,
 # with the value that adds none (transformers.GenerationConfig's defaults)

@@ -32,7 +32,7 @@ from foundryx.eval.generate import (
     steps_by_position_ids,
 )
 from foundryx.eval.kv_cache import new_cache
-from foundryx.hf_compat import cache_argument, crop_cache
+from foundryx.runtime.hf_compat import cache_argument, crop_cache
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ try:
 except ImportError:  # transformers < 4.54: caches without layer objects
     Cache = CacheLayerMixin = DynamicLayer = None
 
-from foundryx.hf_compat import crop_removes
+from foundryx.runtime.hf_compat import crop_removes
 
 _CROP_REMOVES = DynamicLayer is not None and crop_removes(DynamicLayer.crop)
 

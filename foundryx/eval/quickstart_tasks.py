@@ -12,8 +12,8 @@ import json
 import random
 from pathlib import Path
 
-from foundryx.atomic_writes import write_text_atomically
 from foundryx.data.synthetic import world_facts
+from foundryx.runtime.atomic_writes import write_text_atomically
 
 LM_FILE = "facts_lm.jsonl"
 MC_FILE = "facts_mc.jsonl"

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from foundryx.atomic_writes import write_together
 from foundryx.errors import EvalError
+from foundryx.runtime.atomic_writes import write_together
 
 KINDS = ("task", "category", "metric", "gauntlet")
 
@@ -148,7 +148,7 @@ Stage = Callable[[Path], Path]
 @contextlib.contextmanager
 def results_set(out_dir: str | Path, results: EvalResults) -> Iterator[Stage]:
     """Stage the files of one results set in ``out_dir`` (see
-    :func:`foundryx.atomic_writes.write_together`): they replace the previous ones together, or, when
+    :func:`foundryx.runtime.atomic_writes.write_together`): they replace the previous ones together, or, when
     one cannot be written, none does and an EvalError names ``out_dir`` (with the scores, so a
     long eval is not lost)."""
     try:

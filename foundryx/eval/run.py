@@ -11,7 +11,6 @@ from pathlib import Path
 from composer.utils import dist, get_device, reproducibility
 
 from foundryx.checkpoint.layout import EVAL_DIR, run_folder
-from foundryx.device_choice import pick_device
 from foundryx.errors import ConfigError
 from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
 from foundryx.eval.config import LoadedEvalConfig, load_eval_config
@@ -19,8 +18,9 @@ from foundryx.eval.models import EvalModels
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model, read_tasks
-from foundryx.log_setup import setup_logging
-from foundryx.process_groups import with_host_collectives
+from foundryx.runtime.device_choice import pick_device
+from foundryx.runtime.log_setup import setup_logging
+from foundryx.runtime.process_groups import with_host_collectives
 
 log = logging.getLogger("foundryx")
 

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from foundryx.atomic_writes import replace_all
 from foundryx.checkpoint.metadata import save_tokenizer
 from foundryx.errors import ExportError
-from foundryx.file_modes import give_usual_modes
+from foundryx.runtime.atomic_writes import replace_all
+from foundryx.runtime.file_modes import give_usual_modes
 
 
 def replaceable(out: Path) -> bool:

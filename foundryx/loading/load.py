@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundryx.host_heap import glibc
 from foundryx.loading.files import Entry, PretrainedLoadError, checkpoint_entries
 from foundryx.loading.nf4_encode import nf4_encode
 from foundryx.loading.nf4_shard import nf4
@@ -44,6 +43,7 @@ from foundryx.models.peft.parts import nf4_part
 from foundryx.parallel import dist
 from foundryx.parallel.materialize import LOADED_ATTR
 from foundryx.parallel.offload_pack import pack_offloaded
+from foundryx.runtime.host_heap import glibc
 
 log = logging.getLogger(__name__)
 

@@ -29,14 +29,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with the Auto classes)
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
-from foundryx.hf_compat import newer_transformers_hint
-from foundryx.hub import looks_like_path, nearest_folder, resolve_source
 from foundryx.models.composer_base import CausalLMBase, FusedLossLM, labels_of
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.hf_tp import hf_tp_plan
 from foundryx.models.layers.loss import linear_cross_entropy
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
+from foundryx.runtime.hf_compat import newer_transformers_hint
+from foundryx.runtime.hub import looks_like_path, nearest_folder, resolve_source
 
 log = logging.getLogger(__name__)
 

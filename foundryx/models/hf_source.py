@@ -1,7 +1,7 @@
 """Where a Hugging Face model comes from: a local folder, a hub name, or a config dict.
 
 Shared by ``hf_causal_lm`` (training) and its options check. Whether a name is a folder or
-a hub id, and whether the hub answers, is :mod:`foundryx.hub`.
+a hub id, and whether the hub answers, is :mod:`foundryx.runtime.hub`.
 """
 
 from __future__ import annotations

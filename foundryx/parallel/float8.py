@@ -7,7 +7,7 @@ tensor (``tensorwise``) or per row (``rowwise``: finer scales, closer to bf16, a
 the weights, gradients and optimizer state stay in their usual dtypes. Layers whose dimensions
 are not multiples of 16 (float8 GEMMs need them) and the layers named in ``float8.skip``
 (default: the output head) keep their precision. Whether the GPU has FP8 tensor cores is checked
-with the rest of the config, before anything is built (:func:`foundryx.devices.float8_problems`).
+with the rest of the config, before anything is built (:func:`foundryx.runtime.devices.float8_problems`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The accelerators ``foundryx plan --gpu`` knows: memory per device and the name the peak-FLOPs
-table (foundryx/devices.py, the speed monitor's table) matches.
+table (foundryx/runtime/devices.py, the speed monitor's table) matches.
 
 Memory is what torch reports as the device's total (``torch.cuda.get_device_properties(0)
 .total_memory``), a little under the datasheet figure: the driver keeps some. An MI250X is two
@@ -38,7 +38,7 @@ CONTENTION = 0.8  # the share of a link's peak rate collectives reach (nccl-test
 @dataclass(frozen=True)
 class Gpu:
     key: str
-    device_name: str  # as torch.cuda.get_device_name() gives it (matched by foundryx.devices)
+    device_name: str  # as torch.cuda.get_device_name() gives it (matched by foundryx.runtime.devices)
     memory: int  # bytes
     kind: str  # cuda | rocm
     node: str  # the reference node, in words

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.config.load import LoadedConfig, load_config, read_resolved
-from foundryx.devices import peak_flops
 from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
 from foundryx.plan.census import Census
@@ -30,6 +29,7 @@ from foundryx.plan.tp import (
     propose_tp,
     tp_options,
 )
+from foundryx.runtime.devices import peak_flops
 
 # Reading the weights on a machine with no node kind (a CPU run, this machine): assumed.
 CPU_READ_RATE = 1 * GB

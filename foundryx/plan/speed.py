@@ -1,7 +1,7 @@
 """The planner's speed is the measured speed: model FLOPs utilisation per device kind and
 workload, from GPU runs, instead of one assumed figure.
 
-Each row is one measured configuration: the device kind (foundryx/devices.py's key, e.g.
+Each row is one measured configuration: the device kind (foundryx/runtime/devices.py's key, e.g.
 ``h100-sxm``), the precision, the model kind (``hf``: a Hugging Face causal LM; ``mpt``:
 foundryx's MPT), what trains (``lora`` adapters over a frozen base, or ``full``: every weight),
 how the frozen base computes (``bf16``; ``fp8-cast``: FP8 storage cast to bf16 per layer;
@@ -29,13 +29,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from foundryx.devices import find_device
 from foundryx.plan.gpus import DEFAULT_MFU
+from foundryx.runtime.devices import find_device
 
 
 @dataclass(frozen=True)
 class SpeedRow:
-    device: str  # foundryx.devices key: h100-sxm, mi300x, ...
+    device: str  # foundryx.runtime.devices key: h100-sxm, mi300x, ...
     precision: str  # the run's precision: amp_bf16
     model: str  # hf | mpt
     training: str  # lora | full

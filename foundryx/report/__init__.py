@@ -7,10 +7,10 @@ from pathlib import Path
 
 import yaml
 
-from foundryx.atomic_writes import write_together
 from foundryx.errors import ReportError
 from foundryx.report.plots import PLOTS, SIZE, Plot, fmt_number, icl_scores
 from foundryx.report.run import RunFolder, read_run_folder
+from foundryx.runtime.atomic_writes import write_together
 
 __all__ = ["SIZE", "fmt_number", "make_report", "read_run_folder"]
 

@@ -2,7 +2,7 @@
 
 A frozen FP8 weight is ``W[n, k] ~= Wq[n, k] * s_w[n]`` (e4m3 rows, a float32 scale per output
 row: :class:`~foundryx.models.peft.rowwise.RowScaledTensor`). Where the GPU has FP8 tensor
-cores (:func:`foundryx.devices.fp8_gemm_dtype`, the one rule: NVIDIA compute capability 8.9+,
+cores (:func:`foundryx.runtime.devices.fp8_gemm_dtype`, the one rule: NVIDIA compute capability 8.9+,
 AMD gfx942 / gfx950), the layer's two GEMMs run in FP8 with row-wise scaled
 ``torch._scaled_mm`` instead of casting ``W`` to bf16 per layer; LoRA's adapters are not
 touched (they stay in the run's precision). Elsewhere (A100, MI250, a CPU) the cast path runs
@@ -53,9 +53,9 @@ from typing import Any
 
 import torch
 
-from foundryx.devices import device_fp8_gemm
 from foundryx.kernels.fp8_rows_op import quantize_rows_eager, triton_missing
 from foundryx.models.peft.rowwise import MIN_SCALE
+from foundryx.runtime.devices import device_fp8_gemm
 
 log = logging.getLogger(__name__)
 

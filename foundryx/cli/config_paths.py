@@ -18,7 +18,7 @@ from typing import Any
 
 from foundryx.data import remote as remotes
 from foundryx.data.options import mds_folder_problems
-from foundryx.hub import hub_problem, looks_like_path, nearest_folder
+from foundryx.runtime.hub import hub_problem, looks_like_path, nearest_folder
 
 
 def _looks_like_folder(value: Any) -> bool:

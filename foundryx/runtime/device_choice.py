@@ -1,6 +1,6 @@
 """The device a run uses when its config names none (:func:`pick_device`): a GPU when there is
 one, said in one line. What a device can do (peak FLOP/s, whether a config's device and
-precision can run here) is :mod:`foundryx.devices`.
+precision can run here) is :mod:`foundryx.runtime.devices`.
 
 Imports nothing of foundryx: any part may use it.
 """

@@ -129,7 +129,7 @@ def why_no_peak(device_name: str, dtype: str) -> str:
     if device is None:
         known = ", ".join(d.key for d in DEVICES)
         return (f"peak FLOP/s: {device_name!r} is not in foundryx's device table "
-                f"(foundryx/devices.py: {known}); {fix}")
+                f"(foundryx/runtime/devices.py: {known}); {fix}")
     if key not in DTYPES:
         return (f"peak FLOP/s of {device_name!r} ({device.key}): the table lists bf16, fp16 and "
                 f"fp8 peaks only, not {dtype!r}; {fix}")
