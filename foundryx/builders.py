@@ -187,7 +187,16 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
                                 activation_checkpointing=cfg.activation_checkpointing,
                                 compile=cfg.compile, precision=cfg.precision,
                                 cpu_matmul=cfg.cpu_matmul, device=run_device(cfg),
-                                float8=cfg.float8)
+                                float8=cfg.float8, tiling=cfg.tiling,
+                                microbatch_tokens=microbatch_tokens(cfg))
+
+
+def microbatch_tokens(cfg: TrainConfig) -> int | None:
+    """Tokens in one training microbatch (``tiling.mlp: auto`` decides on it), or None."""
+    mb = cfg.device_train_microbatch_size
+    if not isinstance(mb, int) or not cfg.max_seq_len:
+        return None
+    return mb * int(cfg.max_seq_len)
 
 
 def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> Any:

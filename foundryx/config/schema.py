@@ -91,6 +91,26 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass
+class TilingConfig:
+    """``tiling``: long sequences computed in tiles along the sequence (docs/long_context.md).
+    The loss is always taken in chunks where the model fuses it with the output projection
+    (``model.fused_loss``); this section tiles the MLP."""
+
+    mlp: bool | Literal["auto"] = doc(
+        "run each block's MLP a tile of tokens at a time, keeping only its input for backward "
+        "(one more MLP forward a step); auto: on when a microbatch holds at least "
+        "auto_tokens tokens, logged in one line", default="auto")
+    mlp_tokens: int | None = doc(
+        "tokens per MLP tile; none: the model's d_model (a Llama-3.1-8B tile: 4,096 tokens, "
+        "its 14,336-wide hidden tensors 112 MiB each in bf16)", default=None, gt=0)
+    auto_tokens: int = doc("tokens per microbatch from which mlp: auto tiles", default=32768,
+                           gt=0)
+    mlp_modules: list[str] | None = doc(
+        "MLP class names to tile; none: each block's modules whose class name ends in MLP",
+        default=None)
+
+
+@dataclass
 class CompileConfig:
     """``compile``: ``torch.compile`` each transformer block (regional compilation: the block
     is compiled once and reused, so compile time does not grow with depth); applies with or
@@ -206,6 +226,10 @@ class TrainConfig:
         "torch.compile each transformer block (with or without parallelism)",
         default_factory=CompileConfig,
     )
+    tiling: TilingConfig = doc(
+        "the MLP computed a tile of tokens at a time (long sequences)",
+        default_factory=TilingConfig,
+    )
     float8: Float8Config = doc(
         "float8 training of the linear layers (torchao; GPUs with FP8 tensor cores)",
         default_factory=Float8Config,
@@ -248,6 +272,8 @@ class TrainConfig:
             self.activation_checkpointing = ActivationCheckpointingConfig(**self.activation_checkpointing)
         if isinstance(self.compile, dict):
             self.compile = CompileConfig(**self.compile)
+        if isinstance(self.tiling, dict):
+            self.tiling = TilingConfig(**self.tiling)
         if isinstance(self.node, dict):
             self.node = NodeConfig(**self.node)
         if isinstance(self.float8, dict):

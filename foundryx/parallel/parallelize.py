@@ -23,6 +23,7 @@ from foundryx.config.schema import (
     CompileConfig,
     Float8Config,
     ParallelismConfig,
+    TilingConfig,
 )
 from foundryx.errors import ConfigError
 from foundryx.kernels.cpu_matmul import onednn_available, set_backend
@@ -38,15 +39,17 @@ from foundryx.parallel.fsdp import (
     shard_model,
     sum_only_reductions,
 )
+from foundryx.parallel.offload_activations import ActivationOffload, offload_activations
+from foundryx.parallel.pinning import pins
 from foundryx.parallel.policy import blocks, checkpoint_targets
 from foundryx.parallel.selective_ac import checkpoint_selectively
+from foundryx.parallel.tiling import mlp_modules, tile_mlp
 from foundryx.parallel.tp import apply_tensor_parallel, plan_problems, unfuse_loss_without_reader
 from foundryx.parallel.tp_fused import permute_full_state
 from foundryx.parallel.wrappers import (
     checkpoint_activations,
     compile_forward,
     compile_problem,
-    offload_activations,
     route_linear,
 )
 
@@ -103,12 +106,17 @@ def route_linears(model: nn.Module) -> int:
 
 
 def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
-                         compile: CompileConfig, device: torch.device | None = None) -> list[str]:
-    """Activation checkpointing, activation offload and compile; returns summary phrases."""
+                         compile: CompileConfig, device: torch.device | None = None,
+                         tiling: TilingConfig | None = None,
+                         microbatch_tokens: int | None = None) -> list[str]:
+    """Tiled MLPs (``tiling``, None: off; ``auto`` decided for ``microbatch_tokens``),
+    activation checkpointing, activation offload and compile; returns summary phrases."""
     block_list = blocks(model)
     device = device or default_device()
     compile_on = resolve_compile(compile, device, bool(block_list))
     summary = []
+    if tiling is not None and tiling.mlp is not False:
+        summary += apply_mlp_tiling(model, [m for _, m in block_list], tiling, microbatch_tokens)
     if ac.enabled:
         targets = checkpoint_targets(model, ac.modules, ac.every)
         if not targets:
@@ -125,14 +133,48 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
             raise ConfigError([f"{what}: the model names no transformer blocks; give it an "
                                "fsdp_wrap_fn (or _no_split_modules)"])
     if ac.cpu_offload:
+        offload = ActivationOffload(device, pins(device))  # one: backward prefetches across blocks
         for _, m in block_list:
-            offload_activations(m, device)
+            offload_activations(m, offload)
         summary.append(f"activation CPU offload on {len(block_list)} blocks")
     if compile_on:
         for _, m in block_list:
             compile_forward(m, compile.options)
         summary.append(f"torch.compile on {len(block_list)} blocks")
     return summary
+
+
+def apply_mlp_tiling(model: nn.Module, block_list: list[nn.Module], tiling: TilingConfig,
+                     microbatch_tokens: int | None) -> list[str]:
+    """``tiling.mlp`` on the blocks' MLPs; ``auto`` decided for a microbatch of
+    ``microbatch_tokens`` tokens and said in one line."""
+    mlps = mlp_modules(model, block_list, tiling.mlp_modules)
+    if tiling.mlp == "auto":
+        long = microbatch_tokens is not None and microbatch_tokens >= tiling.auto_tokens
+        if not long or not mlps:
+            return []
+    if not mlps:
+        names = tiling.mlp_modules
+        what = f"of class {', '.join(names)}" if names else "whose class name ends in MLP"
+        raise ConfigError([f"tiling.mlp: the model's blocks have no module {what}; name "
+                           "them in tiling.mlp_modules or set tiling.mlp: false"])
+    tokens = tiling.mlp_tokens or mlp_width(mlps[0])
+    for m in mlps:
+        tile_mlp(m, tokens)
+    if tiling.mlp == "auto":
+        log.info("tiling: the MLP of %d blocks runs %d tokens at a time (a microbatch of %d "
+                 "tokens >= tiling.auto_tokens %d: its hidden-width tensors never whole; one "
+                 "more MLP forward a step; tiling.mlp: false turns it off)", len(mlps), tokens,
+                 microbatch_tokens, tiling.auto_tokens)
+    return [f"MLP tiled by {tokens} tokens in {len(mlps)} blocks"]
+
+
+def mlp_width(mlp: nn.Module) -> int:
+    """The MLP's input width (its first linear layer's in_features): the default tile."""
+    for m in mlp.modules():
+        if isinstance(getattr(m, "in_features", None), int):
+            return m.in_features
+    return 4096
 
 
 def parallelize(
@@ -145,6 +187,8 @@ def parallelize(
     device: torch.device | None = None,
     cpu_matmul: str | None = None,
     float8: Float8Config | None = None,
+    tiling: TilingConfig | None = None,
+    microbatch_tokens: int | None = None,
 ) -> nn.Module:
     """Apply the sections to ``model`` in place and return it.
 
@@ -186,7 +230,8 @@ def parallelize(
     if float8 is not None and float8.enabled:  # before AC, compile and FSDP2 see the layers
         summary.append(f"float8 ({float8.recipe}) in {apply_float8(model, float8)} linear layers")
     summary += apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
-                                    compile or CompileConfig(enabled=False), device)
+                                    compile or CompileConfig(enabled=False), device, tiling,
+                                    microbatch_tokens)
     if routed:
         summary.append(routed)
     if mesh is not None:

@@ -1,4 +1,4 @@
-"""Per-module forward wrappers: activation checkpointing, activation CPU offload, compile,
+"""Per-module forward wrappers: activation checkpointing, compile,
 and linear layers routed through foundryx's CPU matmul.
 
 Each replaces ``module.forward`` on the instance and keeps the module where it is, so
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from foundryx.kernels import cpu_matmul
-from foundryx.parallel.pinning import pins
 
 
 def checkpoint_activations(module: nn.Module) -> None:
@@ -30,22 +29,6 @@ def checkpoint_activations(module: nn.Module) -> None:
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    module.forward = forward
-
-
-def offload_activations(module: nn.Module, device: torch.device | str) -> None:
-    """Keep the tensors that ``module``'s backward needs in CPU memory, pinned when
-    ``device`` (the run's) is a GPU."""
-    from torch.autograd.graph import save_on_cpu
-
-    inner = module.forward
-    pin = pins(device)
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with save_on_cpu(pin_memory=pin):
-            return inner(*args, **kwargs)
 
     module.forward = forward
 

@@ -1,0 +1,187 @@
+"""Long context (issue 52, one device): the MLP tiled along the sequence equals the untiled
+MLP, offloaded checkpoints equal checkpoints kept on the device (losses and gradients to
+float32 rounding), the planner's ``--search max_seq_len`` answers from the plan's own terms, and
+the shipped long recipe trains as it ships at a tiny size."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from foundryx.parallel.offload_activations import ActivationOffload, offload_activations
+from foundryx.parallel.tiling import mlp_modules, tile_mlp
+from foundryx.parallel.wrappers import checkpoint_activations
+
+
+def tiny_llama(seed: int = 0, **over):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=256, vocab_size=128, **over)
+    cfg._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def with_lora(model, dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(target_modules="all-linear", r=4, lora_alpha=8,
+                                            lora_dropout=dropout, init_lora_weights=False))
+
+
+def step(model, ids, seed: int = 3):
+    torch.manual_seed(seed)  # the same dropout masks on both sides
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_same(a, b, rtol=1e-5, atol=1e-6):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=rtol, atol=atol)
+    assert ga.keys() == gb.keys() and ga
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=rtol, atol=atol, msg=n)
+
+
+def blocks_of(model):
+    return [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+
+
+def test_tiled_mlp_equals_untiled():
+    """LoRA over every linear layer (the MLP's adapters train through the tiles), 37 tokens a
+    sequence in tiles of 8 (the last one short), under activation checkpointing as the long
+    recipe runs it: the loss and every gradient equal the untiled model's."""
+    ref = with_lora(tiny_llama()).train()
+    tiled = copy.deepcopy(ref)
+    mlps = mlp_modules(tiled, blocks_of(tiled))
+    assert len(mlps) == 2
+    for m in mlps:
+        tile_mlp(m, 8)
+    for model in (ref, tiled):
+        for b in blocks_of(model):
+            checkpoint_activations(b)
+    ids = torch.randint(0, 128, (2, 37), generator=torch.Generator().manual_seed(0))
+    calls = []
+    hook = mlps[0].down_proj.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    a, b = step(ref, ids), step(tiled, ids)
+    hook.remove()
+    assert_same(a, b)
+    # the tiled MLP saw tiles of at most 8 of the 74 tokens: forward, recompute, backward
+    assert max(calls) == 8 and sum(calls) == 3 * 74, calls
+
+
+def test_tiled_mlp_dropout_reruns_the_forward_masks():
+    """With LoRA dropout each tile draws its own masks; the backward's rerun draws the same
+    ones: the gradients equal those of the same tiles run with plain autograd (each tile's
+    output kept, concatenated) from the same random state."""
+    model = with_lora(tiny_llama(), dropout=0.3).train()
+    mlp = mlp_modules(model, blocks_of(model))[0]
+    x = torch.randn(3, 11, 32)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    w = torch.randn(3, 11, 32)
+
+    torch.manual_seed(5)
+    xr = x.clone().requires_grad_()
+    flat = xr.reshape(-1, 32)
+    ref = torch.cat([mlp(flat[i:i + 8]) for i in range(0, 33, 8)]).view(3, 11, 32)
+    ref_grads = torch.autograd.grad((ref * w).sum(), [xr, *params])
+
+    tile_mlp(mlp, 8)
+    torch.manual_seed(5)
+    xt = x.clone().requires_grad_()
+    out = mlp(xt)
+    torch.manual_seed(99)  # backward must not depend on the random state it finds
+    grads = torch.autograd.grad((out * w).sum(), [xt, *params])
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+    assert (ref == 0).sum() == 0 and grads[0].abs().sum() > 0
+
+
+def test_tiled_mlp_full_finetuning_and_bf16_autocast():
+    """Every weight trains (their gradients come out of the tiles) and under bf16 autocast
+    the rerun in backward computes in bf16 as the forward did: equal to the untiled MLP's."""
+    ref = tiny_llama().train()
+    tiled = copy.deepcopy(ref)
+    for m in mlp_modules(tiled, blocks_of(tiled)):
+        tile_mlp(m, 16)
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(1))
+    assert_same(step(ref, ids), step(tiled, ids))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = step(ref, ids), step(tiled, ids)
+    assert_same(a, b, rtol=2e-2, atol=1e-3)  # bf16 products, the same ones on both sides
+
+
+def test_offloaded_checkpoints_equal_checkpoints():
+    """``activation_checkpointing.cpu_offload`` with checkpointing: each block's input goes to
+    host memory (a real copy on CPU) and comes back for the recompute; the loss and every
+    gradient equal the run that keeps them, and what was offloaded is the blocks' inputs."""
+    ref = with_lora(tiny_llama(), 0.1).train()
+    off = copy.deepcopy(ref)
+    for b in blocks_of(ref):
+        checkpoint_activations(b)
+    offload = ActivationOffload("cpu", pin=False, min_bytes=1)
+    for b in blocks_of(off):
+        checkpoint_activations(b)
+        offload_activations(b, offload)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    packed = []
+    real = offload._to_host
+    offload._to_host = lambda t: (packed.append(t.shape), real(t))[1]
+    assert_same(step(ref, ids), step(off, ids))
+    # only the two checkpointed blocks' hidden-state inputs: batch x seq x d_model each
+    assert packed == [torch.Size([2, 40, 32])] * 2, packed
+    assert_same(step(ref, ids, seed=4), step(off, ids, seed=4))  # a second step: reset, same
+
+
+def test_offloaded_activations_without_checkpointing():
+    """Offload without checkpointing keeps everything a block saves on the host: equal too."""
+    ref = tiny_llama().train()
+    off = copy.deepcopy(ref)
+    offload = ActivationOffload("cpu", pin=False, min_bytes=64)
+    for b in blocks_of(off):
+        offload_activations(b, offload)
+    ids = torch.randint(0, 128, (1, 48), generator=torch.Generator().manual_seed(3))
+    assert_same(step(ref, ids), step(off, ids))
+    assert offload.offloaded_bytes > 2 * 48 * 32 * 4  # more than the blocks' inputs
+
+
+def test_tiling_config_auto_and_errors(caplog):
+    """``tiling.mlp: auto`` tiles from ``auto_tokens`` tokens a microbatch, saying so in one
+    line; ``true`` on a model with no MLP class says what to set."""
+    import logging
+
+    from foundryx.config.schema import TilingConfig
+    from foundryx.errors import ConfigError
+    from foundryx.parallel.parallelize import apply_mlp_tiling
+
+    model = tiny_llama()
+    bl = blocks_of(model)
+    assert apply_mlp_tiling(model, bl, TilingConfig(auto_tokens=1024), 512) == []
+    with caplog.at_level(logging.INFO, logger="foundryx.parallel.parallelize"):
+        said = apply_mlp_tiling(model, bl, TilingConfig(auto_tokens=1024), 2048)
+    assert said == ["MLP tiled by 32 tokens in 2 blocks"]  # d_model tokens a tile
+    assert sum("tiling: the MLP of 2 blocks runs 32 tokens" in r.message for r in caplog.records) == 1
+    with pytest.raises(ConfigError, match="tiling.mlp_modules"):
+        apply_mlp_tiling(model, bl, TilingConfig(mlp=True, mlp_modules=["NoSuchMLP"]), 64)
+
+
+class _Square(nn.Module):
+    def forward(self, x):
+        return x * x
+
+
+def test_tile_mlp_short_input_runs_untiled():
+    m = _Square()
+    tile_mlp(m, 8)
+    x = torch.randn(1, 8, 3, requires_grad=True)
+    y = m(x)
+    assert y.grad_fn.name() == "MulBackward0"  # not the tiled function: one tile's worth
