@@ -66,6 +66,7 @@ class FakeStep:
     frozen_linear: set[int] = field(default_factory=set)  # ids of the frozen base's weights
     vocab: int = 0
     offloaded: list = field(default_factory=list)  # foundryx's Offloaded sources
+    activation_offload: object = None  # foundryx's ActivationOffload (checkpoints in host memory)
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,8 +148,11 @@ def shape_config(shape: Path) -> dict:
 
 
 def random_batch(vocab: int, batch: int, seq: int) -> dict:
+    """A batch as foundryx's text loader makes it: ids, labels and an all-ones attention mask
+    (transformers reads the mask to skip building one: without it, or from position ids alone,
+    it builds a ``b x s x s`` boolean mask, 256 GiB at 512K tokens)."""
     ids = torch.zeros(batch, seq, dtype=torch.long)  # values do not matter on fake tensors
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
@@ -193,8 +197,10 @@ def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str
 
 
 def build_foundryx(shape: Path, side: str, batch: int, seq: int,
-                   overrides: list[str] | tuple[str, ...] = ()) -> FakeStep:
-    """foundryx's recipe as the flagship benchmark runs it on one GPU (see the module doc)."""
+                   overrides: list[str] | tuple[str, ...] = (),
+                   recipe: Path | None = None) -> FakeStep:
+    """foundryx's recipe (``recipe``, default the flagship's) as the flagship benchmark runs it
+    on one GPU (see the module doc)."""
     from foundryx import builders, registry
     from foundryx.loading.dtypes import keep_dtype
     from foundryx.models.peft.frozen_base import LowPrecisionLinear
@@ -203,7 +209,7 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int,
     register_loader(registry)
     overrides = [*foundryx_overrides(shape, side, batch, seq), *fp8_tensor_cores(side),
                  *overrides]
-    loaded = load_run_config(RECIPE, overrides, world_size=1)
+    loaded = load_run_config(recipe or RECIPE, overrides, world_size=1)
     cfg = loaded.cfg
     with unfaked():  # built on meta, as the recipe builds it (torchmetrics cannot deepcopy fakes)
         model = builders.build_model(cfg, tokenizer=None)
@@ -221,8 +227,10 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int,
         out = model(b)
         return out, model.loss(out, b)
 
+    saves = {getattr(m, "_foundryx_activation_offload", None) for m in model.modules()} - {None}
     return FakeStep(side, model, opt, random_batch(vocab, batch, seq), forward_loss, frozen,
-                    vocab, [m.offload for m in layers if m.offload is not None])
+                    vocab, [m.offload for m in layers if m.offload is not None],
+                    next(iter(saves), None))
 
 
 def fill_frozen(model: nn.Module) -> None:
@@ -300,9 +308,10 @@ def fp8_tensor_cores(side: str) -> list[str]:
 
 
 def build(side: str, shape: Path, batch: int, seq: int,
-          overrides: list[str] | tuple[str, ...] = ()) -> FakeStep:
+          overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> FakeStep:
     """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe);
-    ``overrides``: ``key=value`` on foundryx's recipe (its sides only)."""
+    ``overrides``: ``key=value`` on foundryx's recipe (its sides only); ``recipe``: that
+    recipe (default: the flagship's, yamls/finetune/llama-8b-lora-fp8.yaml)."""
     core = side.removesuffix(PEFT_LAYER)
     if side != "mpt" and (core not in SIDES + TENSOR_CORE_SIDES or side == "peer" + PEFT_LAYER):
         raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES + TENSOR_CORE_SIDES)} "
@@ -314,7 +323,7 @@ def build(side: str, shape: Path, batch: int, seq: int,
             return build_mpt(shape, batch, seq)
         if side == "peer":
             return build_peer(shape, batch, seq)
-        return build_foundryx(shape, side, batch, seq, overrides)
+        return build_foundryx(shape, side, batch, seq, overrides, recipe)
     except NotTraceable:
         raise
     except Exception as e:  # noqa: BLE001 - said with where it stopped
@@ -341,8 +350,11 @@ def where(e: BaseException) -> str:
 
 
 def add_recipe_overrides(parser) -> None:  # noqa: ANN001
-    """``--set KEY=VALUE`` (repeatable): overrides of foundryx's recipe for its sides (e.g.
+    """``--recipe RECIPE`` (foundryx's sides run that recipe; default the flagship's) and
+    ``--set KEY=VALUE`` (repeatable): overrides of foundryx's recipe for its sides (e.g.
     ``activation_checkpointing.mode=selective``); the peer runs as it is."""
+    parser.add_argument("--recipe", type=Path, default=None,
+                        help=f"foundryx's recipe (default {RECIPE.relative_to(ROOT)})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         dest="overrides", help="an override of foundryx's recipe (its sides)")
 
@@ -367,7 +379,9 @@ def each_side(prog: str, shape: Path | None, sides: str,
 def run_step(step: FakeStep, on_phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
     """One trainer step; ``on_phase(name)`` wraps each phase (forward, backward, optimizer)."""
     step.optimizer.zero_grad(set_to_none=True)
-    with on_phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+    # the forward reads one value: transformers' "is every token attended?" (1: yes, as the
+    # text loader's all-ones mask answers)
+    with on_phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16), ScalarsRead():
         outputs, loss = step.forward_loss(step.batch)
     with on_phase("backward"):
         loss.backward()
@@ -378,7 +392,8 @@ def run_step(step: FakeStep, on_phase: Callable[[str], contextlib.AbstractContex
 
 class ScalarsRead(TorchDispatchMode):
     """A fake tensor has no value: an optimizer that reads one (Composer's DecoupledAdamW reads
-    its step count with ``.item()``) reads 1. Values never change what a step allocates."""
+    its step count with ``.item()``) reads 1, and so does transformers' check that the
+    attention mask is all ones. Values never change what a step allocates."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         if func is torch.ops.aten._local_scalar_dense.default:

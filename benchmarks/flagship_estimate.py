@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fake_step  # noqa: E402  (benchmarks/ is not a package)
-from step_memory import CATEGORIES, CategoryTracker  # noqa: E402
+from step_memory import CATEGORIES, HOST, CategoryTracker  # noqa: E402
 
 # Peak allocated GiB measured on one NVIDIA H100 80GB HBM3 (issue 46's table, 2026-11-27,
 # foundryx at ea9e5db; the peer on transformers 5.17.0 + peft 0.21.0): the calibration target.
@@ -45,11 +45,12 @@ MEASURED_H100 = {"peer": 29.4, "bf16": 36.3, "fp8": 29.8, "nf4": 26.6, "fp8-offl
 
 
 def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
-             overrides: list[str] | tuple[str, ...] = ()) -> dict:
-    """``{"peak_gib", "categories", "seconds"}`` for ``side``."""
+             overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> dict:
+    """``{"peak_gib", "categories", "seconds"}`` for ``side`` (and ``host_peak_gib``, the
+    offloaded checkpoints' host memory, where the recipe offloads them)."""
     start = time.perf_counter()
     with fake_step.fake_mode(), fake_step.gpu_kernels():
-        step = fake_step.build(side, shape, batch, seq, overrides)
+        step = fake_step.build(side, shape, batch, seq, overrides, recipe)
         trainable = [p for p in step.model.parameters() if p.requires_grad]
         tracker = CategoryTracker(step.vocab, trainable)
         tracker.register_model(step.model, step.frozen_linear)
@@ -76,6 +77,21 @@ def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
 def _tag_offload_copies(step: fake_step.FakeStep, tracker: CategoryTracker):
     """Count foundryx's host-to-device copies of offloaded weights as ``offload prefetch``."""
     stack = contextlib.ExitStack()
+    saves = step.activation_offload
+    if saves is not None:  # offloaded checkpoints: host copies are host memory
+        to_host, to_device = saves._to_host, saves._to_device
+
+        def host(t, _real=to_host):  # noqa: ANN001, ANN202
+            with tracker.tagged(HOST):
+                return _real(t)
+
+        def back(entry, _real=to_device):  # noqa: ANN001, ANN202
+            with tracker.tagged("checkpoint prefetch"):
+                return _real(entry)
+
+        saves._to_host, saves._to_device = host, back
+        stack.callback(setattr, saves, "_to_host", to_host)
+        stack.callback(setattr, saves, "_to_device", to_device)
     for source in step.offloaded:
         real = source._copy
 
@@ -111,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     def one(side: str) -> dict:
-        row = estimate(side, a.shape, a.batch, a.seq, a.overrides)
-        print(f"{side}: peak {row['peak_gib']:.2f} GiB ({row['seconds']:.0f} s)", flush=True)
+        row = estimate(side, a.shape, a.batch, a.seq, a.overrides, a.recipe)
+        host = f", host {row['host_peak_gib']:.2f} GiB" if "host_peak_gib" in row else ""
+        print(f"{side}: peak {row['peak_gib']:.2f} GiB{host} ({row['seconds']:.0f} s)", flush=True)
         return row
 
     rows = fake_step.each_side("flagship_estimate", a.shape, a.sides, one)
@@ -120,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(rows))
     if a.json:
-        a.json.write_text(json.dumps({s: {"peak_gib": r["peak_gib"], "categories": r["categories"]}
+        a.json.write_text(json.dumps({s: {k: r[k] for k in ("peak_gib", "categories",
+                                                            "host_peak_gib") if k in r}
                                       for s, r in rows.items()}, indent=1))
     return 0
 

@@ -19,6 +19,10 @@ when it is created:
   rank in FSDP2);
 - ``other``: the rest (inputs, optimizer-step temporaries).
 
+Host memory is not device memory: tensors made under the ``host`` tag (offloaded activation
+checkpoints' host copies, which are CPU tensors like every fake tensor here) are counted apart,
+in :attr:`host_total` and its peak :attr:`host_peak`, and never in the device's peak.
+
 At each new peak the running totals are kept, so the categories of the peak add up to the
 peak exactly. ``torch.distributed._tools.mem_tracker.MemTracker`` (torch's own tracker)
 counts the same storages in its own way; the tests hold the two peaks equal.
@@ -40,6 +44,7 @@ CATEGORIES = ("frozen base", "parameters", "adapters + optimizer", "activations 
               "recomputed block", "logits + loss", "backward temporaries", "offload prefetch",
               "FSDP2 all-gather", "other")
 GiB = 2**30
+HOST = "host"  # the tag of host-memory tensors: counted apart from the device's
 
 
 def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -69,6 +74,7 @@ class CategoryTracker(TorchDispatchMode):
         self.module_depth = 0  # > 0 while a module's forward runs (recompute in backward)
         self.tag: str | None = None  # a category forced by the caller (offload copies)
         self.trainable = list(grads_of)
+        self.host_total = self.host_peak = 0  # bytes tagged HOST: host memory, not the device's
 
     # -- registering storages ------------------------------------------------------------
     def add(self, t: torch.Tensor, category: str) -> None:
@@ -81,13 +87,20 @@ class CategoryTracker(TorchDispatchMode):
                 continue
             nbytes = st.nbytes()
             self.live[key] = (nbytes, category)
+            weakref.finalize(st, self._free, key)
+            if category == HOST:
+                self.host_total += nbytes
+                self.host_peak = max(self.host_peak, self.host_total)
+                continue
             self.totals[category] += nbytes
             self.total += nbytes
-            weakref.finalize(st, self._free, key)
         self._maybe_peak()
 
     def _free(self, key: int) -> None:
         nbytes, category = self.live.pop(key, (0, "other"))
+        if category == HOST:
+            self.host_total -= nbytes
+            return
         self.totals[category] -= nbytes
         self.total -= nbytes
 
@@ -163,7 +176,10 @@ class CategoryTracker(TorchDispatchMode):
         """``{"peak_gib": x, "categories": {name: gib}}`` at the peak (every category named)."""
         cats = {c: self.at_peak.get(c, 0) / GiB for c in CATEGORIES}
         extra = {c: v / GiB for c, v in self.at_peak.items() if c not in CATEGORIES}
-        return {"peak_gib": self.peak / GiB, "categories": {**cats, **extra}}
+        out = {"peak_gib": self.peak / GiB, "categories": {**cats, **extra}}
+        if self.host_peak:
+            out["host_peak_gib"] = self.host_peak / GiB
+        return out
 
 
 @contextlib.contextmanager

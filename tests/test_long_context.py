@@ -155,23 +155,75 @@ def test_offloaded_activations_without_checkpointing():
 
 
 def test_tiling_config_auto_and_errors(caplog):
-    """``tiling.mlp: auto`` tiles from ``auto_tokens`` tokens a microbatch, saying so in one
-    line; ``true`` on a model with no MLP class says what to set."""
+    """``tiling: auto`` tiles the MLPs and the RMS norms from ``auto_tokens`` tokens a
+    microbatch, saying so in one line; ``true`` on a model without them says what to set."""
     import logging
 
     from foundryx.config.schema import TilingConfig
     from foundryx.errors import ConfigError
-    from foundryx.parallel.parallelize import apply_mlp_tiling
+    from foundryx.parallel.parallelize import apply_tiling
 
     model = tiny_llama()
     bl = blocks_of(model)
-    assert apply_mlp_tiling(model, bl, TilingConfig(auto_tokens=1024), 512) == []
+    assert apply_tiling(model, bl, TilingConfig(auto_tokens=1024), 512) == []
     with caplog.at_level(logging.INFO, logger="foundryx.parallel.parallelize"):
-        said = apply_mlp_tiling(model, bl, TilingConfig(auto_tokens=1024), 2048)
-    assert said == ["MLP tiled by 32 tokens in 2 blocks"]  # d_model tokens a tile
-    assert sum("tiling: the MLP of 2 blocks runs 32 tokens" in r.message for r in caplog.records) == 1
+        said = apply_tiling(model, bl, TilingConfig(auto_tokens=1024), 2048)
+    # d_model tokens a tile; 2 norms a block and the final one
+    assert said == ["MLP tiled by 32 tokens in 2 blocks", "5 RMS norms tiled by 32 tokens"]
+    assert sum("tiling: MLP tiled by 32 tokens" in r.message for r in caplog.records) == 1
     with pytest.raises(ConfigError, match="tiling.mlp_modules"):
-        apply_mlp_tiling(model, bl, TilingConfig(mlp=True, mlp_modules=["NoSuchMLP"]), 64)
+        apply_tiling(model, bl, TilingConfig(mlp=True, mlp_modules=["NoSuchMLP"]), 64)
+    with pytest.raises(ConfigError, match="tiling.norm: false"):
+        apply_tiling(nn.Sequential(nn.Linear(2, 2)), [], TilingConfig(mlp=False, norm=True), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_rms_norm_equals_hf(dtype):
+    """The tiled RMS norm against Hugging Face's LlamaRMSNorm: output, input gradient and (full
+    fine-tuning) weight gradient, float32 and bf16 (the bf16 weight of a frozen-only unit)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from foundryx.parallel.tiling import tile_rms_norm
+
+    torch.manual_seed(0)
+    ref = LlamaRMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        ref.weight.add_(torch.randn(48).to(dtype))
+    norm = copy.deepcopy(ref)
+    tile_rms_norm(norm, 7)
+    x = (3 * torch.randn(2, 19, 48)).to(dtype)
+    g = torch.randn(2, 19, 48).to(dtype)
+    outs = []
+    for m in (ref, norm):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        dx, dw = torch.autograd.grad(y, [xi, m.weight], g)
+        outs.append((y, dx, dw))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for a, b in zip(*outs):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(b, a, **tol)
+    assert outs[1][0].grad_fn.name().startswith("_TiledRMSNorm")
+
+
+def test_tiled_model_equals_untiled_under_autocast():
+    """A LoRA model with its MLPs and norms tiled (13-token tiles of 2 x 40 tokens), its
+    blocks checkpointed and their inputs offloaded, under bf16 autocast as the long recipe
+    runs: the loss and the adapters' gradients equal the plain model's to bf16 rounding."""
+    from foundryx.config.schema import TilingConfig
+    from foundryx.parallel.parallelize import apply_tiling
+
+    ref = with_lora(tiny_llama()).train()
+    long = copy.deepcopy(ref)
+    assert len(apply_tiling(long, blocks_of(long), TilingConfig(mlp_tokens=13, auto_tokens=80), 80)) == 2
+    offload = ActivationOffload("cpu", pin=False, min_bytes=1)
+    for b in blocks_of(long):
+        checkpoint_activations(b)
+        offload_activations(b, offload)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = step(ref, ids), step(long, ids)
+    assert_same(a, b, rtol=3e-2, atol=2e-3)
 
 
 class _Square(nn.Module):

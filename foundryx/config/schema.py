@@ -94,7 +94,7 @@ class ActivationCheckpointingConfig:
 class TilingConfig:
     """``tiling``: long sequences computed in tiles along the sequence (docs/long_context.md).
     The loss is always taken in chunks where the model fuses it with the output projection
-    (``model.fused_loss``); this section tiles the MLP."""
+    (``model.fused_loss``); this section tiles the MLP and the RMS norms."""
 
     mlp: bool | Literal["auto"] = doc(
         "run each block's MLP a tile of tokens at a time, keeping only its input for backward "
@@ -103,8 +103,12 @@ class TilingConfig:
     mlp_tokens: int | None = doc(
         "tokens per MLP tile; none: the model's d_model (a Llama-3.1-8B tile: 4,096 tokens, "
         "its 14,336-wide hidden tensors 112 MiB each in bf16)", default=None, gt=0)
-    auto_tokens: int = doc("tokens per microbatch from which mlp: auto tiles", default=32768,
-                           gt=0)
+    norm: bool | Literal["auto"] = doc(
+        "run the RMS norms (Llama, Mistral, Qwen2/3, Phi-3) a tile at a time, keeping their "
+        "input and a float32 statistic per token instead of float32 copies; auto: as mlp",
+        default="auto")
+    auto_tokens: int = doc("tokens per microbatch from which mlp and norm: auto tile",
+                           default=32768, gt=0)
     mlp_modules: list[str] | None = doc(
         "MLP class names to tile; none: each block's modules whose class name ends in MLP",
         default=None)

@@ -43,7 +43,13 @@ from foundryx.parallel.offload_activations import ActivationOffload, offload_act
 from foundryx.parallel.pinning import pins
 from foundryx.parallel.policy import blocks, checkpoint_targets
 from foundryx.parallel.selective_ac import checkpoint_selectively
-from foundryx.parallel.tiling import mlp_modules, tile_mlp
+from foundryx.parallel.tiling import (
+    RMS_NORMS,
+    mlp_modules,
+    rms_norm_modules,
+    tile_mlp,
+    tile_rms_norm,
+)
 from foundryx.parallel.tp import apply_tensor_parallel, plan_problems, unfuse_loss_without_reader
 from foundryx.parallel.tp_fused import permute_full_state
 from foundryx.parallel.wrappers import (
@@ -115,8 +121,8 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
     device = device or default_device()
     compile_on = resolve_compile(compile, device, bool(block_list))
     summary = []
-    if tiling is not None and tiling.mlp is not False:
-        summary += apply_mlp_tiling(model, [m for _, m in block_list], tiling, microbatch_tokens)
+    if tiling is not None:
+        summary += apply_tiling(model, [m for _, m in block_list], tiling, microbatch_tokens)
     if ac.enabled:
         targets = checkpoint_targets(model, ac.modules, ac.every)
         if not targets:
@@ -144,37 +150,51 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
     return summary
 
 
-def apply_mlp_tiling(model: nn.Module, block_list: list[nn.Module], tiling: TilingConfig,
-                     microbatch_tokens: int | None) -> list[str]:
-    """``tiling.mlp`` on the blocks' MLPs; ``auto`` decided for a microbatch of
-    ``microbatch_tokens`` tokens and said in one line."""
+def apply_tiling(model: nn.Module, block_list: list[nn.Module], tiling: TilingConfig,
+                 microbatch_tokens: int | None) -> list[str]:
+    """``tiling.mlp`` on the blocks' MLPs and ``tiling.norm`` on the model's RMS norms;
+    ``auto`` decided for a microbatch of ``microbatch_tokens`` tokens and said in one line."""
+    long = microbatch_tokens is not None and microbatch_tokens >= tiling.auto_tokens
     mlps = mlp_modules(model, block_list, tiling.mlp_modules)
-    if tiling.mlp == "auto":
-        long = microbatch_tokens is not None and microbatch_tokens >= tiling.auto_tokens
-        if not long or not mlps:
-            return []
-    if not mlps:
+    norms = rms_norm_modules(model)
+    if tiling.mlp is True and not mlps:
         names = tiling.mlp_modules
         what = f"of class {', '.join(names)}" if names else "whose class name ends in MLP"
         raise ConfigError([f"tiling.mlp: the model's blocks have no module {what}; name "
                            "them in tiling.mlp_modules or set tiling.mlp: false"])
-    tokens = tiling.mlp_tokens or mlp_width(mlps[0])
-    for m in mlps:
-        tile_mlp(m, tokens)
-    if tiling.mlp == "auto":
-        log.info("tiling: the MLP of %d blocks runs %d tokens at a time (a microbatch of %d "
-                 "tokens >= tiling.auto_tokens %d: its hidden-width tensors never whole; one "
-                 "more MLP forward a step; tiling.mlp: false turns it off)", len(mlps), tokens,
-                 microbatch_tokens, tiling.auto_tokens)
-    return [f"MLP tiled by {tokens} tokens in {len(mlps)} blocks"]
+    if tiling.norm is True and not norms:
+        raise ConfigError([f"tiling.norm: the model has no RMS norm of a kind foundryx tiles "
+                           f"({', '.join(sorted(RMS_NORMS))}); set tiling.norm: false"])
+    tile_mlps = bool(mlps) and (tiling.mlp is True or (tiling.mlp == "auto" and long))
+    tile_norms = bool(norms) and (tiling.norm is True or (tiling.norm == "auto" and long))
+    if not (tile_mlps or tile_norms):
+        return []
+    tokens = tiling.mlp_tokens or mlp_width(mlps[0] if mlps else norms[0])
+    said = []
+    if tile_mlps:
+        for m in mlps:
+            tile_mlp(m, tokens)
+        said.append(f"MLP tiled by {tokens} tokens in {len(mlps)} blocks")
+    if tile_norms:
+        for m in norms:
+            tile_rms_norm(m, tokens)
+        said.append(f"{len(norms)} RMS norms tiled by {tokens} tokens")
+    if "auto" in (tiling.mlp if tile_mlps else None, tiling.norm if tile_norms else None):
+        log.info("tiling: %s (a microbatch of %d tokens >= tiling.auto_tokens %d: the MLP's "
+                 "hidden-width tensors and the norms' float32 copies are never whole; one more "
+                 "MLP forward a step; tiling.mlp / tiling.norm: false turn them off)",
+                 " and ".join(said), microbatch_tokens, tiling.auto_tokens)
+    return said
 
 
 def mlp_width(mlp: nn.Module) -> int:
-    """The MLP's input width (its first linear layer's in_features): the default tile."""
+    """The MLP's input width (its first linear layer's in_features; a norm's width): the
+    default tile."""
     for m in mlp.modules():
         if isinstance(getattr(m, "in_features", None), int):
             return m.in_features
-    return 4096
+    w = getattr(mlp, "weight", None)
+    return int(w.shape[0]) if isinstance(w, torch.Tensor) and w.dim() == 1 else 4096
 
 
 def parallelize(

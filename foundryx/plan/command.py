@@ -37,10 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"{DEFAULT_MFU})")
     p.add_argument("--tp", type=int, default=None, help="plan at this tensor-parallel degree "
                    "(default: the config's parallelism.tp, else 1)")
-    p.add_argument("--search", choices=("microbatch", "tp"), default=None,
+    p.add_argument("--search", choices=("microbatch", "tp", "max_seq_len"), default=None,
                    help="microbatch: print the largest microbatch that fits; tp: the run at "
                    "each TP degree (divisors of --gpus dividing the heads and kv heads) on the "
-                   "same devices and global batch: memory, communication, step time, verdict")
+                   "same devices and global batch: memory, communication, step time, verdict; "
+                   "max_seq_len: the longest sequence that fits the device and the node, and "
+                   "what runs out past it")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(fn=cmd_plan)
 
@@ -59,6 +61,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.search == "tp":
         print(render.render_tp_table(plan))
         return 0 if any(o.per_device_bytes <= plan.capacity for o in plan.tp_options) else 1
+    if args.search == "max_seq_len":
+        from foundryx.plan.length import describe
+
+        answer = plan.longest_sequence()
+        if args.json:
+            print(json.dumps({**plan.to_json(), "longest_sequence": answer.to_json()}, indent=2))
+        else:
+            print(describe(answer, plan.device, plan.capacity / GiB, plan.seq_key))
+        return 0 if answer.seq_len else 1
     if args.json:
         print(json.dumps(plan.to_json(), indent=2))
     elif args.search == "microbatch":

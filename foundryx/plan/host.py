@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from foundryx.plan.census import Census
-from foundryx.plan.memory import Setup, frozen_linear_bytes, terms
+from foundryx.plan.memory import Setup, frozen_linear_bytes, offloaded_activation_bytes, terms
 
 GiB = 2**30
 MiB = 2**20
@@ -71,12 +71,15 @@ HOST_DOCS = {
     "offloaded_shards": "offloaded frozen weights: offloaded bytes / N in one exact-size buffer "
                         "(pinned on a GPU)",
     "cpu_offload_state": "FSDP2 cpu_offload: the sharded weights, gradients and optimizer state",
+    "offloaded_activations": "activation_checkpointing.cpu_offload: every checkpointed block's "
+                             "input (pinned on a GPU)",
     "dataloader_workers": "dataloader worker processes (train + eval), private memory each",
     "loader_transient": "loading: the shards a rank keeps in host memory (a CPU device: all; "
                         "offloaded: moved into one buffer), file ranges read ahead, the largest "
                         "slice and its conversion",
 }
-TRAIN_TERMS = ("device_memory", "offloaded_shards", "cpu_offload_state", "dataloader_workers")
+TRAIN_TERMS = ("device_memory", "offloaded_shards", "cpu_offload_state", "offloaded_activations",
+               "dataloader_workers")
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,7 @@ def host_terms(c: Census, s: Setup, h: HostSetup) -> tuple[dict[str, int], int]:
         on = terms(c, replace(s, fsdp_cpu_offload=False))
         t["cpu_offload_state"] = sum(on[k] for k in ("frozen_weights", "trainable_weights",
                                                      "gradients", "optimizer_state"))
+    t["offloaded_activations"] = offloaded_activation_bytes(c.shape, s)
     t["dataloader_workers"] = h.workers * (WORKER_BYTES + 2 * h.batch_bytes)
     others = 0.0
     if h.load != "none" and h.stored_bytes:

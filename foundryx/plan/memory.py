@@ -92,6 +92,17 @@ class Setup:
     # norms, output projection) where the loader keeps the checkpoint's dtype for them
     # (foundryx/loading/dtypes.py); 0: the stored (master) bytes
     frozen_other_bytes: int = 0
+    # activation_checkpointing.cpu_offload: what the blocks save (with checkpointing: their
+    # inputs) in host memory, two blocks' worth on the device (the one in use, the prefetched)
+    act_offload: bool = False
+    mlp_tile: int = 0  # tiling.mlp: tokens a tile (0: not tiled)
+    mlp_tile_from: int = 0  # tiling.mlp: auto: tiled from this many tokens a microbatch
+
+    @property
+    def mlp_tiled(self) -> bool:
+        """Whether the MLP runs in tiles at this microbatch (auto decides on its tokens)."""
+        tokens = self.microbatch * self.seq_len
+        return self.mlp_tile > 0 and tokens >= self.mlp_tile_from and tokens > self.mlp_tile
 
     @property
     def lora(self) -> bool:
@@ -240,18 +251,38 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     kv = sh.kv_heads * (d // sh.n_heads) / (kv_divisor(sh, tp) if tp > 1 else 1)
     ffn = (4 if sh.gated_ffn else 2) * sh.ffn_hidden
     rope = d / tp + kv if sh.rotary else 0
-    inner = (d / tp + 2 * kv) + rope + d / tp + ffn / tp
+    tiled = s.mlp_tiled
+    inner = (d / tp + 2 * kv) + rope + d / tp + (0 if tiled else ffn / tp)
     gathered = 2 * d if tp > 1 and s.sequence_parallel else 0
     per_token = 6 * d / sp + gathered + inner + s.lora_dropout_inputs
     block = b * q * per_token * ce + b * sh.n_heads / tp * q * 4
+    if tiled:  # one tile's hidden-width tensors, its rerun's and their gradients (6 f)
+        block += min(s.mlp_tile, b * q) * 6 * sh.ffn_hidden / tp * ce
     if sh.scores_kept == "always" or (sh.scores_kept == "cpu" and s.device_kind == "cpu"):
         block += b * sh.n_heads / tp * q * q * ce  # the attention's probabilities
     if s.activation_checkpointing:
         kept = sh.n_layers // max(s.ac_every, 1)
-        acts = kept * b * q * d / sp * ce + (sh.n_layers - kept) * block + block
+        # offloaded: the inputs live in host memory; the one being recomputed and the
+        # prefetched one are on the device
+        inputs = min(kept, 2) if s.act_offload else kept
+        acts = inputs * b * q * d / sp * ce + (sh.n_layers - kept) * block + block
+    elif s.act_offload:  # everything the blocks save in host memory, two blocks' worth here
+        acts = min(sh.n_layers, 2) * block
     else:
         acts = sh.n_layers * block
     return acts + 4 * b * q * d / sp * ce, block
+
+
+def offloaded_activation_bytes(sh, s: Setup) -> float:
+    """Host bytes of ``activation_checkpointing.cpu_offload``: every checkpointed block's
+    input (or, without checkpointing, every block's saved activations), pinned on a GPU."""
+    if not s.act_offload:
+        return 0.0
+    sp = max(s.tp, 1) if s.sequence_parallel else 1
+    if s.activation_checkpointing:
+        kept = sh.n_layers // max(s.ac_every, 1)
+        return kept * s.microbatch * s.seq_len * sh.d_model / sp * s.compute_bytes
+    return sh.n_layers * _activations(sh, s)[1]
 
 
 def block_activations(sh, s: Setup) -> float:

@@ -16,7 +16,8 @@ from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
 from foundryx.plan.census import Census
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, find_gpu, parse_memory, parse_rate
-from foundryx.plan.host import HostFix, HostPlan, host_fixes, host_plan
+from foundryx.plan.host import HostFix, HostPlan, HostSetup, host_fixes, host_plan
+from foundryx.plan.length import Longest, longest
 from foundryx.plan.memory import Setup, by_stage, terms
 from foundryx.plan.node import machine, shape_override
 from foundryx.plan.settings import plan_setup
@@ -64,6 +65,14 @@ class Plan:
     tp_options: list[TpOption] = field(default_factory=list)  # the run at each TP degree
     tp_proposal: TpOption | None = None  # a TP degree that fits, or ends all-gather binding
     speed: Choice | None = None  # where the MFU came from (None: no peak FLOP/s, no estimate)
+    host_setup: HostSetup | None = None  # what the host terms were planned from
+    seq_key: str = "max_seq_len"  # the override that sets the run's length
+
+    def longest_sequence(self) -> Longest:
+        """The longest sequence this run fits on its device and node (``--search
+        max_seq_len``), from the same terms as the plan."""
+        cap = self.host.capacity if self.host is not None else None
+        return longest(self.census, self.setup, self.capacity, self.host_setup, cap)
 
     @property
     def per_device_bytes(self) -> int:
@@ -168,16 +177,20 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
                          "0.65B); host_heap=bounded keeps the run to it, at more step time "
                          "(docs/planning.md)")
         host = _host_spec(host_memory, read_rate, this_machine(), target.host_source)
-        return plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host,
+        plan = plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host,
                            tp=tp)
+        plan.seq_key = seq_key(data)
+        return plan
     if gpu is None:
         notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
     spec = find_gpu(gpu or DEFAULT_GPU)
     capacity = parse_memory(gpu_memory) if gpu_memory else spec.memory
     node = HostSpec(spec.host_memory, f"{spec.node} (--host-memory for yours)", spec.read_rate)
-    return plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
+    plan = plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
                        notes, _host_spec(host_memory, read_rate, node, target.host_source),
                        Links(spec.link_rate, spec.net_rate), tp=tp)
+    plan.seq_key = seq_key(data)
+    return plan
 
 
 def this_machine() -> HostSpec:
@@ -236,7 +249,17 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         host=hp,
         host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
         comm=comm, tp_options=options, tp_proposal=proposal, speed=speed,
+        host_setup=planned.host,
     )
+
+
+def seq_key(data: dict[str, Any]) -> str:
+    """``variables.max_seq_len`` where the config (its data before interpolation) sets its
+    length there (its loaders read it too), else ``max_seq_len``."""
+    variables = data.get("variables")
+    if isinstance(variables, dict) and "max_seq_len" in variables:
+        return "variables.max_seq_len"
+    return "max_seq_len"
 
 
 MODEL_KINDS = {"hf_causal_lm": "hf", "mpt_causal_lm": "mpt"}  # the speed table's model kinds

@@ -137,6 +137,19 @@ def tp_settings(resolved: dict[str, Any]) -> tuple[int, bool]:
     return tp, bool(True if sp is None else sp)
 
 
+def mlp_tiling(resolved: dict[str, Any], shape: Any) -> dict[str, int]:
+    """``Setup.mlp_tile`` and ``mlp_tile_from`` from the run config's ``tiling`` section (read
+    from the resolved data, defaults as the schema's): tokens a tile (the model's d_model when
+    not given), and the microbatch tokens from which ``mlp: auto`` tiles."""
+    section = resolved.get("tiling") if isinstance(resolved.get("tiling"), dict) else {}
+    mode = section.get("mlp", "auto")
+    if mode is False:
+        return {"mlp_tile": 0, "mlp_tile_from": 0}
+    tile = int(section.get("mlp_tokens") or shape.d_model)
+    start = 0 if mode is True else int(section.get("auto_tokens") or 32768)
+    return {"mlp_tile": tile, "mlp_tile_from": start}
+
+
 def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
                device_kind: str, tp_degree: int | None = None) -> Planned:
     """Census and Setup of the run ``loaded`` on ``world_size`` devices (``tp_degree``: plan
@@ -198,6 +211,8 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
         sequence_parallel=sp,
         tp_vocab=tp_vocab(str(cfg.model.get("name")), census),
         node_size=gpus_per_node,
+        act_offload=bool(getattr(ac, "cpu_offload", False)),
+        **mlp_tiling(loaded.resolved, shape),
     )
     if setup.frozen_dtype is not None and not setup.lora:
         notes.append("frozen_base without peft_config: nothing is frozen, so it changes nothing")
