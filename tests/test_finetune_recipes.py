@@ -16,7 +16,7 @@ from foundryx.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"llama-lora": "llama", "mpt-lora": "mpt", "llama-8b-lora-fp8": "llama",
            "llama-3.1-70b-lora": "llama", "llama-3.1-405b-lora-fp8": "llama-wide",
-           "llama-3.1-405b-lora-mi300x": "llama-wide"}
+           "llama-3.1-405b-lora-mi300x": "llama-wide", "llama-3.1-8b-lora-long": "llama"}
 
 
 def tiny_folder(kind: str, out: Path, tokenizer_dir: Path) -> Path:

@@ -6,6 +6,7 @@ the shipped long recipe trains as it ships at a tiny size."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from torch import nn
 from foundryx.parallel.offload_activations import ActivationOffload, offload_activations
 from foundryx.parallel.tiling import mlp_modules, tile_mlp
 from foundryx.parallel.wrappers import checkpoint_activations
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama(seed: int = 0, **over):
@@ -237,3 +240,47 @@ def test_tile_mlp_short_input_runs_untiled():
     x = torch.randn(1, 8, 3, requires_grad=True)
     y = m(x)
     assert y.grad_fn.name() == "MulBackward0"  # not the tiled function: one tile's worth
+
+
+# ---------------------------------------------------------------------------------------
+# The shipped recipe, as it ships, at a tiny size
+# ---------------------------------------------------------------------------------------
+LONG_RECIPE = "yamls/finetune/llama-3.1-8b-lora-long.yaml"
+
+
+@pytest.mark.slow
+def test_long_recipe_trains_as_it_ships(quickstart_data, tmp_path, monkeypatch):
+    """yamls/finetune/llama-3.1-8b-lora-long.yaml on one CPU process with a tiny Llama of the
+    8B release's shape (bf16 safetensors), 128 tokens a sequence: its LoRA, bf16 base, amp_bf16,
+    checkpointing with offloaded inputs and auto tiling (its threshold lowered to this length,
+    48-token tiles: three a sequence) as the recipe has them; the loss falls and the checkpoint
+    holds the adapters only."""
+    from test_recipes_2rank import check_adapter_only, tiny_llama
+
+    from foundryx.checkpoint.layout import complete_checkpoints
+    from foundryx.config import load_config
+    from foundryx.loggers.jsonl import read_metrics
+    from foundryx.train import train
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_llama("llama-3.1-8b", tmp_path / "model", quickstart_data / "tokenizer")
+    overrides = [f"variables.model_path={model}", f"variables.data_root={quickstart_data}",
+                 "variables.max_seq_len=128", "tiling.auto_tokens=128", "tiling.mlp_tokens=48",
+                 "device=cpu", "max_duration=4ba", "global_train_batch_size=2",
+                 "device_train_microbatch_size=1", "save_interval=4ba", "optimizer.lr=5.0e-3",
+                 "scheduler.t_warmup=0ba", "progress_bar=false",
+                 f"loggers.jsonl.path={tmp_path}/m.jsonl"]
+    trainer = train(load_config(ROOT / LONG_RECIPE, overrides, world_size=1))
+    trainer.close()
+    modules = list(trainer.state.model.modules())
+    assert [getattr(m, "_foundryx_mlp_tokens", 0) for m in modules].count(48) == 2
+    assert [getattr(m, "_foundryx_norm_tokens", 0) for m in modules].count(48) == 5
+    offload = {getattr(m, "_foundryx_activation_offload", None) for m in modules} - {None}
+    # the two blocks' inputs, 128 tokens x d_model 128 in bf16 each, in host memory
+    assert len(offload) == 1 and next(iter(offload)).offloaded_bytes == 2 * 128 * 128 * 2
+    losses = [r["loss/train/total"] for r in read_metrics(tmp_path / "m.jsonl")
+              if "loss/train/total" in r]
+    assert len(losses) == 4 and sum(losses[-2:]) / 2 < losses[0], losses
+    saved = complete_checkpoints(tmp_path / "runs/llama-3.1-8b-lora-long/checkpoints")
+    assert saved and saved[0][1].batch == 4
+    check_adapter_only(saved[0][0])

@@ -71,7 +71,10 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "mpt-7b.yaml": ("scratch", []),
 }
 # Recipes run on 2 ranks, in their own configuration, by another test.
-ELSEWHERE = {"quickstart.yaml": "tests/test_concurrent_datasets.py (composer -n 2, 6 batches)"}
+ELSEWHERE = {"quickstart.yaml": "tests/test_concurrent_datasets.py (composer -n 2, 6 batches)",
+             # a one-GPU recipe (no sharding to run on 2 ranks): trained as it ships on one
+             # process there
+             "finetune/llama-3.1-8b-lora-long.yaml": "tests/test_long_context.py (one process)"}
 
 
 def recipe_files() -> list[str]:

@@ -12,8 +12,9 @@ taking a tensor back starts the host-to-device copy of the one saved before it (
 block's, whose recompute comes next) on the side stream, and the compute stream waits only
 for the copy it reads. At most two blocks' inputs are on the device at once.
 
-Tensors below ``min_bytes`` (1 MiB: masks, scales, a norm's per-token statistics) and
-parameters stay where they are: their copies would cost more than they hold. On a CPU device
+Without checkpointing, tensors below ``min_bytes`` (1 MiB: masks, scales, a norm's per-token
+statistics) stay where they are: their copies would cost more than they hold; with it, every
+block input goes (``parallelize`` sets 0). Parameters always stay. On a CPU device
 the host copy is a real copy (so the path runs in CPU tests), made at once.
 """
 

@@ -39,7 +39,11 @@ from foundryx.parallel.fsdp import (
     shard_model,
     sum_only_reductions,
 )
-from foundryx.parallel.offload_activations import ActivationOffload, offload_activations
+from foundryx.parallel.offload_activations import (
+    MIN_BYTES,
+    ActivationOffload,
+    offload_activations,
+)
 from foundryx.parallel.pinning import pins
 from foundryx.parallel.policy import blocks, checkpoint_targets
 from foundryx.parallel.selective_ac import checkpoint_selectively
@@ -139,7 +143,9 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
             raise ConfigError([f"{what}: the model names no transformer blocks; give it an "
                                "fsdp_wrap_fn (or _no_split_modules)"])
     if ac.cpu_offload:
-        offload = ActivationOffload(device, pins(device))  # one: backward prefetches across blocks
+        # one for the model: backward prefetches across blocks; with checkpointing what is
+        # saved is each block's input, offloaded whatever its size
+        offload = ActivationOffload(device, pins(device), 0 if ac.enabled else MIN_BYTES)
         for _, m in block_list:
             offload_activations(m, offload)
         summary.append(f"activation CPU offload on {len(block_list)} blocks")
