@@ -38,7 +38,7 @@ from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
 from foundryx.plan.node import machine
 from foundryx.plan.planner import plan_here
-from foundryx.plan.prelaunch import check_fits, host_problem
+from foundryx.plan.prelaunch import check_fits, host_problem, longest_line
 from foundryx.plan.render import render
 from foundryx.runtime import host_heap, known_warnings, preempt
 from foundryx.runtime.device_choice import pick_device
@@ -99,6 +99,8 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
                             "GiB; see the plan's suggestions above")
         if not plan.host_fits and on_gpu and loaded.cfg.plan_check:
             problems.append(host_problem(plan) + "; see the plan's host fixes above")
+        if not plan.fits and on_gpu and loaded.cfg.plan_check:
+            problems += longest_line(plan)
     except NotPlannable as e:  # a plugin model, ...: it may train all the same
         parts.append(f"no plan: {e}")
     except ConfigError as e:  # building the model: e.g. LoRA target_modules that match nothing

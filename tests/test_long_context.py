@@ -284,3 +284,60 @@ def test_long_recipe_trains_as_it_ships(quickstart_data, tmp_path, monkeypatch):
     saved = complete_checkpoints(tmp_path / "runs/llama-3.1-8b-lora-long/checkpoints")
     assert saved and saved[0][1].batch == 4
     check_adapter_only(saved[0][0])
+
+
+# ---------------------------------------------------------------------------------------
+# The planner: --search max_seq_len
+# ---------------------------------------------------------------------------------------
+SHAPE_8B = ["variables.model_path=yamls/shapes/llama-3.1-8b"]
+
+
+def test_search_max_seq_len_answers_from_the_plan(monkeypatch, capsys):
+    """The longest length the search prints fits when the recipe is planned at it, the next
+    1,024 tokens do not (each planned afresh, as `foundryx plan` plans a config), and on an
+    80 GB H100 it is at least the recipe's 524,288 tokens."""
+    from foundryx.cli import main
+    from foundryx.plan.planner import make_plan
+
+    monkeypatch.chdir(ROOT)
+    answer = make_plan(LONG_RECIPE, SHAPE_8B).longest_sequence()
+    assert answer.seq_len >= 524288 and answer.ran_out == "activations"
+    fit = make_plan(LONG_RECIPE, [*SHAPE_8B, f"variables.max_seq_len={answer.seq_len}"])
+    past = make_plan(LONG_RECIPE, [*SHAPE_8B, f"variables.max_seq_len={answer.next_len}"])
+    assert fit.fits and not past.fits and answer.next_len == answer.seq_len + 1024
+    assert fit.per_device_bytes == answer.device_bytes
+    assert fit.host.terms["offloaded_activations"] == 32 * answer.seq_len * 4096 * 2
+    assert main(["plan", LONG_RECIPE, *SHAPE_8B, "--search", "max_seq_len"]) == 0
+    out = capsys.readouterr().out
+    assert f"{answer.seq_len:,} tokens (variables.max_seq_len={answer.seq_len})" in out
+
+
+def test_search_names_what_runs_out(monkeypatch):
+    """Host memory that cannot hold the offloaded checkpoints stops the search there; a device
+    that cannot hold the weights fits no length."""
+    from foundryx.plan.planner import make_plan
+
+    monkeypatch.chdir(ROOT)
+    host = make_plan(LONG_RECIPE, SHAPE_8B, host_memory="64GiB").longest_sequence()
+    # 32 block inputs of 8 KiB a token in 64 GiB less the process's own ~5 GiB
+    assert host.ran_out == "host" and 200_000 < host.seq_len < 64 * 2**30 // (32 * 8192)
+    small = make_plan(LONG_RECIPE, SHAPE_8B, gpu_memory="12GB").longest_sequence()
+    assert small.seq_len == 0 and small.ran_out == "weights"
+
+
+def test_plan_check_says_the_longest_that_fits():
+    """A length that does not fit stops the run before anything is built (plan_check), with
+    the longest length that does and the part that runs out."""
+    from foundryx.config import load_config
+    from foundryx.errors import ConfigError
+    from foundryx.plan.planner import HostSpec
+    from foundryx.plan.prelaunch import check_fits
+
+    loaded = load_config(ROOT / LONG_RECIPE, [*SHAPE_8B, "variables.max_seq_len=1048576"],
+                         world_size=1, component_sections=("model", "optimizer"))
+    with pytest.raises(ConfigError) as e:
+        check_fits(loaded, ("NVIDIA H100 80GB HBM3", 80 * 10**9, "cuda"),
+                   HostSpec(2 * 2**40, "a 2 TiB node", 1e10))
+    said = "\n".join(e.value.problems)
+    assert "plan_check: fix: the longest sequence that fits is" in said
+    assert "(variables.max_seq_len=" in said and "at 1,048,576 activations" in said

@@ -24,6 +24,7 @@ from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import MPTForCausalLM
 from foundryx.models.mpt.options import RUN_FIELDS, MPTOptions
 from foundryx.models.peft.lora import linear_modules
+from foundryx.parallel.tiling import RMS_NORMS
 
 
 class NotPlannable(ConfigError):
@@ -53,6 +54,7 @@ class Shape:
     # the loss stays fused under tensor parallelism (MPT: vocabulary-parallel chunks,
     # parallel/vocab_rows.py); a Hugging Face model's TP head takes its own loss (models/hf.py)
     fused_under_tp: bool = True
+    rms_norm_tiles: bool = False  # its RMS norms are ones tiling.norm tiles (parallel/tiling.py)
 
 
 @dataclass
@@ -106,7 +108,8 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     scores = "always" if impl == "eager" else "cpu" if impl == "sdpa" and kv_heads < n_heads else ""
     shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size,
                   fused_loss=fuses_loss(model, opts.fused_loss), rotary=rotary, scores_kept=scores,
-                  fused_under_tp=False)
+                  fused_under_tp=False,
+                  rms_norm_tiles=any(type(m).__name__ in RMS_NORMS for m in model.modules()))
     return model, shape
 
 

@@ -97,12 +97,20 @@ class Setup:
     act_offload: bool = False
     mlp_tile: int = 0  # tiling.mlp: tokens a tile (0: not tiled)
     mlp_tile_from: int = 0  # tiling.mlp: auto: tiled from this many tokens a microbatch
+    norm_tile: int = 0  # tiling.norm: tokens a tile (0: not tiled)
+    norm_tile_from: int = 0  # tiling.norm: auto: tiled from this many tokens a microbatch
 
     @property
     def mlp_tiled(self) -> bool:
         """Whether the MLP runs in tiles at this microbatch (auto decides on its tokens)."""
         tokens = self.microbatch * self.seq_len
         return self.mlp_tile > 0 and tokens >= self.mlp_tile_from and tokens > self.mlp_tile
+
+    @property
+    def norm_tiled(self) -> bool:
+        """Whether the RMS norms run in tiles at this microbatch."""
+        tokens = self.microbatch * self.seq_len
+        return self.norm_tile > 0 and tokens >= self.norm_tile_from and tokens > self.norm_tile
 
     @property
     def lora(self) -> bool:
@@ -163,7 +171,12 @@ def terms(c: Census, s: Setup) -> dict[str, int]:
     # measured). Without it, a block's saved activations are freed as its gradients are made,
     # so backward adds only its largest gradients, the FFN's two hidden-width ones (measured:
     # the peak grows with the microbatch as the end of the forward pass does, not faster).
-    if s.activation_checkpointing:
+    if s.activation_checkpointing and _lean(sh, s):
+        # tiled: the gradients of the residual stream, of the block's output and of the op
+        # running (3 d a token), and one MLP tile's hidden-width tensors and gradients
+        work = 3 * b * q * d / max(s.tp if s.sequence_parallel else 1, 1) * ce
+        work += min(s.mlp_tile, b * q) * 6 * sh.ffn_hidden / max(s.tp, 1) * ce
+    elif s.activation_checkpointing:
         work = block
     else:
         work = 2 * b * q * max(sh.ffn_hidden / s.tp, d) * ce
@@ -255,9 +268,13 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     inner = (d / tp + 2 * kv) + rope + d / tp + (0 if tiled else ffn / tp)
     gathered = 2 * d if tp > 1 and s.sequence_parallel else 0
     per_token = 6 * d / sp + gathered + inner + s.lora_dropout_inputs
+    if _lean(sh, s):
+        # norms and MLP tiled (counted from the traced 8B step, benchmarks/RESULTS.md "Long
+        # context"): the two norms' outputs (2 d; a tiled norm keeps its input, the block's
+        # input or the residual already held, and a float32 statistic per token), the rotated
+        # q and k, v (d + 2 kv: the unrotated q and k are freed), the attention's output (d)
+        per_token = 2 * d / sp + gathered + (d / tp + 2 * kv) + d / tp + s.lora_dropout_inputs
     block = b * q * per_token * ce + b * sh.n_heads / tp * q * 4
-    if tiled:  # one tile's hidden-width tensors, its rerun's and their gradients (6 f)
-        block += min(s.mlp_tile, b * q) * 6 * sh.ffn_hidden / tp * ce
     if sh.scores_kept == "always" or (sh.scores_kept == "cpu" and s.device_kind == "cpu"):
         block += b * sh.n_heads / tp * q * q * ce  # the attention's probabilities
     if s.activation_checkpointing:
@@ -270,7 +287,17 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
         acts = min(sh.n_layers, 2) * block
     else:
         acts = sh.n_layers * block
-    return acts + 4 * b * q * d / sp * ce, block
+    # outside the blocks: the embedding output and the final norm's three tensors; tiled,
+    # the final norm keeps its input and output only, and the embedding output (the first
+    # block's input) is not kept when the checkpoints are offloaded
+    outside = 4 if not _lean(sh, s) else 2 if s.act_offload else 3
+    return acts + outside * b * q * d / sp * ce, block
+
+
+def _lean(sh, s: Setup) -> bool:
+    """Whether a block's recompute is the tiled one (norms and MLP tiled, RoPE): its own
+    per-token count in :func:`_activations`."""
+    return s.mlp_tiled and s.norm_tiled and sh.rotary
 
 
 def offloaded_activation_bytes(sh, s: Setup) -> float:

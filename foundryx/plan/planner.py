@@ -179,7 +179,6 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
         host = _host_spec(host_memory, read_rate, this_machine(), target.host_source)
         plan = plan_loaded(loaded, per_node, "cpu", "cpu", None, capacity, mfu, notes, host,
                            tp=tp)
-        plan.seq_key = seq_key(data)
         return plan
     if gpu is None:
         notes.append(f"--gpu not given: planned for {DEFAULT_GPU}")
@@ -189,7 +188,6 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     plan = plan_loaded(loaded, per_node, spec.key, spec.kind, spec.device_name, capacity, mfu,
                        notes, _host_spec(host_memory, read_rate, node, target.host_source),
                        Links(spec.link_rate, spec.net_rate), tp=tp)
-    plan.seq_key = seq_key(data)
     return plan
 
 
@@ -249,14 +247,20 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         host=hp,
         host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
         comm=comm, tp_options=options, tp_proposal=proposal, speed=speed,
-        host_setup=planned.host,
+        host_setup=planned.host, seq_key=seq_key(loaded.source),
     )
 
 
-def seq_key(data: dict[str, Any]) -> str:
-    """``variables.max_seq_len`` where the config (its data before interpolation) sets its
-    length there (its loaders read it too), else ``max_seq_len``."""
-    variables = data.get("variables")
+def seq_key(source: str) -> str:
+    """``variables.max_seq_len`` where the config file sets its length there (its loaders read
+    it too), else ``max_seq_len``."""
+    import yaml  # here: only to read the file's variables
+
+    try:
+        data = yaml.safe_load(Path(source).read_text())
+    except (OSError, yaml.YAMLError):
+        data = None
+    variables = data.get("variables") if isinstance(data, dict) else None
     if isinstance(variables, dict) and "max_seq_len" in variables:
         return "variables.max_seq_len"
     return "max_seq_len"

@@ -11,6 +11,7 @@ from foundryx.config.load import LoadedConfig
 from foundryx.errors import ConfigError
 from foundryx.plan.census import MODELS
 from foundryx.plan.gpus import GiB
+from foundryx.plan.length import RAN_OUT_WORDS
 from foundryx.plan.planner import HostSpec, Plan, plan_loaded, this_machine
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ def check_fits(loaded: LoadedConfig, facts: tuple[str, int, str] | None = None,
         problems.append(host_problem(plan))
         problems += [f"plan_check: fix: {f.change} -> {f.per_node_bytes / GiB:.1f} GiB per node "
                      f"({f.overrides})" for f in plan.host_fixes[:5]]
+    problems += longest_line(plan)
     problems.append("plan_check: `foundryx plan CONFIG` shows every term; plan_check: false "
                     "starts the run anyway")
     raise ConfigError(problems, source=loaded.source)
@@ -66,3 +68,14 @@ def host_problem(plan: Plan) -> str:
             f"per node ({h.ranks_per_node} rank(s) of {h.per_rank / GiB:.1f} GiB at most: "
             f"loading {h.load_per_rank / GiB:.1f} GiB, training {h.train_per_rank / GiB:.1f} "
             f"GiB) and {h.node} has {h.capacity / GiB:.1f} GiB; the node would run out of memory")
+
+
+def longest_line(plan: Plan) -> list[str]:
+    """The longest sequence the run fits, and what runs out past it (a fix, for a run whose
+    length is what does not fit), or nothing when even that does not help."""
+    answer = plan.longest_sequence()
+    if not answer.seq_len or answer.seq_len >= plan.setup.seq_len:
+        return []
+    return [f"plan_check: fix: the longest sequence that fits is {answer.seq_len:,} tokens "
+            f"({plan.seq_key}={answer.seq_len}; {answer.device_bytes / GiB:.1f} GiB per "
+            f"device); at {plan.setup.seq_len:,} {RAN_OUT_WORDS[answer.ran_out]} run out"]

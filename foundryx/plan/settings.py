@@ -138,16 +138,20 @@ def tp_settings(resolved: dict[str, Any]) -> tuple[int, bool]:
 
 
 def mlp_tiling(resolved: dict[str, Any], shape: Any) -> dict[str, int]:
-    """``Setup.mlp_tile`` and ``mlp_tile_from`` from the run config's ``tiling`` section (read
-    from the resolved data, defaults as the schema's): tokens a tile (the model's d_model when
-    not given), and the microbatch tokens from which ``mlp: auto`` tiles."""
+    """``Setup.mlp_tile``, ``norm_tile`` and their ``*_from`` from the run config's ``tiling``
+    section (read from the resolved data, defaults as the schema's): tokens a tile (the
+    model's d_model when not given), and the microbatch tokens from which ``auto`` tiles. A
+    norm is tiled only where foundryx tiles it (foundryx.parallel.tiling.RMS_NORMS)."""
     section = resolved.get("tiling") if isinstance(resolved.get("tiling"), dict) else {}
-    mode = section.get("mlp", "auto")
-    if mode is False:
-        return {"mlp_tile": 0, "mlp_tile_from": 0}
     tile = int(section.get("mlp_tokens") or shape.d_model)
-    start = 0 if mode is True else int(section.get("auto_tokens") or 32768)
-    return {"mlp_tile": tile, "mlp_tile_from": start}
+    auto = int(section.get("auto_tokens") or 32768)
+    out = {}
+    for part, can in (("mlp", True), ("norm", shape.rms_norm_tiles)):
+        mode = section.get(part, "auto")
+        on = mode is not False and can
+        out[f"{part}_tile"] = tile if on else 0
+        out[f"{part}_tile_from"] = 0 if mode is True or not on else auto
+    return out
 
 
 def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
