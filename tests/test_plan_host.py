@@ -68,7 +68,7 @@ def test_host_terms_by_hand():
     loader = OFFLOAD_PACK_COPIES * offloaded + READ_AHEAD + LARGEST * 2 / 2
     assert t == {"process_baseline": PROCESS_BASELINE, "gpu_runtime": GPU_RUNTIME_HOST,
                  "device_memory": 0, "offloaded_shards": offloaded, "cpu_offload_state": 0,
-                 "dataloader_workers": 3 * (WORKER_BYTES + 2 * 1024),
+                 "offloaded_activations": 0, "dataloader_workers": 3 * (WORKER_BYTES + 2 * 1024),
                  "loader_transient": loader}
     assert others == loader  # every rank reads its own slices
     hp = host_plan(c, s, h, capacity=10 * GiB, node="test", read_rate=1e9)

@@ -169,6 +169,9 @@ def render(p: Plan) -> str:
         f"foundryx plan: {count(c.total)} parameters ({count(trainable)} trainable), "
         f"{s.world_size} x {p.device}, {sharding}, microbatch {s.microbatch} x {s.seq_len} tokens, "
         f"{s.precision}{', activation checkpointing' if s.activation_checkpointing else ''}"
+        f"{' (inputs offloaded)' if s.act_offload and s.activation_checkpointing else ''}"
+        f"{', activations offloaded' if s.act_offload and not s.activation_checkpointing else ''}"
+        f"{tiled_words(s)}"
         f"{f', base {s.frozen_dtype}' if s.frozen_dtype else ''}"
         f"{f', offload {s.offload_fraction:g}' if s.offload_fraction else ''}",
         "",
@@ -219,3 +222,9 @@ def render(p: Plan) -> str:
         lines.append(f"  MFU {p.mfu:.1%}, {p.speed.line}")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+def tiled_words(s) -> str:  # noqa: ANN001
+    """``, MLP and norms tiled by N`` (what tiling does at this microbatch), or nothing."""
+    parts = [w for w, on in (("MLP", s.mlp_tiled), ("norms", s.norm_tiled)) if on]
+    return f", {' and '.join(parts)} tiled by {s.mlp_tile or s.norm_tile}" if parts else ""
