@@ -46,9 +46,19 @@ MEASURED_H100 = {"peer": 29.4, "bf16": 36.3, "fp8": 29.8, "nf4": 26.6, "fp8-offl
 
 
 def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
-             overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> dict:
+             overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None,
+             layers: int | None = None) -> dict:
     """``{"peak_gib", "categories", "seconds"}`` for ``side`` (and ``host_peak_gib``, the
-    offloaded checkpoints' host memory, where the recipe offloads them)."""
+    offloaded checkpoints' host memory, where the recipe offloads them). ``layers``: trace
+    that many decoder layers of foundryx's side and scale to the shape's (see
+    :func:`scaled_to_depth`)."""
+    if layers is not None:
+        if side == "peer":
+            raise fake_step.NotTraceable("--layers: foundryx's sides only (the peer keeps every "
+                                         "layer's input: its peak grows with depth)")
+        overrides = [*overrides, f"model.config_overrides.num_hidden_layers={layers}"]
+        row = estimate(side, shape, batch, seq, overrides, recipe)
+        return scaled_to_depth(row, layers, fake_step.shape_config(shape)["num_hidden_layers"])
     start = time.perf_counter()
     with fake_step.fake_mode(), fake_step.gpu_kernels():
         step = fake_step.build(side, shape, batch, seq, overrides, recipe)
@@ -79,6 +89,28 @@ def estimate(side: str, shape: Path, batch: int = 2, seq: int = 4096,
         row = tracker.report()
     row["seconds"] = time.perf_counter() - start
     return row
+
+
+PER_LAYER = ("frozen base", "adapters + optimizer")  # categories that grow with the depth
+
+
+def scaled_to_depth(row: dict, traced: int, depth: int) -> dict:
+    """A step traced with ``traced`` decoder layers, scaled to ``depth``: the frozen base and
+    the adapters with their gradients and optimizer state are per layer (x depth / traced),
+    and so is the offloaded checkpoints' host memory; the rest is not, for a recipe whose
+    checkpoints are offloaded (what the device holds of activations is the layer being
+    recomputed and the next one's input, at any depth). Checked against the whole depth at
+    16K tokens (benchmarks/RESULTS.md, "Long context")."""
+    k = depth / traced
+    cats = dict(row["categories"])
+    grown = sum(cats.get(c, 0) for c in PER_LAYER) * (k - 1)
+    for c in PER_LAYER:
+        cats[c] = cats.get(c, 0) * k
+    out = {**row, "categories": cats, "peak_gib": row["peak_gib"] + grown,
+           "traced_layers": traced}
+    if "host_peak_gib" in row:
+        out["host_peak_gib"] = row["host_peak_gib"] * k
+    return out
 
 
 def _tag_offload_copies(step: fake_step.FakeStep, tracker: CategoryTracker):
@@ -130,11 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     fake_step.add_recipe_overrides(p)
+    p.add_argument("--layers", type=int, default=None,
+                   help="trace this many decoder layers and scale the per-layer categories to "
+                   "the shape's depth (foundryx's sides of a recipe that offloads its "
+                   "checkpoints: a long sequence traces in minutes)")
     p.add_argument("--json", type=Path, help="write {side: {peak_gib, categories}} here")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     def one(side: str) -> dict:
-        row = estimate(side, a.shape, a.batch, a.seq, a.overrides, a.recipe)
+        row = estimate(side, a.shape, a.batch, a.seq, a.overrides, a.recipe, a.layers)
         host = f", host {row['host_peak_gib']:.2f} GiB" if "host_peak_gib" in row else ""
         print(f"{side}: peak {row['peak_gib']:.2f} GiB{host} ({row['seconds']:.0f} s)", flush=True)
         return row
@@ -144,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(table(rows))
     if a.json:
-        a.json.write_text(json.dumps({s: {k: r[k] for k in ("peak_gib", "categories",
-                                                            "host_peak_gib") if k in r}
+        a.json.write_text(json.dumps({s: {"seq": a.seq, "batch": a.batch,
+                                          **{k: r[k] for k in ("peak_gib", "categories",
+                                                               "host_peak_gib", "traced_layers")
+                                             if k in r}}
                                       for s, r in rows.items()}, indent=1))
     return 0
 

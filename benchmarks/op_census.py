@@ -194,9 +194,9 @@ def normalise(place: str) -> str:
 
 
 def census(side: str, shape: Path, batch: int = 2, seq: int = 4096,
-           overrides: list[str] | tuple[str, ...] = ()) -> dict:
+           overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> dict:
     with fake_step.fake_mode(), fake_step.gpu_kernels():
-        step = fake_step.build(side, shape, batch, seq, overrides)
+        step = fake_step.build(side, shape, batch, seq, overrides, recipe)
         names = {id(m): n for n, m in step.model.named_modules()}
         fake_step.run_step(step, lambda name: contextlib.nullcontext())  # optimizer state
         return measure(side, names, lambda c: fake_step.run_step(step, c.in_phase))
@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"op_census: --mpt {a.mpt}: no such recipe", file=sys.stderr)
             return 2
     results = fake_step.each_side("op_census", a.shape if a.mpt is None else None, a.sides,
-                                  lambda side: census(side, a.shape, a.batch, a.seq, a.overrides))
+                                  lambda side: census(side, a.shape, a.batch, a.seq, a.overrides,
+                                                      a.recipe))
     if results is None:
         return 2
     print(report(results))
