@@ -341,3 +341,30 @@ def test_plan_check_says_the_longest_that_fits():
     said = "\n".join(e.value.problems)
     assert "plan_check: fix: the longest sequence that fits is" in said
     assert "(variables.max_seq_len=" in said and "at 1,048,576 activations" in said
+
+
+# ---------------------------------------------------------------------------------------
+# The estimator at the recipe's length
+# ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_estimator_traces_the_long_recipe_with_host_apart():
+    """benchmarks/flagship_estimate.py --recipe (the long recipe) on the tiny Llama shape at
+    128 tokens, tiled (16-token tiles): the offloaded checkpoints are host memory (2 layers x
+    128 tokens x d_model 64 in bf16), not in the device's peak; the untiled step on the device
+    is larger; --layers 1 scales the per-layer categories back to the shape's 2 layers."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import flagship_estimate
+
+    tiny = ROOT / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
+    recipe = ROOT / LONG_RECIPE
+    tiled = ["tiling.auto_tokens=64", "tiling.mlp_tokens=16"]
+    row = flagship_estimate.estimate("bf16", tiny, 1, 128, tiled, recipe)
+    assert row["host_peak_gib"] * 2**30 == 2 * 128 * 64 * 2
+    kept = flagship_estimate.estimate("bf16", tiny, 1, 128,
+                                      [*tiled, "activation_checkpointing.cpu_offload=false"], recipe)
+    assert "host_peak_gib" not in kept and kept["peak_gib"] > row["peak_gib"]
+    one = flagship_estimate.estimate("bf16", tiny, 1, 128, tiled, recipe, layers=1)
+    assert one["traced_layers"] == 1 and one["host_peak_gib"] == row["host_peak_gib"]
+    assert one["categories"]["frozen base"] == pytest.approx(row["categories"]["frozen base"])
