@@ -368,3 +368,29 @@ def test_estimator_traces_the_long_recipe_with_host_apart():
     one = flagship_estimate.estimate("bf16", tiny, 1, 128, tiled, recipe, layers=1)
     assert one["traced_layers"] == 1 and one["host_peak_gib"] == row["host_peak_gib"]
     assert one["categories"]["frozen base"] == pytest.approx(row["categories"]["frozen base"])
+
+
+def test_long_context_table_arithmetic(tmp_path):
+    """benchmarks/long_context.py: the line through two traces and its longest length with the
+    planner's margin and context, by hand; the 512K step's attention FLOPs as the census's
+    flash kernel counts them (benchmarks/fake_step.py), forward, recompute and 2.5x backward."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_scripts import load_benchmark
+
+    lc = load_benchmark("long_context")
+    for seq, peak in ((1024, 10.0), (3072, 14.0)):
+        (tmp_path / f"{seq}.json").write_text(json.dumps({"peer": {"seq": seq, "peak_gib": peak}}))
+    b0, b1, _ = lc.line([tmp_path / "3072.json", tmp_path / "1024.json"], "peer")
+    assert (b0, b1 * 1024) == pytest.approx((8.0, 2.0))
+    # (23 GiB - 1 GiB context) / 1.1 = 20 GiB usable: (20 - 8) / 2 GiB per 1K = 6K tokens
+    assert lc.longest_on_line(b0, b1, 23.0) == 6 * 1024
+    import fake_step
+
+    paper = lc.on_paper(4096)
+    one = fake_step.attention_flops(torch.Size([1, 32, 4096, 128]), torch.Size([1, 8, 4096, 128]),
+                                    True)
+    assert paper["attention_tflop"] * 1e12 == pytest.approx(32 * one * 4.5)
+    assert paper["copy_gib_each_way"] == 32 * 4096 * 4096 * 2 / 2**30
