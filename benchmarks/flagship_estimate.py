@@ -3,6 +3,13 @@
     python benchmarks/flagship_estimate.py --shape yamls/shapes/llama-3.1-8b [--json FILE]
     python benchmarks/flagship_estimate.py --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
         --seq 128 --sides peer,bf16
+    python benchmarks/flagship_estimate.py --recipe yamls/finetune/llama-3.1-8b-lora-long.yaml \\
+        --sides bf16 --batch 1 --seq 524288 [--layers 2] --json F      # issue 52
+
+``--recipe`` traces that recipe's step for foundryx's sides (default: the flagship's); a recipe
+that offloads its checkpoints has their host copies counted apart (``host_peak_gib``), not in
+the device's peak. ``--layers N`` traces N decoder layers and scales the per-layer categories
+to the shape's depth (:func:`scaled_to_depth`).
 
 For each side (``peer``: plain transformers + peft; ``bf16``, ``fp8``, ``nf4``: foundryx's
 large-model recipe over that frozen base; ``fp8-offload0.5``: half its frozen layers
