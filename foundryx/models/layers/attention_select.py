@@ -101,6 +101,17 @@ def triton_problem(
     return unsupported(q, k, v, dropout_p)
 
 
+def flex_problem(dropout_p: float = 0.0) -> str | None:
+    """Why FlexAttention cannot run a call, or None."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+    except ImportError:
+        return f"this torch ({torch.__version__}) has no FlexAttention; it needs torch >= 2.5"
+    if dropout_p:
+        return f"attention dropout (attn_pdrop {dropout_p}) is not implemented by FlexAttention"
+    return None
+
+
 def require(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> None:
     """Raise :class:`AttentionError` if ``impl`` ('flash' or 'triton') cannot run this call."""
     if impl == "flash":
