@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from foundryx.errors import ConfigError
 from foundryx.models.layers.attention_flex import flex_attention
 
 HF_FLEX = "foundryx_flex"
@@ -64,8 +65,6 @@ def hf_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention signature (q, k, v: (batch, heads, seq, head_dim)) over
     foundryx's ``flex``: documents from ``position_ids``, padding from the 2-D mask.
     Returns ``(output (batch, seq, heads, head_dim), None)``."""
-    from foundryx.errors import ConfigError
-
     if dropout:
         raise ConfigError([f"model.attn_implementation: {HF_FLEX} has no attention dropout "
                            f"(the model's attention_dropout is {dropout}); set "
