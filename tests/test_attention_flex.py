@@ -17,8 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundryx import registry
 from foundryx.errors import FoundryxError
+from foundryx.models.layers import attention_select as sel
 from foundryx.models.layers.attention import torch_attention
 from foundryx.models.layers.attention_flex import document_block_mask, flex_attention
+from tests.test_attention_select import _Cuda, h100_choice
 from tests.test_attention_torch import reference_attention
 
 B, S, H, D = 2, 37, 4, 8  # 37: not a multiple of any block
@@ -250,3 +252,55 @@ def test_torch_and_flex_agree_on_what_torch_compares():
     kw = {"sequence_id": SEQUENCE_ID, "causal": False, "key_padding_mask": PADDED}
     torch.testing.assert_close(flex_attention(q, k, v, **kw)[PADDED],
                                torch_attention(q, k, v, **kw)[PADDED])
+
+
+# -- attn_impl: auto on a GPU for packed long sequences (stand-in tensors: see test_attention_select)
+def long_call(seq=1 << 19, batch=1, **features):
+    q = _Cuda()
+    q.shape = (batch, seq, 16, 128)
+    return q, {"sequence_id": "ids", **features}
+
+
+def test_auto_on_a_gpu_leaves_sdpa_where_its_dense_mask_is_too_big(monkeypatch):
+    q, features = long_call()
+    # measured rows where SDPA was the fastest: the next measured one that runs
+    rows = [{"device": "GPU X", "arch": "sm90", "head_dim": 128, "mask": "docs", "causal": True,
+             "gqa": False, "seq": 4096, "train": {"torch": 500, "triton": 100}, "source": "t"}]
+    name, reason = h100_choice(monkeypatch, device="GPU X", rows=rows, q=q, k=q, **features)
+    assert name == "triton" and reason.endswith(
+        "; torch (500) cannot run: SDPA's dense mask would take 2,304 GiB at 524288 tokens "
+        "(auto leaves SDPA past 4 GiB) [t]")
+    # a GPU without rows: flash-attn's varlen kernel where installed, else flex
+    name, reason = h100_choice(monkeypatch, device="NVIDIA H200", q=q, k=q, **features)
+    assert (name, reason) == ("flash", (
+        "SDPA's dense mask would take 2,304 GiB at 524288 tokens (auto leaves SDPA past 4 GiB); "
+        "flash, the first of flash-attn's varlen kernel, flex and triton that runs this call "
+        "(not measured on this device)"))
+    name, reason = h100_choice(monkeypatch, device="NVIDIA H200", q=q, k=q,
+                               flash="flash-attn is not installed", **features)
+    assert name == "flex" and reason.endswith("; flash cannot run: flash-attn is not installed")
+    # the H100 with the Triton kernel unable to run: no measured one runs, so the same order
+    name, reason = h100_choice(monkeypatch, q=q, k=q, triton="no", **features)
+    assert name == "flash" and reason.startswith(
+        "no measured implementation can run: triton (88) cannot run: no; torch (22) cannot run: "
+        "SDPA's dense mask would take")
+
+
+def test_auto_keeps_sdpa_for_short_or_unmasked_calls(monkeypatch):
+    q, features = long_call(seq=16384)  # 16K: a 2.3 GiB mask
+    assert h100_choice(monkeypatch, device="NVIDIA H200", q=q, k=q, **features)[0] == "torch"
+    q, _ = long_call()
+    assert h100_choice(monkeypatch, device="NVIDIA H200", q=q, k=q)[0] == "torch"  # no mask
+
+
+def test_auto_with_nothing_else_runnable_says_sdpa_and_why(monkeypatch):
+    q, features = long_call(alibi_slopes="s")
+    name, reason = h100_choice(monkeypatch, device="NVIDIA H200", q=q, k=q, flash="no flash",
+                               triton="no triton", **features)
+    assert name == "flex"  # dropout 0: flex runs
+    monkeypatch.setattr(sel, "flex_problem", lambda p: "no flex")
+    name, reason = h100_choice(monkeypatch, device="NVIDIA H200", q=q, k=q, flash="no flash",
+                               triton="no triton", **features)
+    assert name == "torch" and reason.endswith(
+        "but nothing else runs: flash cannot run: no flash; flex cannot run: no flex; triton "
+        "cannot run: no triton; SDPA")
