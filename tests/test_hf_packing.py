@@ -35,10 +35,10 @@ def packed_batch():
     return collate(rows, PAD)
 
 
-def model(attn, seed=0):
+def model(attn, seed=0, fused=False):
     torch.manual_seed(seed)
     return ComposerHFCausalLM(config={"model_type": "llama", **HF_CONFIGS["llama"]},
-                              pretrained=False, attn_implementation=attn, fused_loss=False)
+                              pretrained=False, attn_implementation=attn, fused_loss=fused)
 
 
 def token_losses(m, batch):
@@ -85,6 +85,8 @@ def test_a_packed_training_step_equals_the_documents_one_by_one(attn, caplog):
     want = torch.cat(want)
     assert got.numel() == want.numel() == sum(n - max(1, n // 3) for n in LENGTHS)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)  # float32 roundings
+    fused = model(attn, fused=True).train()  # the training step's own loss, fused
+    torch.testing.assert_close(fused.loss(fused(packed), packed), want.mean())
     got.mean().backward()
     want.mean().backward()
     for (name, p), q in zip(pm.named_parameters(), um.parameters()):

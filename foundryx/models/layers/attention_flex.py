@@ -189,6 +189,24 @@ def runner(device_type: str, grad: bool = False) -> Callable:
     return eager
 
 
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable:
+    """The function that runs FlexAttention for this call. Inside a compiled region (the
+    model's blocks under ``compile``) the choice is made without probing or logging, which
+    would be traced: on a GPU FlexAttention itself, which that compilation fuses into its
+    kernel; on a CPU the dense evaluation, plain PyTorch that inductor compiles like any other
+    (FlexAttention's CPU lowering differs between torch versions, and torch 2.15 has no CPU
+    backward for it)."""
+    device = q.device.type
+    if torch.compiler.is_compiling():
+        if device == "cpu":
+            return dense_flex
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        return flex
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return runner(device, grad and device == "cpu")
+
+
 @functools.cache
 def cpu_backward() -> bool:
     """Whether this torch's FlexAttention takes a gradient on CPU (2.7 does; 2.15 refuses)."""
@@ -266,8 +284,7 @@ def flex_attention(
     if alibi_slopes is not None:
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         score_mod = _alibi(alibi_slopes.to(q.device, work))
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    out = runner(q.device.type, grad and q.device.type == "cpu")(
+    out = _run(q, k, v)(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
         block_mask=block_mask, scale=softmax_scale, enable_gqa=n_heads != kv_n_heads)
     return out.transpose(1, 2)
