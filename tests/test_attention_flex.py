@@ -304,3 +304,13 @@ def test_auto_with_nothing_else_runnable_says_sdpa_and_why(monkeypatch):
     assert name == "torch" and reason.endswith(
         "but nothing else runs: flash cannot run: no flash; flex cannot run: no flex; triton "
         "cannot run: no triton; SDPA")
+
+
+def test_dropout_with_flex_is_caught_before_the_run(flex_registered):
+    from config_checks import section_problems
+
+    problems = section_problems("models", "mpt_causal_lm", {
+        "d_model": 32, "n_heads": 4, "n_layers": 1, "vocab_size": 50,
+        "attn_config": {"attn_impl": "flex", "attn_pdrop": 0.1}})
+    assert problems == ["attn_config.attn_pdrop: attn_impl flex has no attention dropout; set "
+                        "attn_pdrop: 0, or attn_impl torch or flash"]

@@ -128,3 +128,27 @@ def test_foundryx_flex_unpacked_with_left_padding_matches_sdpa():
     with torch.no_grad():
         a, b = flex(batch).logits, sdpa(batch).logits
     torch.testing.assert_close(a[mask == 1], b[mask == 1], rtol=1e-5, atol=1e-5)
+
+
+def test_foundryx_flex_gets_documents_and_no_mask_from_transformers(monkeypatch):
+    """transformers builds no mask for foundryx_flex (its mask function is flash-attn's: None
+    or the 2-D padding mask); the documents come from the position ids."""
+    import foundryx.models.hf_attention as hfa
+
+    calls, real = [], hfa.flex_attention
+
+    def spy(q, k, v, **kw):
+        calls.append(kw)
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(hfa, "flex_attention", spy)
+    packed = packed_batch()
+    with torch.no_grad():
+        model("foundryx_flex").eval()(packed)
+    assert len(calls) == HF_CONFIGS["llama"]["num_hidden_layers"]
+    for kw in calls:
+        assert kw["key_padding_mask"] is None and kw["causal"] is True
+        starts = torch.ones_like(packed["sequence_id"], dtype=torch.bool)
+        starts[:, 1:] = (packed["sequence_id"].diff(dim=1) != 0) | (
+            packed["attention_mask"].diff(dim=1) != 0)
+        assert torch.equal(kw["sequence_id"], starts.long().cumsum(1))
