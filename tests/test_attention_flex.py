@@ -155,6 +155,17 @@ def test_the_blocks_a_gpu_visits_are_those_of_the_reference_mask(seed):
         mod = mask.mask_mod(torch.tensor(b), torch.tensor(0), idx[:, None], idx[None, :])
         applied[b] = (partial[b][qb, kb] & mod) | full[b][qb, kb]
     assert torch.equal(applied, keep)
+    # the lists by key block (for the backward) are the transposes, as torch makes them
+    torch_made = type(mask).from_kv_blocks(
+        mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
+        BLOCK_SIZE=block, seq_lengths=(seq, seq))
+    for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+        mine, theirs = getattr(mask, name), getattr(torch_made, name)
+        if name.endswith("indices"):  # past each count the order is free
+            counts = getattr(mask, name.replace("indices", "num_blocks"))
+            used = torch.arange(mine.shape[-1]) < counts[..., None]
+            mine, theirs = mine[used], theirs[used]
+        assert torch.equal(mine, theirs), name
 
 
 class LargestTensor(TorchDispatchMode):

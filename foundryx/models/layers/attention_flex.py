@@ -6,7 +6,8 @@ block of ``BLOCK`` queries, the key blocks some query of it sees, split into *fu
 pair by pair); every other block is skipped. The mask is built from the document boundaries
 directly (each query sees an interval of keys: document ∩ causal ∩ window), never as a
 ``seq x seq`` tensor: its size is ``batch x (seq / BLOCK)²`` entries, not ``batch x seq²``.
-At 512K tokens a dense boolean mask is 256 GiB; this one is 2 x 64 MiB of int32 per row.
+At 512K tokens a dense boolean mask is 256 GiB; this one is four lists of 64 MiB (int32: the
+partial and the full blocks, by query block and by key block) per row.
 ALiBi is a score modification (``score - slope[h] * |i - j|``), GQA FlexAttention's own
 ``enable_gqa`` (K/V are not repeated).
 
@@ -112,9 +113,15 @@ def block_layout(
 def _indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(count, indices) int32 of a (batch, n, n) bool layout, with a head dim of 1: the kept key
     blocks of each query block first, in increasing order."""
-    count = blocks.sum(-1, dtype=torch.int32)
-    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
-    return count[:, None], order.to(torch.int32)[:, None]
+    n = blocks.shape[-1]
+    upto = blocks.cumsum(-1)  # kept blocks up to and including each
+    count = upto[..., -1]
+    col = torch.arange(n, device=blocks.device)
+    # where each block goes: a kept one at its rank among the kept, a skipped one after all the
+    # kept at its rank among the skipped (a permutation, placed without sorting)
+    target = torch.where(blocks, upto - 1, count[..., None] + col - upto)
+    order = torch.empty_like(target).scatter_(-1, target, col.expand_as(target))
+    return count.to(torch.int32)[:, None], order.to(torch.int32)[:, None]
 
 
 def document_block_mask(
@@ -131,10 +138,17 @@ def document_block_mask(
     partial, full = block_layout(lo, hi, key_padding_mask, block)
     real = None if key_padding_mask is None else key_padding_mask.to(device).bool()
     mask_mod = _mask_mod(doc if sequence_id is not None else None, real, causal, sliding_window)
+    # both directions from the layout (the backward walks the query blocks of each key
+    # block): BlockMask.from_kv_blocks would transpose the index lists through a dense
+    # intermediate, 12x the time of the rest at 512K tokens on a CPU
     kv_num, kv_idx = _indices(partial)
     full_num, full_idx = _indices(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
-                                    mask_mod=mask_mod, seq_lengths=(seq, seq))
+    q_num, q_idx = _indices(partial.transpose(1, 2))
+    full_q_num, full_q_idx = _indices(full.transpose(1, 2))
+    return BlockMask(seq_lengths=(seq, seq), kv_num_blocks=kv_num, kv_indices=kv_idx,
+                     full_kv_num_blocks=full_num, full_kv_indices=full_idx,
+                     q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+                     full_q_indices=full_q_idx, BLOCK_SIZE=(block, block), mask_mod=mask_mod)
 
 
 def _mask_mod(doc: torch.Tensor | None, real: torch.Tensor | None, causal: bool,
