@@ -12,14 +12,18 @@ ALiBi is a score modification (``score - slope[h] * |i - j|``), GQA FlexAttentio
 ``enable_gqa`` (K/V are not repeated).
 
 Where it runs: on a GPU, ``torch.compile(flex_attention)`` (one fused Triton kernel that skips
-the empty blocks and evaluates the mask only in partial ones: how FlexAttention is fast); on a
-CPU, FlexAttention's eager implementation, which computes the dense scores of each (batch,
-head) (memory ``seq²`` per head: for tests and short sequences). Each is said in one log line
+the empty blocks and evaluates the mask only in partial ones: how FlexAttention is fast), or,
+inside a compiled model block, FlexAttention itself, which that compilation fuses. On a CPU,
+FlexAttention's eager implementation, which computes the dense scores of each (batch, head)
+(memory ``seq²`` per head: for tests and short sequences); where this torch has no CPU
+backward for it (2.15), or inside a compiled block, :func:`dense_flex`, the same mask and
+score functions evaluated in plain PyTorch. Outside compiled code each is said in one log line
 the first time it runs on a device type.
 
 Semantics are those of the ``triton`` and ``flash`` implementations: a document is a run of one
 ``sequence_id`` value; a window ``w`` keeps keys with ``|i - j| <= w``; a padding key is never
-seen, and a query that sees no key (a padding query) gets zeros. No attention dropout.
+seen; a padding query's output is unspecified (zeros where it sees no key). No attention
+dropout.
 """
 
 from __future__ import annotations
