@@ -67,7 +67,7 @@ def test_the_loader_packs_and_takes_no_loss_across_documents():
 @pytest.mark.parametrize("attn", ["foundryx_flex", "sdpa"])
 def test_a_packed_training_step_equals_the_documents_one_by_one(attn, caplog):
     packed = packed_batch()
-    pm, um = model(attn), model(attn)
+    pm, um = model(attn), model("sdpa")  # the reference: each document alone, plain SDPA
     pm.train(), um.train()
     with caplog.at_level(logging.INFO, logger="foundryx.models.hf"):
         got, keep = token_losses(pm, packed)
