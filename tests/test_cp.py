@@ -60,9 +60,10 @@ def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _train(model, batches, step0_grads: dict | None = None) -> tuple[list[float], dict, list]:
+def _train(model, batches) -> tuple[list[float], dict, tuple]:
     """Composer's step: forward, loss, backward, AdamW; the losses, the first step's gradients
-    (whole) and the eval logits of the first batch after training."""
+    (whole), and after training the eval loss (what Composer's eval_forward gives under cp;
+    the fused loss in one process) and the logits of the first batch."""
     from torch.distributed.tensor import DTensor
 
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -78,9 +79,11 @@ def _train(model, batches, step0_grads: dict | None = None) -> tuple[list[float]
         opt.zero_grad()
         losses.append(loss.item())
     model.eval()
-    with torch.no_grad():
-        logits = model.eval_forward(dict(batches[0]))
-    return losses, grads, logits
+    with torch.no_grad():  # eval: the loss shard by shard, and the logits gathered whole
+        split = hasattr(model, "foundryx_context_parallel")
+        out = model.eval_forward(dict(batches[0])) if split else model._forward(dict(batches[0]), True)
+        logits = model._forward(dict(batches[0]), fused=False).logits
+    return losses, grads, (out.loss.item(), logits)
 
 
 def _cp_run(kind: str, cp: int) -> tuple[list[float], dict, Any]:
@@ -97,7 +100,10 @@ def _compare(kind: str, world: int):
     # a rank's loss is its share (Composer logs the mean over the ranks): that mean
     mean = [sum(r[0][i] for r in results) / world for i in range(STEPS)]
     assert mean == pytest.approx(ref_losses, abs=1e-5, rel=1e-5), (mean, ref_losses)
-    for _, grads, logits in results:  # every rank: the same numbers as one process
+    ref_eval, ref_logits = ref_logits
+    eval_mean = sum(r[2][0] for r in results) / world
+    assert eval_mean == pytest.approx(ref_eval, abs=1e-5, rel=1e-5)
+    for _, grads, (_, logits) in results:  # every rank: the same numbers as one process
         assert sorted(grads) == sorted(ref_grads)
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -40,8 +40,9 @@ positions see the true positions) and the next-token targets already shifted
 (``shift_labels``: a shard's last token predicts the next shard's first, which no rank could do
 after the split). A loss taken from the rank's targets is rescaled so that the mean of the
 ranks' losses (Composer's logged loss) is the token mean of the whole sequence and the
-data-parallel mean of gradients (FSDP2's, over ``shard x cp``) is its gradient. Logits (eval,
-an unfused step) are gathered whole. A length the degree does not divide is padded on the right
+data-parallel mean of gradients (FSDP2's, over ``shard x cp``) is its gradient. Evaluation of
+a model that fuses its loss takes that loss too (its cross-entropy and perplexity metrics read
+it); logits (an unfused model) are gathered whole. A length the degree does not divide is padded on the right
 (padding keys are never seen by a causal query).
 """
 
@@ -373,6 +374,16 @@ class ContextParallel:
         return out
 
 
+def fused_eval_forward(model: nn.Module, inner: Callable[..., Any], batch: Mapping[str, Any],
+                       outputs: Any = None) -> Any:
+    """A fusing model's ``eval_forward`` under context parallelism: the loss taken from each
+    rank's shard (what its cross-entropy and perplexity metrics read: ``update_metric``) in
+    place of the whole sequence's logits (tokens x vocabulary on every rank)."""
+    if outputs is None:
+        outputs = model._forward(batch, fused=True)
+    return inner(batch, outputs)
+
+
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> int:
     """Wrap ``model``'s attention (from its plan) in the all-to-alls over ``mesh``'s group and
     split its batches at its entry; returns how many attention modules were wrapped."""
@@ -400,6 +411,8 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> int:
     positions = getattr(owner, plan["positions"]) if plan.get("positions") else None
     cp = ContextParallel(group, positions)
     model._forward = partial(cp.forward, model._forward)
+    if getattr(model, "fuses_loss", False):  # eval: the loss shard by shard, no logits whole
+        model.eval_forward = partial(fused_eval_forward, model, model.eval_forward)
     model.foundryx_context_parallel = cp
     flops = getattr(model, "flops_per_batch", None)
     if callable(flops):  # each rank does 1/n of the batch's work
