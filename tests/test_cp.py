@@ -170,3 +170,25 @@ def test_one_process_asks_for_ranks():
 
     with pytest.raises(ConfigError, match=r"parallelism.cp: 2, but this is one process; start 2"):
         parallelize(_model("mpt"), ParallelismConfig(cp=2), device=torch.device("cpu"))
+
+
+def test_a_length_cp_does_not_divide_is_one_message_exit_2(quickstart_data):
+    """``foundryx train`` as a user runs it: one message naming the setting and the fix."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    r = subprocess.run(
+        [sys.executable, "-m", "foundryx.cli", "train", "--dry-run", "yamls/quickstart.yaml",
+         f"variables.data_root={quickstart_data}",
+         "parallelism.cp=2", "max_seq_len=127"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "WORLD_SIZE": "2", "PYTHONPATH": str(root)})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    problems = [ln for ln in r.stderr.splitlines() if ln.startswith("  - ")]
+    assert problems == ["  - max_seq_len: 127 does not divide by parallelism.cp: 2 (each rank "
+                        "takes an equal shard of every sequence); use a multiple of 2, e.g. "
+                        "126 or 128"], r.stderr[-3000:]

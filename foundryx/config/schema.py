@@ -34,8 +34,9 @@ MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]
 
 @dataclass
 class ParallelismConfig:
-    """``parallelism``: FSDP2 sharding and tensor parallelism (``tp``) over several processes
-    (see docs/distributed.md); null: none (several processes then train with Composer's DDP)."""
+    """``parallelism``: FSDP2 sharding, tensor parallelism (``tp``) and context parallelism
+    (``cp``) over several processes (see docs/distributed.md); null: none (several processes
+    then train with Composer's DDP)."""
 
     sharding_strategy: Literal["FULL_SHARD", "HYBRID_SHARD"] = doc(
         "FULL_SHARD: shard over all ranks; HYBRID_SHARD: shard within a node, replicate across",
