@@ -119,6 +119,31 @@ def build(shape: Path, seq: int, cp: int, overrides: list[str]) -> fake_step.Fak
                               forward_loss, frozen, vocab)
 
 
+@contextlib.contextmanager
+def fsdp_storage_seen(tracker: CategoryTracker):
+    """FSDP2 frees a unit's gathered weights by resizing their storage to 0 and allocates them
+    again by resizing it back (``free_storage`` / ``alloc_storage``), which the tracker's
+    weak references do not see: told here, as ``FSDP2 all-gather``."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    free, alloc = _fsdp_param.free_storage, _fsdp_param.alloc_storage
+
+    def freed(tensor: torch.Tensor) -> None:
+        tracker._free(id(tensor.untyped_storage()))
+        free(tensor)
+
+    def allocated(tensor: torch.Tensor) -> None:
+        alloc(tensor)
+        tracker._free(id(tensor.untyped_storage()))
+        tracker.add(tensor, "FSDP2 all-gather")
+
+    _fsdp_param.free_storage, _fsdp_param.alloc_storage = freed, allocated
+    try:
+        yield
+    finally:
+        _fsdp_param.free_storage, _fsdp_param.alloc_storage = free, alloc
+
+
 def estimate(shape: Path, seq: int, cp: int, overrides: list[str]) -> dict:
     start = time.perf_counter()
     with fake_world(cp), fake_step.fake_mode(), fake_step.gpu_kernels():
@@ -131,7 +156,8 @@ def estimate(shape: Path, seq: int, cp: int, overrides: list[str]) -> dict:
         def phase(name: str) -> contextlib.AbstractContextManager:
             return tracker.in_phase(name)
 
-        with tracker, tracker.watching_modules(), fake_step.ScalarsRead():
+        with tracker, tracker.watching_modules(), fake_step.ScalarsRead(), \
+                fsdp_storage_seen(tracker):
             fake_step.run_step(step, phase)
             tracker.peak, tracker.at_peak = tracker.total, dict(tracker.totals)
             fake_step.run_step(step, phase)
