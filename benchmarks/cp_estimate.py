@@ -31,9 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import fake_step  # noqa: E402  (benchmarks/ is not a package)
-from step_memory import CATEGORIES, GiB, CategoryTracker  # noqa: E402
-
 import torch  # noqa: E402
+from step_memory import CATEGORIES, CategoryTracker, GiB  # noqa: E402
 
 RECIPE = fake_step.ROOT / "yamls/finetune/llama-3.1-8b-lora-long-cp.yaml"
 
@@ -86,9 +85,9 @@ def fake_world(ranks: int):
 def build(shape: Path, seq: int, cp: int, overrides: list[str]) -> fake_step.FakeStep:
     """The recipe's step as rank 0 of ``cp`` builds it (model on meta, weights fake)."""
     from foundryx import builders, registry
+    from foundryx.config import load_config
     from foundryx.loading.dtypes import keep_dtype
     from foundryx.models.peft.frozen_base import LowPrecisionLinear
-    from foundryx.config import load_config
 
     fake_step.register_loader(registry)
     # the run checks but the loader's (the batch is made here: no loader to replicate)
