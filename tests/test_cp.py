@@ -172,6 +172,7 @@ def test_one_process_asks_for_ranks():
         parallelize(_model("mpt"), ParallelismConfig(cp=2), device=torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_a_length_cp_does_not_divide_is_one_message_exit_2(quickstart_data):
     """``foundryx train`` as a user runs it: one message naming the setting and the fix."""
     import os
