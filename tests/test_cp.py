@@ -193,3 +193,22 @@ def test_a_length_cp_does_not_divide_is_one_message_exit_2(quickstart_data):
     assert problems == ["  - max_seq_len: 127 does not divide by parallelism.cp: 2 (each rank "
                         "takes an equal shard of every sequence); use a multiple of 2, e.g. "
                         "126 or 128"], r.stderr[-3000:]
+
+
+def test_the_planner_plans_a_rank_of_the_long_recipe_at_its_share():
+    """``foundryx plan`` of the shipped recipe: each of the 8 devices at 4,194,304 / 8 tokens,
+    said in a note; the same run at cp 1 is planned at the whole sequence."""
+    from pathlib import Path
+
+    from foundryx.plan.planner import make_plan
+
+    root = Path(__file__).parents[1]
+    recipe = root / "yamls/finetune/llama-3.1-8b-lora-long-cp.yaml"
+    shape = [f"variables.model_path={root / 'yamls/shapes/llama-3.1-8b'}"]
+    plan = make_plan(recipe, shape, gpus=8, gpu="h100")
+    assert plan.setup.seq_len == 524_288
+    assert any("context parallel over 8 devices (Ulysses): each holds 524,288 of every "
+               "sequence's 4,194,304 tokens" in n for n in plan.notes), plan.notes
+    whole = make_plan(recipe, [*shape, "parallelism.cp=1", "global_train_batch_size=8"],
+                      gpus=8, gpu="h100")
+    assert whole.setup.seq_len == 4_194_304
