@@ -37,7 +37,7 @@ from foundryx.models.hf_attention import (
     register_hf_attention,
 )
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
-from foundryx.models.hf_tp import hf_tp_plan
+from foundryx.models.hf_tp import hf_cp_plan, hf_tp_plan
 from foundryx.models.layers.loss import linear_cross_entropy
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
@@ -160,7 +160,9 @@ class ComposerHFCausalLM(FusedLossLM):
                       if k in self.model_forward_args and k not in ("labels", "logits_to_keep")}
             # through the model's own entry (FSDP2 gathers its top-level weights, the head's
             # included, for it as for forward: parallel/parallelize.py registers it)
-            loss = self.model.foundryx_decoder_loss(inputs, labels_of(batch))
+            shifted = batch.get("shift_labels")  # a context-parallel shard's (parallel/cp.py)
+            loss = self.model.foundryx_decoder_loss(
+                inputs, labels_of(batch) if shifted is None else shifted, shifted is not None)
             return CausalLMOutputWithPast(loss=loss, logits=None)
         return CausalLMBase.forward(self, batch)  # Composer's: the model's own forward
 
@@ -354,11 +356,15 @@ def block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor) -> torch.Tensor:
+def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor,
+                 shifted: bool = False) -> torch.Tensor:
     """The next-token loss of a Hugging Face causal LM from its decoder's last hidden states,
-    fused with the output projection (``linear_cross_entropy``): no logits are made."""
+    fused with the output projection (``linear_cross_entropy``): no logits are made.
+    ``shifted``: ``labels`` are already each position's target (a context-parallel shard's)."""
     hidden = model.get_decoder()(**inputs).last_hidden_state
     weight = model.get_output_embeddings().weight
+    if shifted:
+        return linear_cross_entropy(hidden, weight, labels)
     return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
 
 
@@ -377,6 +383,7 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     model.activation_checkpointing_fn = is_block
     model.param_init_fn = model._init_weights
     model.foundryx_tp_plan = lambda: hf_tp_plan(model)
+    model.foundryx_cp_plan = lambda: hf_cp_plan(model)
     # the fused loss reads the head's weight outside the head's forward: a forward method of
     # the model, which FSDP2 gathers the model's own (top-level) weights for, as for forward
     model.foundryx_decoder_loss = partial(decoder_loss, model)
