@@ -1,4 +1,5 @@
-"""Attention speed on a GPU: the Triton kernel, flash-attn (when installed) and SDPA.
+"""Attention speed on a GPU: the Triton kernel, flash-attn (when installed), FlexAttention
+(compiled) and SDPA.
 
     python benchmarks/attention.py --out benchmarks/RESULTS.md        # kernels + MPT-1B step
     python benchmarks/attention.py --seqs 2048 --no-mpt              # a quick look
@@ -44,6 +45,7 @@ sys.path.insert(0, str(ROOT))  # run from a plain checkout
 from foundryx.kernels import tuning  # noqa: E402
 from foundryx.models.layers.attention import torch_attention  # noqa: E402
 from foundryx.models.layers.attention_flash import flash_attention  # noqa: E402
+from foundryx.models.layers.attention_flex import flex_attention  # noqa: E402
 from foundryx.models.layers.attention_select import flash_attn_module  # noqa: E402
 from foundryx.models.layers.attention_triton import triton_attention  # noqa: E402
 
@@ -55,7 +57,8 @@ except ImportError:  # tqdm is optional on a bare GPU image
         return items
 
 
-IMPLS = {"triton": triton_attention, "flash": flash_attention, "torch": torch_attention}
+IMPLS = {"triton": triton_attention, "flash": flash_attention, "flex": flex_attention,
+         "torch": torch_attention}
 
 
 def triton_with_bwd(mode: str):
@@ -359,7 +362,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, nargs="+", default=None,
                    help="sequence lengths (default 512 to 16384; with --table 2048)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--impls", nargs="+", default=["triton", "flash", "torch"], choices=list(IMPLS))
+    p.add_argument("--impls", nargs="+", default=["triton", "flash", "flex", "torch"],
+                   choices=list(IMPLS))
     p.add_argument("--mpt-batch", type=int, default=4, help="sequences per MPT-1B step")
     p.add_argument("--no-mpt", action="store_true", help="skip the MPT-1B training steps")
     p.add_argument("--tune", action="store_true", help="time tuning.CANDIDATES instead")

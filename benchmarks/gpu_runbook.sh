@@ -147,6 +147,7 @@ TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 
   "attn_impl auto's attention table for this GPU" "MPT-1B compiled: no AC, selective AC, float8; one step profiled"
   "MFU table: MPT-125M and 350M, eager / compiled / AC / selective AC")
 TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py
+  tests/test_attention_flex.py
   tests/test_fp8_rows.py)
 if [ "$QUICK" = 1 ]; then
   SHAPE=benchmarks/gpu_runbook/shapes/llama-tiny STEPS=2 MODEL=125m TP_ARGS=(--batches 8 --warmup 2)

@@ -21,7 +21,7 @@ from foundryx.config.components import (  # noqa: F401  (split_name re-exported)
     options_parameter,
     split_name,
 )
-from foundryx.config.schema import tp_degree
+from foundryx.config.schema import batch_sharers, cp_degree, tp_degree
 from foundryx.config.types import coerce
 from foundryx.errors import ConfigError
 from foundryx.loading import keep_stored_dtype, wants_pretrained
@@ -34,6 +34,7 @@ from foundryx.models.peft.frozen_options import FrozenBaseOptions
 from foundryx.models.peft.lora import apply_lora, inner_model
 from foundryx.models.peft.parts import STORAGE_ROWS
 from foundryx.parallel import parallelize
+from foundryx.parallel.cp import length_problem
 from foundryx.parallel.dist import world_size
 from foundryx.parallel.offload import offload_layers
 from foundryx.parallel.offload_pack import pack_offloaded
@@ -114,24 +115,55 @@ def build_dataloader(section: dict[str, Any], tokenizer: Any, device_batch_size:
 def tp_run_problems(data: dict[str, Any]) -> list[str]:
     """With ``parallelism.tp`` > 1 the ranks of a tensor-parallel group must read the same
     batches: only the ``text`` loader (streaming's ``replication``) can (the ICL evaluators
-    read by data-parallel rank: foundryx.eval.data)."""
-    tp = tp_degree(data.get("parallelism"))
+    read by data-parallel rank: foundryx.eval.data). So must a context-parallel group's
+    (``parallelism.cp``), which also needs a ``max_seq_len`` it divides (see
+    :func:`cp_run_problems`)."""
+    tp = batch_sharers(data.get("parallelism"))
+    problems = cp_run_problems(data)
     if tp == 1:
-        return []
-    problems = []
+        return problems
+    what = "tp" if cp_degree(data.get("parallelism")) == 1 else \
+        "cp" if tp_degree(data.get("parallelism")) == 1 else "tp x cp"
     for key in ("train_loader", "eval_loader"):
         section = data.get(key)
         if not isinstance(section, dict):
             continue
         if section.get("name") != "text":
-            problems.append(f"{key}.name: {section.get('name')!r} with parallelism.tp: {tp}; the "
-                            "ranks of a tensor-parallel group must read the same batches, which "
-                            "only the 'text' loader does (dataset.replication); use it or tp: 1")
+            problems.append(f"{key}.name: {section.get('name')!r} with parallelism.{what}: {tp}; "
+                            f"the ranks of a {GROUP[what]} group must read the same batches, "
+                            "which only the 'text' loader does (dataset.replication); use it or "
+                            f"{what}: 1")
         else:
             rep = (section.get("dataset") or {}).get("replication")
             if rep not in (None, tp):
-                problems.append(f"{key}.dataset.replication: {rep}, but parallelism.tp is {tp}; "
+                problems.append(f"{key}.dataset.replication: {rep}, but parallelism.{what} is {tp}; "
                                 f"drop it (foundryx sets it to {tp})")
+    return problems
+
+
+GROUP = {"tp": "tensor-parallel", "cp": "context-parallel", "tp x cp": "tensor- and context-parallel"}
+
+
+def cp_run_problems(data: dict[str, Any]) -> list[str]:
+    """``parallelism.cp`` > 1: a ``max_seq_len`` it divides, no tensor parallelism beside it,
+    no ICL evaluators (they read by data-parallel rank, in lengths of their own)."""
+    parallelism = data.get("parallelism")
+    cp = cp_degree(parallelism)
+    if cp == 1:
+        return []
+    problems = []
+    seq = data.get("max_seq_len")
+    problem = length_problem(seq if isinstance(seq, int) else None, cp)
+    if problem:
+        problems.append(problem)
+    tp = tp_degree(parallelism)
+    if tp > 1:
+        problems.append(f"parallelism.cp: {cp} with parallelism.tp: {tp}: context parallelism "
+                        "does not combine with tensor parallelism yet; use one of them")
+    if data.get("icl_tasks"):
+        problems.append(f"icl_tasks: ICL evaluation with parallelism.cp: {cp} is not supported "
+                        "(its batches are read by data-parallel rank); drop icl_tasks from the "
+                        "training run and evaluate the checkpoint with `foundryx eval`")
     return problems
 
 
@@ -153,15 +185,18 @@ def frozen_base_checkpoint_problems(data: dict[str, Any]) -> list[str]:
 
 
 def replicate_data_for_tp(cfg: TrainConfig) -> None:
-    """Set ``dataset.replication`` of the text loaders to ``parallelism.tp`` (said in one line)."""
-    tp = tp_degree(cfg.parallelism)
+    """Set ``dataset.replication`` of the text loaders to ``parallelism.tp`` times
+    ``parallelism.cp`` (said in one line)."""
+    tp = batch_sharers(cfg.parallelism)
     if tp == 1:
         return
     for section in (cfg.train_loader, cfg.eval_loader):
         if section is not None:
             section["dataset"] = {**section.get("dataset", {}), "replication": tp}
-    log.info("parallelism.tp: %d: the %d ranks of each tensor-parallel group read the same "
-             "batches (dataset.replication: %d)", tp, tp, tp)
+    what = "tp" if cp_degree(cfg.parallelism) == 1 else \
+        "cp" if tp_degree(cfg.parallelism) == 1 else "tp x cp"
+    log.info("parallelism.%s: %d: the %d ranks of each %s group read the same "
+             "batches (dataset.replication: %d)", what, tp, tp, GROUP[what], tp)
 
 
 def build_optimizer(cfg: TrainConfig, model: Any) -> Any:

@@ -65,3 +65,17 @@ def test_a_project_without_rules_is_refused(tmp_path):
     (tmp_path / "foundryx").mkdir()
     r = run(tmp_path)
     assert r.returncode == 2 and "has no foundryx/ and layers.toml" in r.stderr
+
+
+def test_graph_lists_each_parts_imports_with_their_counts(tmp_path):
+    root = tree(tmp_path, {
+        "foundryx/models/a.py": "from foundryx.errors import E\nfrom foundryx import errors\n",
+        "foundryx/builders/e.py": "from foundryx import models, data\nimport foundryx.models.a\n",
+    })
+    r = subprocess.run([sys.executable, str(CHECK), str(root), "--graph"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout
+    assert r.stdout.splitlines()[:2] == [
+        "builders -> data (1), models (2)",
+        "models -> errors (2)",
+    ]

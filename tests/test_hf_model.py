@@ -153,13 +153,17 @@ def test_unreachable_hub_fails_at_once(monkeypatch):
 
 
 
-def test_packed_batches_warn_once(monkeypatch):
+def test_packed_batches_keep_documents_apart_and_say_so_once(monkeypatch):
     import foundryx.models.hf as hf
 
-    warnings = []
-    monkeypatch.setattr(hf.log, "warning", lambda msg, *a: warnings.append(msg % a))
+    lines = []
+    monkeypatch.setattr(hf.log, "info", lambda msg, *a: lines.append(msg % a))
     model = ComposerHFCausalLM(config={"model_type": "llama", **HF_CONFIGS["llama"]}, pretrained=False)
     batch = {**token_batch(), "sequence_id": torch.zeros(4, 16, dtype=torch.long)}
     model(batch)
     model(batch)
-    assert len(warnings) == 1 and "packed examples attend to each other" in warnings[0]
+    packed = [line for line in lines if "packed batches" in line]
+    assert packed == ["hf_causal_lm: packed batches: position ids restart at each document and "
+                      "attention sdpa keeps documents apart (transformers reads the documents "
+                      "from the position ids; a dense mask of seq² per row: "
+                      "model.attn_implementation: foundryx_flex builds none)"]

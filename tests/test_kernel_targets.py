@@ -80,6 +80,29 @@ def test_a_spill_is_reported_and_fails_the_command(capsys):
     assert "unknown target(s) nosuch" in capsys.readouterr().err
 
 
+def test_one_row_of_the_table_can_be_checked_alone(monkeypatch, capsys):
+    """``--kernels`` and ``--head-dims`` compile only those jobs of the set (a stand-in
+    compiler counts them); unknown names exit 2 with the choices."""
+    from foundryx.kernels import targets
+
+    seen: list[Job] = []
+
+    def compile_stand_in(todo, workers=None, progress=True):
+        seen.extend(todo)
+        return [Result(j, True, resources=Resources(1024, 128, 0, 16, 64)) for j in todo], []
+
+    monkeypatch.setattr(targets, "compile_job_pool", compile_stand_in)
+    assert main(["--targets", "sm90", "--set", "full", "--kernels", "bwd_atomic",
+                 "--head-dims", "64"]) == 0
+    assert {(j.target, j.kernel, j.head_dim) for j in seen} == {("sm90", "bwd_atomic", 64)}
+    assert len(seen) == 2 * len(FEATURES)  # bf16 and fp16, every feature set
+    assert all(j.config == tuning.TABLE["sm90"]["bwd_atomic"][0] for j in seen)
+    capsys.readouterr()
+    assert main(["--kernels", "bwd"]) == 2
+    assert "unknown kernel(s) bwd; choose from preprocess, fwd" in capsys.readouterr().err
+    assert main(["--head-dims", "sixty-four"]) == 2
+
+
 def test_search_full_checks_every_dtype(monkeypatch):
     """``search --full`` checks the ranked candidates with fp16 as well as bf16 and drops one
     that spills with a single dtype and feature set (no compilation: a stand-in compiler)."""

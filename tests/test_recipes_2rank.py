@@ -59,6 +59,7 @@ RECIPES: dict[str, tuple[str, list[str]]] = {
     "finetune/llama-3.1-405b-lora-mi300x.yaml": ("llama-3.1-405b", []),
     "finetune/llama-8b-lora-fp8.yaml": ("llama-3.1-8b", []),
     "finetune/llama-lora.yaml": ("llama-3.1-8b", []),
+    "finetune/llama-3.1-8b-lora-long-cp.yaml": ("llama-3.1-8b", ["parallelism.cp=2"]),
     "finetune/hf-causal-lm.yaml": ("llama-3.1-8b", []),
     "finetune/mpt-lora.yaml": ("mpt", []),
     "pretrain/llama-style-1b.yaml": ("scratch", ["model.attn_config.kv_n_heads=2",
@@ -179,6 +180,9 @@ def test_recipe_trains_on_two_ranks(recipe, models, quickstart_data, tmp_path):
     precision = section.get("precision", "fp32")
     if precision == "amp_bf16":  # run as shipped: bf16 autocast on the CPU (foundryx.train)
         assert "runs the forward and loss under torch's CPU autocast to bf16" in whole, logs[-4000:]
+    if (section.get("parallelism") or {}).get("cp"):  # run as 2 context-parallel ranks
+        assert "context parallel (Ulysses: all-to-all over heads) over 2 ranks" \
+            in whole, logs[-4000:]
     losses = [r["loss/train/total"] for r in read_metrics(metrics) if "loss/train/total" in r]
     assert len(losses) == STEPS and all(map(math.isfinite, losses)), losses
     assert sum(losses[-2:]) / 2 < losses[0], f"{recipe}: the loss did not fall: {losses}"

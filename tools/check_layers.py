@@ -1,6 +1,6 @@
 """Checks foundryx's imports against its layers (``layers.toml`` beside ``foundryx/``).
 
-    python tools/check_layers.py [PROJECT_DIR]
+    python tools/check_layers.py [PROJECT_DIR] [--graph]
 
 Every import of foundryx, absolute or relative, at module level or inside a function, is
 charged from the part of the importing file (the first name under ``foundryx/``) to the part
@@ -8,6 +8,8 @@ it names. Prints one line per import a rule forbids (``file:line  part -> part``
 cycle between two parts (entry shells aside), and a summary with the number of foundryx
 imports inside functions (each should be a lazy load of a heavy dependency, commented);
 exits 1 when anything is forbidden or cyclic, 2 when the project or its rules are missing.
+``--graph`` also prints the import graph between parts: one line per part, the parts it imports
+with the number of import statements naming each (what a note's before/after compares).
 The rules file is TOML kept to ``name = "words"`` lines, read here without a TOML library
 (Python 3.10 has none).
 """
@@ -64,8 +66,9 @@ def imported(node: ast.AST, module: str) -> list[str]:
     return [base] + [f"{base}.{a.name}" for a in node.names]
 
 
-def check(root: Path) -> tuple[list[str], list[tuple[str, str]], int]:
-    """(forbidden import lines, cycles, foundryx imports inside functions) of ``root``."""
+def check(root: Path) -> tuple[list[str], list[tuple[str, str]], int, dict[tuple[str, str], int]]:
+    """(forbidden import lines, cycles, foundryx imports inside functions, the import graph
+    ``{(part, part it imports): import statements}``) of ``root``."""
     pkg = root / "foundryx"
     never, shells = read_rules(root / "layers.toml")
     parts = {p.stem for p in pkg.iterdir() if p.suffix == ".py"}
@@ -92,16 +95,28 @@ def check(root: Path) -> tuple[list[str], list[tuple[str, str]], int]:
                     bad.append(f"{rel}:{node.lineno}  {src} -> {dst}")
     cycles = sorted({tuple(sorted((a, b))) for (a, b) in edges
                      if (b, a) in edges and not {a, b} & shells})
-    return bad, cycles, lazy
+    return bad, cycles, lazy, dict(edges)
+
+
+def graph_lines(edges: dict[tuple[str, str], int]) -> list[str]:
+    """``part -> other (n), ...`` per importing part, parts and targets sorted by name."""
+    out = defaultdict(list)
+    for (src, dst), n in sorted(edges.items()):
+        out[src].append(f"{dst} ({n})")
+    return [f"{src} -> {', '.join(dsts)}" for src, dsts in sorted(out.items())]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    graph = "--graph" in args
+    args = [a for a in args if a != "--graph"]
     root = Path(args[0] if args else ".").resolve()
     if not (root / "foundryx").is_dir() or not (root / "layers.toml").is_file():
         print(f"check_layers: {root} has no foundryx/ and layers.toml", file=sys.stderr)
         return 2
-    bad, cycles, lazy = check(root)
+    bad, cycles, lazy, edges = check(root)
+    if graph:
+        print("\n".join(graph_lines(edges)))
     for line in bad:
         print(line)
     for a, b in cycles:

@@ -45,12 +45,20 @@ def derive(cfg: TrainConfig, world_size: int) -> tuple[Derived | None, list[str]
             f"parallelism.tp: {tp} does not divide the world size {world_size}; use one of "
             f"{', '.join(map(str, divisors))}, or start a multiple of {tp} processes"
         ]
-    dp = world_size // tp  # the ranks of one TP group read the same batch
+    cp = cfg.parallelism.cp if cfg.parallelism is not None else 1
+    if cp < 1 or (world_size // tp) % cp:
+        return None, [
+            f"parallelism.cp: {cp} does not divide the {world_size // tp} ranks left by "
+            f"tp {tp} (world size {world_size}); start a multiple of {tp * cp} processes, or "
+            "choose a cp that divides them"
+        ]
+    dp = world_size // tp // cp  # the ranks of one TP group (and one CP group) read the same batch
     if gbs % dp:
         up = -(-gbs // dp) * dp
-        across = f"the {dp} data-parallel ranks (world size {world_size} / tp {tp})" if tp > 1 \
-            else f"the world size {world_size}"
-        fits = [d * tp for d in range(1, gbs + 1) if gbs % d == 0][:8]
+        across = (f"the {dp} data-parallel ranks (world size {world_size} / tp {tp}"
+                  f"{f' / cp {cp}' if cp > 1 else ''})" if tp * cp > 1
+                  else f"the world size {world_size}")
+        fits = [d * tp * cp for d in range(1, gbs + 1) if gbs % d == 0][:8]
         return None, [
             f"global_train_batch_size: {gbs} does not divide by {across}; "
             f"use a multiple of {dp} (e.g. {up}), or start a number of processes that keeps "
@@ -62,7 +70,7 @@ def derive(cfg: TrainConfig, world_size: int) -> tuple[Derived | None, list[str]
         return None, [
             f"device_train_microbatch_size: {micro} must be positive and divide the per-device "
             f"batch {device_bs} (= global_train_batch_size {gbs} / "
-            f"{f'{dp} data-parallel ranks' if tp > 1 else f'world size {world_size}'})"
+            f"{f'{dp} data-parallel ranks' if tp * cp > 1 else f'world size {world_size}'})"
         ]
     seq = cfg.max_seq_len
     return Derived(

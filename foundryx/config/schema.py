@@ -34,8 +34,9 @@ MixedPrecision = Literal["DEFAULT", "PURE", "FULL"]
 
 @dataclass
 class ParallelismConfig:
-    """``parallelism``: FSDP2 sharding and tensor parallelism (``tp``) over several processes
-    (see docs/distributed.md); null: none (several processes then train with Composer's DDP)."""
+    """``parallelism``: FSDP2 sharding, tensor parallelism (``tp``) and context parallelism
+    (``cp``) over several processes (see docs/distributed.md); null: none (several processes
+    then train with Composer's DDP)."""
 
     sharding_strategy: Literal["FULL_SHARD", "HYBRID_SHARD"] = doc(
         "FULL_SHARD: shard over all ranks; HYBRID_SHARD: shard within a node, replicate across",
@@ -61,6 +62,12 @@ class ParallelismConfig:
         ge=1, default=1,
     )
     verbose: bool = doc("log the sharded model", default=False)
+    cp: int = doc(
+        "context-parallel degree: ranks that split each sequence (each holds 1/cp of every "
+        "sequence; attention swaps the split to heads by all-to-all: Ulysses); divides the "
+        "model's key-value heads and max_seq_len; FSDP2 shards over dp x cp",
+        ge=1, default=1,
+    )
 
 
 def tp_degree(parallelism: Any) -> int:
@@ -68,6 +75,18 @@ def tp_degree(parallelism: Any) -> int:
     if isinstance(parallelism, dict):
         return int(parallelism.get("tp", 1) or 1)
     return int(getattr(parallelism, "tp", 1) or 1)
+
+
+def cp_degree(parallelism: Any) -> int:
+    """``parallelism.cp`` of a ParallelismConfig, its raw mapping or None (1)."""
+    if isinstance(parallelism, dict):
+        return int(parallelism.get("cp", 1) or 1)
+    return int(getattr(parallelism, "cp", 1) or 1)
+
+
+def batch_sharers(parallelism: Any) -> int:
+    """Ranks that read the same batch: a tensor-parallel group times a context-parallel one."""
+    return tp_degree(parallelism) * cp_degree(parallelism)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Compile every Triton kernel foundryx ships for real GPU targets, on any machine (no GPU).
 
 ``python -m foundryx.kernels.targets [--targets sm80,sm90,gfx90a,gfx942] [--set small|full]
-[--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ, the
+[--kernels bwd_atomic,...] [--head-dims 64,...] [--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ, the
 one-kernel backward with atomic dQ and the preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
 family uses, for the feature combinations users hit, and the FP8 row quantization kernel
 (``kernels/fp8_rows.py``) on the targets with FP8 tensor cores (sm90, gfx942), ahead of time (``triton.compile`` with a
@@ -49,6 +49,7 @@ PREPROCESS_ROWS = 64  # the preprocess kernel's BLOCK_M (flash_attention._backwa
 # warps).
 FP8_TARGETS = {"sm90": ("fp8e4nv", "float8_e4m3fn"), "gfx942": ("fp8e4b8", "float8_e4m3fnuz")}
 FP8_ROWS = (1024, 4096)
+KERNEL_NAMES = ("preprocess", *tuning.KERNELS, "fp8_rows")
 
 
 @dataclass(frozen=True)
@@ -185,9 +186,13 @@ def _compile(job: Job, fn, sig: dict, consts: dict, attrs: dict, options: dict, 
 
 
 def run(targets: list[str], which: str = "small", workers: int | None = None,
-        progress: bool = True) -> tuple[list[Result], list[str]]:
-    """Compile the tuning table's configurations (``which`` set) for ``targets``."""
-    return compile_job_pool(jobs(targets, which), workers, progress)
+        progress: bool = True, kernels: set[str] | None = None,
+        head_dims: set[int] | None = None) -> tuple[list[Result], list[str]]:
+    """Compile the tuning table's configurations (``which`` set) for ``targets``; only the
+    given ``kernels`` and ``head_dims`` where named (checking one row of the table)."""
+    todo = [j for j in jobs(targets, which) if (kernels is None or j.kernel in kernels)
+            and (head_dims is None or j.head_dim in head_dims)]
+    return compile_job_pool(todo, workers, progress)
 
 
 def compile_job_pool(todo: list[Job], workers: int | None = None,
@@ -256,16 +261,33 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, from {', '.join(TARGETS)}")
     parser.add_argument("--set", default="small", choices=sorted(SETS),
                         help="small: bf16 with every feature on; full: every dtype and feature set")
+    parser.add_argument("--kernels", default=None,
+                        help=f"comma-separated, from {', '.join(KERNEL_NAMES)} (default: all)")
+    parser.add_argument("--head-dims", default=None,
+                        help=f"comma-separated, from {', '.join(map(str, HEAD_DIMS))} (default: "
+                             "all; for fp8_rows, its row lengths)")
     parser.add_argument("--workers", type=int, default=None, help="compiler processes")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
+    kernels = {k.strip() for k in args.kernels.split(",")} if args.kernels else None
+    if kernels and kernels - set(KERNEL_NAMES):
+        print(f"error: unknown kernel(s) {', '.join(sorted(kernels - set(KERNEL_NAMES)))}; "
+              f"choose from {', '.join(KERNEL_NAMES)}", file=sys.stderr)
+        return 2
+    try:
+        head_dims = {int(h) for h in args.head_dims.split(",")} if args.head_dims else None
+    except ValueError:
+        print(f"error: --head-dims takes integers, e.g. 64,128; got {args.head_dims!r}",
+              file=sys.stderr)
+        return 2
     names = [t.strip() for t in args.targets.split(",") if t.strip()]
     unknown = [t for t in names if t not in TARGETS]
     if unknown:
         print(f"error: unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}",
               file=sys.stderr)
         return 2
-    results, skipped = run(names, args.set, args.workers, progress=not args.json)
+    results, skipped = run(names, args.set, args.workers, progress=not args.json,
+                           kernels=kernels, head_dims=head_dims)
     bad = [r for r in results if r.problems]
     if args.json:
         print(json.dumps({"results": [dataclasses.asdict(r) for r in results], "skipped": skipped,

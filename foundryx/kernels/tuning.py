@@ -68,7 +68,7 @@ TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
         "fwd": (C(128, 128, 8, 3), C(128, 64, 8, 3), C(64, 32, 8, 1)),
         "bwd_dkdv": (C(32, 128, 8, 2), C(32, 32, 8, 3), C(64, 16, 8, 1)),
         "bwd_dq": (C(128, 64, 8, 4), C(128, 32, 8, 3), C(32, 16, 8, 3)),
-        "bwd_atomic": (C(64, 64, 8, 2), C(16, 32, 8, 2), C(16, 16, 8, 1)),
+        "bwd_atomic": (C(64, 64, 8, 1), C(16, 32, 8, 2), C(16, 16, 8, 1)),
     },
     # A100 / A800 (164 KB shared memory)
     "sm80": {
@@ -96,7 +96,7 @@ TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
         "fwd": (C(128, 64, 4, 1, _AMD), C(128, 32, 4, 1, _AMD), C(64, 32, 4, 1, _AMD1)),
         "bwd_dkdv": (C(32, 64, 4, 1, _AMD), C(64, 64, 4, 1, _AMD1), C(16, 32, 4, 1, _AMD)),
         "bwd_dq": (C(64, 32, 4, 1, _AMD), C(128, 64, 4, 1, _AMD1), C(32, 16, 4, 1, _AMD)),
-        "bwd_atomic": (C(32, 64, 4, 1, _AMD1), C(64, 64, 4, 1, _AMD1), C(16, 32, 4, 1, _AMD1)),
+        "bwd_atomic": (C(32, 64, 4, 1, _AMD1), C(32, 64, 4, 1, _AMD1), C(16, 32, 4, 1, _AMD1)),
     },
     # CPU tensors under TRITON_INTERPRET=1 (tests): small uneven tiles exercise every boundary.
     "interpreter": {

@@ -30,8 +30,14 @@ import foundryx.models.mpt.modeling  # noqa: F401  (registers foundryx_mpt with 
 from foundryx.config.types import option, options_or_fields
 from foundryx.errors import ConfigError
 from foundryx.models.composer_base import CausalLMBase, FusedLossLM, labels_of
+from foundryx.models.hf_attention import (
+    HF_FLEX,
+    packed_positions,
+    packing_problem,
+    register_hf_attention,
+)
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
-from foundryx.models.hf_tp import hf_tp_plan
+from foundryx.models.hf_tp import hf_cp_plan, hf_tp_plan
 from foundryx.models.layers.loss import linear_cross_entropy
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
@@ -60,7 +66,9 @@ class HFCausalLMOptions:
         "config attributes to change, e.g. {num_hidden_layers: 2}", default_factory=dict)
     trust_remote_code: bool = option("allow a folder's own modeling code (auto_map)", default=False)
     attn_implementation: str | None = option(
-        "Hugging Face attention backend, e.g. sdpa or eager", default=None)
+        "Hugging Face attention backend, e.g. sdpa or eager; foundryx_flex: foundryx's "
+        "FlexAttention, which keeps packed documents apart without a dense mask "
+        "(docs/hf.md)", default=None)
     init_device: Literal["cpu", "meta", "mixed"] = option(
         "cpu (every rank builds the whole model: tests, small models) or meta (built without "
         "memory; after FSDP2 sharding each rank reads only its own shards of the pretrained "
@@ -138,15 +146,12 @@ class ComposerHFCausalLM(FusedLossLM):
         )
         self.n_matmul_params = matmul_params(self.model)
         self.stored_dtype = stored
-        self._warned_packing = False
+        self._said_packing = False
         self.fuses_loss = fused_loss_choice(self.model, o.fused_loss)
 
     def _forward(self, batch: Mapping[str, Any], fused: bool):
-        if batch.get("sequence_id") is not None and not self._warned_packing:
-            self._warned_packing = True
-            log.warning("hf_causal_lm: the batches carry sequence_id (packed examples), which "
-                        "Hugging Face models do not take: packed examples attend to each other; "
-                        "set packing_ratio: null in the loader to keep them apart")
+        if batch.get("sequence_id") is not None:
+            batch = self._packed(batch)
         # No KV cache in a training/eval forward: none is reused, and under activation
         # checkpointing the recomputed forward would append to it again (shapes differ).
         batch = {**batch, "use_cache": False}
@@ -155,9 +160,36 @@ class ComposerHFCausalLM(FusedLossLM):
                       if k in self.model_forward_args and k not in ("labels", "logits_to_keep")}
             # through the model's own entry (FSDP2 gathers its top-level weights, the head's
             # included, for it as for forward: parallel/parallelize.py registers it)
-            loss = self.model.foundryx_decoder_loss(inputs, labels_of(batch))
+            shifted = batch.get("shift_labels")  # a context-parallel shard's (parallel/cp.py)
+            loss = self.model.foundryx_decoder_loss(
+                inputs, labels_of(batch) if shifted is None else shifted, shifted is not None)
             return CausalLMOutputWithPast(loss=loss, logits=None)
         return CausalLMBase.forward(self, batch)  # Composer's: the model's own forward
+
+    def _packed(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """A packed batch as the model takes it (as transformers' flattening collator gives
+        it): ``position_ids`` restarting at each document (padding is one of its own), no
+        ``attention_mask`` and no ``sequence_id``; ConfigError when the model's attention
+        cannot keep the documents apart (see :mod:`foundryx.models.hf_attention`)."""
+        attn = getattr(self.model.config, "_attn_implementation", None)
+        problem = packing_problem(self.model)
+        if problem:
+            raise ConfigError([
+                f"model.attn_implementation: the batches are packed (sequence_id) and "
+                f"{type(self.model).__name__} cannot keep their documents apart: {problem}; set "
+                f"model.attn_implementation: {HF_FLEX} (no dense mask), or packing_ratio: null "
+                "in the loader's dataset"])
+        if not self._said_packing:
+            self._said_packing = True
+            how = ("block mask built from the documents, no dense mask" if attn == HF_FLEX
+                   else "transformers reads the documents from the position ids" + (
+                       f"; a dense mask of seq² per row: model.attn_implementation: {HF_FLEX} "
+                       "builds none" if attn in ("sdpa", "eager") else ""))
+            log.info("hf_causal_lm: packed batches: position ids restart at each document and "
+                     "attention %s keeps documents apart (%s)", attn, how)
+        positions = packed_positions(batch["sequence_id"], batch.get("attention_mask"))
+        rest = {k: v for k, v in batch.items() if k not in ("sequence_id", "attention_mask")}
+        return {**rest, "position_ids": positions}
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         """Training FLOPs of a batch: ``3 * b * (2 * N * s + 4 * n_layers * d_model * s**2)``,
@@ -287,6 +319,7 @@ def _build_model(hf_config: Any, source: tuple[str, bool] | None, pretrained: bo
     from transformers import AutoModelForCausalLM
 
     kw: dict[str, Any] = {"trust_remote_code": trust_remote_code, dtype_argument(): torch.float32}
+    register_hf_attention()  # transformers then takes attn_implementation: foundryx_flex
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
     if pretrained:
@@ -323,11 +356,15 @@ def block_classes(model: nn.Module) -> tuple[type, ...]:
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor) -> torch.Tensor:
+def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor,
+                 shifted: bool = False) -> torch.Tensor:
     """The next-token loss of a Hugging Face causal LM from its decoder's last hidden states,
-    fused with the output projection (``linear_cross_entropy``): no logits are made."""
+    fused with the output projection (``linear_cross_entropy``): no logits are made.
+    ``shifted``: ``labels`` are already each position's target (a context-parallel shard's)."""
     hidden = model.get_decoder()(**inputs).last_hidden_state
     weight = model.get_output_embeddings().weight
+    if shifted:
+        return linear_cross_entropy(hidden, weight, labels)
     return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
 
 
@@ -346,6 +383,7 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     model.activation_checkpointing_fn = is_block
     model.param_init_fn = model._init_weights
     model.foundryx_tp_plan = lambda: hf_tp_plan(model)
+    model.foundryx_cp_plan = lambda: hf_cp_plan(model)
     # the fused loss reads the head's weight outside the head's forward: a forward method of
     # the model, which FSDP2 gathers the model's own (top-level) weights for, as for forward
     model.foundryx_decoder_loss = partial(decoder_loss, model)

@@ -78,3 +78,26 @@ def hf_tp_plan(model: nn.Module) -> dict[str, Any] | None:
                      "rank_attrs": {f"{layers}.self_attn": {"num_key_value_groups": "heads_per_rank"}},
                      "heads": heads},
     }
+
+
+# families whose attention modules take q/k/v through transformers' attention interface with
+# nothing but causality and the padding mask around it (what foundryx.parallel.cp splits)
+CP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def hf_cp_plan(model: nn.Module) -> dict[str, Any] | None:
+    """The context-parallel plan of a Hugging Face ``*ForCausalLM`` (data, applied by
+    foundryx.parallel.cp): its attention modules run through transformers' attention
+    interface on the whole sequence of a rank's heads; None for other families."""
+    config = model.config
+    if config.model_type not in CP_FAMILIES:
+        return None
+    heads = config.num_attention_heads
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        return {"unsupported": f"{config.model_type} with sliding_window {window}: the window "
+                               "is in the mask transformers builds per shard", "heads": heads,
+                "kv_heads": heads}
+    return {"heads": heads,
+            "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+            "hf_attention": "model.layers.*.self_attn"}

@@ -31,6 +31,8 @@ from foundryx.kernels.cpu_matmul import resolve as resolve_backend
 from foundryx.parallel import dist
 from foundryx.parallel import materialize as mat
 from foundryx.parallel.contract import check_composer_contract
+from foundryx.parallel.cp import apply_context_parallel, build_cp_mesh, cp_mesh_shape
+from foundryx.parallel.cp import plan_problems as cp_plan_problems
 from foundryx.parallel.float8 import apply_float8
 from foundryx.parallel.fsdp import (
     build_mesh,
@@ -235,7 +237,19 @@ def parallelize(
         routed = f"oneDNN matmuls in {route_linears(model)} linear layers"
     mesh = None
     summary: list[str] = []
-    if parallelism is not None and world > 1:
+    cp = getattr(parallelism, "cp", 1)
+    dp_mesh = None
+    if parallelism is not None and world > 1 and cp > 1:  # context parallel: parallel/cp.py
+        replicate, shard, tp = *cp_mesh_shape(parallelism, world, dist.local_world_size()), 1
+        problems = cp_plan_problems(model, cp)  # before any collective, as for tp
+        if problems:
+            raise ConfigError(problems)
+        sum_only = sum_only_reductions(replicate, device.type)
+        mesh, dp_mesh = build_cp_mesh(replicate, shard, cp, device.type)
+        touched = apply_context_parallel(model, mesh["cp"])
+        summary.append(f"context parallel (Ulysses: all-to-all over heads) over {cp} ranks "
+                       f"({touched} attention modules from the model's plan)")
+    elif parallelism is not None and world > 1:
         replicate, shard, tp = mesh_dims(parallelism, world, dist.local_world_size())
         if tp > 1:  # before any collective: every rank raises the same error
             problems = plan_problems(model, tp)
@@ -253,6 +267,9 @@ def parallelize(
     elif parallelism is not None and parallelism.tp > 1:
         raise ConfigError([f"parallelism.tp: {parallelism.tp}, but this is one process; start "
                            f"{parallelism.tp} or a multiple (e.g. composer -n {parallelism.tp})"])
+    elif parallelism is not None and cp > 1:
+        raise ConfigError([f"parallelism.cp: {cp}, but this is one process; start {cp} or a "
+                           f"multiple (e.g. composer -n {cp})"])
     if float8 is not None and float8.enabled:  # before AC, compile and FSDP2 see the layers
         summary.append(f"float8 ({float8.recipe}) in {apply_float8(model, float8)} linear layers")
     summary += apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
@@ -265,10 +282,11 @@ def parallelize(
         if not block_list:
             log.info("FSDP2: the model names no transformer blocks; its top-level modules are the "
                      "only FSDP units")
-        dp_mesh = data_parallel_mesh(mesh)
+        dp_mesh = dp_mesh or data_parallel_mesh(mesh)
         shard_model(model, block_list, dp_mesh, parallelism, precision, sum_only)
         check_composer_contract(model)
-        shape = "x".join(map(str, (replicate, shard) + ((tp,) if tp > 1 else ())))
+        shape = "x".join(map(str, (replicate, shard) + ((tp,) if tp > 1 else ())
+                             + ((cp,) if cp > 1 else ())))
         summary.insert(0, f"FSDP2 {parallelism.sharding_strategy} over {dp_mesh.size()} ranks "
                           f"(mesh {shape}, {len(block_list)} blocks as units)"
                        if dp_mesh.size() > 1 else  # tp = world size: one data-parallel rank

@@ -181,6 +181,12 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
     seq = cfg.max_seq_len or getattr(opts, "max_seq_len", None)
     if not seq:
         raise NotPlannable(["max_seq_len: the planner needs the sequence length; set max_seq_len"])
+    cp = getattr(par, "cp", 1) if par is not None else 1
+    if cp > 1:  # context parallel: a device holds seq / cp tokens of every sequence
+        notes.append(f"context parallel over {cp} devices (Ulysses): each holds {seq // cp:,} of "
+                     f"every sequence's {seq:,} tokens; planned as that sequence length (its "
+                     "attention FLOPs, over the whole sequence of 1/cp of the heads, cp times more)")
+        seq //= cp
     ac = cfg.activation_checkpointing
     # a TP group shares its microbatches: each of the world / tp data-parallel ranks takes
     # global / (world / tp) samples per step, in microbatches of device_train_microbatch_size

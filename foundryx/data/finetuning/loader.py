@@ -180,7 +180,8 @@ def build_rows(examples: list, ds: FinetuningDatasetOptions, device_batch_size: 
         for k, m in enumerate(members):
             ids, labels = examples[order[m]]
             row["input_ids"] += ids
-            row["labels"] += labels
+            # no loss on the first token: it is not predicted from the example before it
+            row["labels"] += [IGNORE] + labels[1:]
             row["sequence_id"] += [k] * len(ids)
         rows.append(row)
     used = sum(lengths)

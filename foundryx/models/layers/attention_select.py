@@ -5,14 +5,22 @@ table of :mod:`foundryx.models.layers.attention_table`, one row per (device kind
 mask: one document / packed documents / ALiBi, causal, GQA) with TFLOP/s per implementation.
 The rules, in order, for one call:
 
-1. tensors not on a GPU -> ``torch`` (flash-attn and the Triton kernel need CUDA or ROCm);
+1. tensors not on a GPU -> ``torch`` (flash-attn and the Triton kernel need CUDA or ROCm;
+   FlexAttention on a CPU computes dense scores too);
 2. the table has no row for this device kind (``torch.cuda.get_device_name()``) -> ``torch``
    (SDPA), measuring nothing, in a line that says so;
 3. the device has rows, but none for this mask and causality -> ``torch``, said the same way;
 4. otherwise the nearest row (the same GQA-ness first, then the nearest head dim; an
    approximation is named in the line): its implementations from fastest to slowest
    (forward + backward when a gradient is wanted, else forward), the first that can run this
-   call (flash-attn installed, the Triton kernel supporting it; ``torch`` always can).
+   call (flash-attn installed, the Triton kernel supporting it, FlexAttention without dropout).
+
+``torch`` can run every call but one: a masked call (packed documents, ALiBi, padding, a
+window) whose dense mask, which SDPA needs, would pass :data:`DENSE_MASK_LIMIT` (4 GiB: one
+row of packed documents past about 21K tokens; at 512K it is terabytes). There rules 2-4 skip it, and where no measured
+implementation runs, the first of :data:`UNMEASURED` that runs is chosen: flash-attn's varlen
+kernel (no mask at all: each document its own sequence), else ``flex`` (a block mask built from
+the documents, compiled on the GPU), else the Triton kernel.
 
 ``auto`` logs one line per distinct choice, with the reason and the figures. Asking for
 ``flash`` or ``triton`` where it cannot run raises :class:`AttentionError` saying what to
@@ -101,6 +109,56 @@ def triton_problem(
     return unsupported(q, k, v, dropout_p)
 
 
+def flex_problem(dropout_p: float = 0.0) -> str | None:
+    """Why FlexAttention cannot run a call, or None."""
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401  (torch >= 2.5)
+    except ImportError:
+        return f"this torch ({torch.__version__}) has no FlexAttention; it needs torch >= 2.5"
+    if dropout_p:
+        return f"attention dropout (attn_pdrop {dropout_p}) is not implemented by FlexAttention"
+    return None
+
+
+DENSE_MASK_LIMIT = 4 << 30  # bytes of dense mask past which auto does not pick SDPA
+UNMEASURED = ("flash", "flex", "triton")  # SDPA cannot hold the mask, nothing measured runs
+
+
+def dense_mask_problem(q: Any, k: Any, *, sequence_id: Any = None, alibi_slopes: Any = None,
+                       key_padding_mask: Any = None, sliding_window: Any = None,
+                       **_: Any) -> str | None:
+    """Why ``torch`` (SDPA with a dense mask or bias) should not run this call: the mask it
+    builds (the ``seq x seq`` distances in int64, a boolean keep mask per row, an ALiBi bias
+    per head in q's dtype) would pass :data:`DENSE_MASK_LIMIT`; None when it is smaller, or
+    when the call has no mask (SDPA's fused kernels)."""
+    if all(x is None for x in (sequence_id, alibi_slopes, key_padding_mask, sliding_window)):
+        return None
+    batch, seq, heads = (int(n) for n in q.shape[:3])
+    per_row = batch if sequence_id is not None or key_padding_mask is not None else 1
+    size = seq * seq * (8 + per_row)
+    if alibi_slopes is not None:
+        itemsize = torch.empty((), dtype=getattr(q, "dtype", torch.float32)).element_size()
+        size += per_row * heads * seq * seq * itemsize
+    if size <= DENSE_MASK_LIMIT:
+        return None
+    return (f"SDPA's dense mask would take {size / 2**30:,.0f} GiB at {seq} tokens (auto "
+            f"leaves SDPA past {DENSE_MASK_LIMIT / 2**30:.0f} GiB)")
+
+
+def unmeasured_choice(runs: Callable[[str], str | None], why: str) -> tuple[str, str]:
+    """(implementation, reason) where SDPA cannot hold the mask (``why``) and no measured
+    implementation runs: the first of :data:`UNMEASURED` that can."""
+    skipped = []
+    for name in UNMEASURED:
+        problem = runs(name)
+        if problem is None:
+            reason = (f"{why}; {name}, the first of flash-attn's varlen kernel, flex and "
+                      "triton that runs this call (not measured on this device)")
+            return name, reason + (f"; {'; '.join(skipped)}" if skipped else "")
+        skipped.append(f"{name} cannot run: {problem}")
+    return "torch", f"{why}, but nothing else runs: {'; '.join(skipped)}; SDPA"
+
+
 def require(impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> None:
     """Raise :class:`AttentionError` if ``impl`` ('flash' or 'triton') cannot run this call."""
     if impl == "flash":
@@ -162,8 +220,12 @@ def table_choice(case: Case, device: str, rows: list[dict[str, Any]],
                  runs: Callable[[str], str | None]) -> tuple[str, str]:
     """(implementation, reason) for ``case`` on ``device`` from the table's ``rows``:
     the fastest measured implementation that ``runs(name)`` (None: it can run this call, else
-    why not) allows. No row for the device or for the case: ``torch``, said so."""
+    why not) allows. No row for the device or for the case: ``torch``, said so, or where SDPA
+    cannot hold the mask (``runs("torch")``), the first of :data:`UNMEASURED` that runs."""
     mine = [r for r in rows if r["device"].lower() == device.lower()]
+    dense = runs("torch")
+    if dense and not [r for r in mine if r["mask"] == case.mask and r["causal"] == case.causal]:
+        return unmeasured_choice(runs, dense)
     if not mine:
         return "torch", (f"the attention table (foundryx/models/layers/attention_table.py) has no "
                          f"row for this device ({device}); SDPA, without measuring (benchmarks/"
@@ -184,7 +246,7 @@ def table_choice(case: Case, device: str, rows: list[dict[str, Any]],
     ranked = sorted(figures.items(), key=lambda kv: -kv[1])
     skipped = []
     for name, tflops in ranked:
-        problem = None if name == "torch" else runs(name)
+        problem = runs(name)
         if problem is None:
             others = ", ".join(f"{n} {t:.0f}" for n, t in ranked if n != name)
             what = "fwd+bwd" if figures is row.get("train") else "fwd"
@@ -196,6 +258,9 @@ def table_choice(case: Case, device: str, rows: list[dict[str, Any]],
                 reason += f"; {'; '.join(skipped)}"
             return name, reason + f" [{row['source']}]"
         skipped.append(f"{name} ({tflops:.0f}) cannot run: {problem}")
+    if dense:
+        return unmeasured_choice(runs, f"no measured implementation can run: "
+                                       f"{'; '.join(skipped)}")
     return "torch", f"no measured implementation can run: {'; '.join(skipped)}; SDPA"
 
 
@@ -209,7 +274,13 @@ def choose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float =
             f"CUDA or ROCm GPU"
         )
 
+    dense = dense_mask_problem(q, k, **features)
+
     def runs(name: str) -> str | None:
+        if name == "torch":
+            return dense
+        if name == "flex":
+            return flex_problem(dropout_p)
         if name == "flash":
             return flash_problem(q, k)
         if name == "triton":

@@ -56,6 +56,10 @@ class ComposerMPTCausalLM(FusedLossLM):
                     "set attn_uses_sequence_id: false"
                 )
             kwargs["sequence_id"] = batch["sequence_id"]
+        if batch.get("position_ids") is not None:  # a context-parallel shard's (parallel/cp.py)
+            kwargs["position_ids"] = batch["position_ids"]
+        if fused and batch.get("shift_labels") is not None:
+            return self.model(**kwargs, shift_labels=batch["shift_labels"], return_logits=False)
         if fused:
             return self.model(**kwargs, labels=labels_of(batch), return_logits=False)
         return self.model(**kwargs)

@@ -169,6 +169,23 @@ class MPTPreTrainedModel(PreTrainedModel):
                          "rank_attrs": {f"{blocks}.attn": {"kv_n_heads": "one"}}},
         }
 
+    def foundryx_cp_plan(self) -> dict[str, Any]:
+        """Context parallelism as data (applied by foundryx.parallel.cp): each attention's
+        ``attn_fn`` runs on the whole sequence of a rank's heads (Ulysses), and the positions
+        of the whole sequence come from ``token_positions``."""
+        prefix = "transformer." if self.base_model_prefix in dict(self.named_children()) else ""
+        return {"heads": self.config.n_heads, "kv_heads": self.config.kv_n_heads,
+                "attention": {f"{prefix}blocks.*.attn": "attn_fn"},
+                "positions": "foundryx_positions"}
+
+    def foundryx_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           sequence_id: torch.Tensor | None) -> torch.Tensor:
+        """The positions MPTModel.forward gives the tokens of a whole batch."""
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None
+        uses = self.config.attn.attn_uses_sequence_id
+        return token_positions(input_ids, attention_mask, sequence_id if uses else None)
+
     def param_init_fn(self, module: nn.Module) -> None:
         self._init_weights(module)
 
@@ -258,12 +275,14 @@ class MPTModel(MPTPreTrainedModel):
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         sequence_id: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
     ) -> BaseModelOutputWithPast:
         """Hidden states after the final norm.
 
         ``attention_mask`` (batch, seq), 1 = token, 0 = padding: padding keys are masked and
         not counted in positions. ``sequence_id`` (batch, seq): tokens attend only within
-        their document and positions restart at 0 in each document.
+        their document and positions restart at 0 in each document. ``position_ids`` (batch,
+        seq): the tokens' positions, when not those (a shard of a longer sequence).
         """
         cfg, a = self.config, self.config.attn
         seq = input_ids.shape[1]
@@ -271,7 +290,8 @@ class MPTModel(MPTPreTrainedModel):
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {cfg.max_seq_len}")
         if attention_mask is not None and bool(attention_mask.all()):
             attention_mask = None  # no padding: keep the unmasked fast path
-        positions = token_positions(input_ids, attention_mask, sequence_id)
+        positions = (token_positions(input_ids, attention_mask, sequence_id)
+                     if position_ids is None else position_ids)
         x = self.wte(input_ids)
         if self.wpe is not None:
             x = x + self.wpe(positions)
@@ -332,6 +352,8 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         return_logits: bool = True,
         logits_to_keep: int | torch.Tensor = 0,
+        position_ids: torch.LongTensor | None = None,
+        shift_labels: torch.LongTensor | None = None,
     ) -> CausalLMOutputWithPast:
         """Logits (batch, seq, vocab) and, given ``labels`` aligned with ``input_ids``, the
         next-token loss (see :func:`causal_lm_loss`). With labels and ``return_logits=False``
@@ -339,13 +361,18 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
         vocabulary logits are never held whole) and ``logits`` is None. ``return_dict`` is
         accepted for Hugging Face callers; the result is always a ``CausalLMOutputWithPast``.
         ``logits_to_keep`` (as Hugging Face models take it): N > 0 keeps the last N positions'
-        logits, a tensor of positions keeps those (without labels)."""
-        h = self.transformer(input_ids, attention_mask, sequence_id).last_hidden_state
+        logits, a tensor of positions keeps those (without labels). ``shift_labels`` (with
+        ``return_logits=False``, instead of labels): the target of each position, already
+        shifted (a shard of a sequence, whose last position's target is the next shard's)."""
+        h = self.transformer(input_ids, attention_mask, sequence_id, position_ids).last_hidden_state
         if isinstance(logits_to_keep, torch.Tensor) or logits_to_keep:
             if labels is not None:
                 raise ValueError("logits_to_keep and labels together: the loss needs every position")
             h = h[:, logits_to_keep] if isinstance(logits_to_keep, torch.Tensor) else h[:, -logits_to_keep:]
         weight = self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
+        if shift_labels is not None and not return_logits:
+            loss = self.fused_loss(h, weight, shift_labels, self.logit_scale)
+            return CausalLMOutputWithPast(loss=loss, logits=None)
         if labels is not None and not return_logits:
             loss = self.fused_loss(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
             return CausalLMOutputWithPast(loss=loss, logits=None)

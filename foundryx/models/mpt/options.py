@@ -34,7 +34,7 @@ class AttnConfig:
     """``attn_config``: attention."""
 
     attn_impl: str = option("attention implementation (registry attention_implementations): "
-                            "torch, triton, flash or auto", default="torch",
+                            "torch, triton, flash, flex or auto", default="torch",
                             registry="attention_implementations")
     attn_pdrop: float = option("dropout on attention weights", default=0.0, ge=0, lt=1)
     qk_ln: bool = option("normalise q and k (norm_type) before attention", default=False)
@@ -140,6 +140,9 @@ class MPTOptions:
             divisors = [str(d) for d in range(1, heads + 1) if heads % d == 0]
             p.append(f"attn_config.kv_n_heads: {a.kv_n_heads} does not divide n_heads {heads}; "
                      f"use one of {', '.join(divisors)}")
+        if a.attn_pdrop and a.attn_impl in ("flex", "triton"):
+            p.append(f"attn_config.attn_pdrop: attn_impl {a.attn_impl} has no attention dropout; "
+                     "set attn_pdrop: 0, or attn_impl torch or flash")
         if self.init_config.name == "baseline_" and self.init_config.init_std is None:
             p.append("init_config.init_std: baseline_ needs init_std; set it, e.g. 0.02")
         return p + frozen_base_problems(self.peft_config, self.frozen_base)
