@@ -227,11 +227,13 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
 
 
 def microbatch_tokens(cfg: TrainConfig) -> int | None:
-    """Tokens in one training microbatch (``tiling.mlp: auto`` decides on it), or None."""
+    """Tokens of one training microbatch a device holds (``tiling: auto`` decides on it; under
+    context parallelism its 1/cp of each sequence, as the planner counts it), or None."""
     mb = cfg.device_train_microbatch_size
     if not isinstance(mb, int) or not cfg.max_seq_len:
         return None
-    return mb * int(cfg.max_seq_len)
+    cp = int(getattr(cfg.parallelism, "cp", 1) or 1) if cfg.parallelism is not None else 1
+    return mb * int(cfg.max_seq_len) // max(cp, 1)
 
 
 def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> Any:

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +67,18 @@ class Plan:
     speed: Choice | None = None  # where the MFU came from (None: no peak FLOP/s, no estimate)
     host_setup: HostSetup | None = None  # what the host terms were planned from
     seq_key: str = "max_seq_len"  # the override that sets the run's length
+    seq_share: int = 1  # devices a sequence is split over (context parallelism): setup.seq_len x it
 
     def longest_sequence(self) -> Longest:
         """The longest sequence this run fits on its device and node (``--search
-        max_seq_len``), from the same terms as the plan."""
+        max_seq_len``), from the same terms as the plan; under context parallelism the whole
+        sequence (each device planned at its share)."""
         cap = self.host.capacity if self.host is not None else None
-        return longest(self.census, self.setup, self.capacity, self.host_setup, cap)
+        answer = longest(self.census, self.setup, self.capacity, self.host_setup, cap)
+        if self.seq_share > 1:
+            k = self.seq_share
+            answer = replace(answer, seq_len=answer.seq_len * k, next_len=answer.next_len * k)
+        return answer
 
     @property
     def per_device_bytes(self) -> int:
@@ -248,6 +254,8 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
         comm=comm, tp_options=options, tp_proposal=proposal, speed=speed,
         host_setup=planned.host, seq_key=seq_key(loaded.source),
+        seq_share=max(int(getattr(loaded.cfg.parallelism, "cp", 1) or 1), 1)
+        if loaded.cfg.parallelism is not None else 1,
     )
 
 

@@ -74,8 +74,9 @@ def longest_line(plan: Plan) -> list[str]:
     """The longest sequence the run fits, and what runs out past it (a fix, for a run whose
     length is what does not fit), or nothing when even that does not help."""
     answer = plan.longest_sequence()
-    if not answer.seq_len or answer.seq_len >= plan.setup.seq_len:
+    if not answer.seq_len or answer.seq_len >= plan.setup.seq_len * plan.seq_share:
         return []
     return [f"plan_check: fix: the longest sequence that fits is {answer.seq_len:,} tokens "
             f"({plan.seq_key}={answer.seq_len}; {answer.device_bytes / GiB:.1f} GiB per "
-            f"device); at {plan.setup.seq_len:,} {RAN_OUT_WORDS[answer.ran_out]} run out"]
+            f"device); at {plan.setup.seq_len * plan.seq_share:,} "
+            f"{RAN_OUT_WORDS[answer.ran_out]} run out"]
