@@ -118,10 +118,24 @@ def files_of(folder):
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
-def test_txt_documents_are_the_line_by_line_rule(tmp_path):
+WHITESPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and c != "\n")
+
+
+@pytest.mark.parametrize("read_bytes", [None, 1, 7, 64])
+def test_txt_documents_are_the_line_by_line_rule(tmp_path, monkeypatch, read_bytes):
+    if read_bytes:  # documents, lines and separators across the reads
+        monkeypatch.setattr(sources, "_READ_BYTES", read_bytes)
     src = tmp_path / "c.txt"
-    src.write_bytes(awkward_text())
+    src.write_bytes(awkward_text(40 if read_bytes else 120))
     assert list(sources.read_documents(src)) == list(reference_documents(src))
+    src.write_bytes(f"a\n{WHITESPACE}\nb\r\n\r\n\x85c\u2028d\n".encode())  # every blank
+    assert list(sources.read_documents(src)) == list(reference_documents(src)) == [
+        "a", "b", "\x85c\u2028d"]
+    rng = np.random.default_rng(read_bytes or 0)
+    alphabet = ["a", "b", " ", "\r", "\n", "\n", "\u3000", "é", "\x0c"]
+    for _ in range(30):
+        src.write_bytes("".join(rng.choice(alphabet, size=rng.integers(0, 80))).encode())
+        assert list(sources.read_documents(src)) == list(reference_documents(src))
     src.write_bytes(b"")
     assert list(sources.read_documents(src)) == []
     src.write_bytes(b"\n\n  \n")
@@ -162,3 +176,27 @@ def test_not_utf8_names_the_byte_and_line_and_leaves_nothing(tmp_path, tiny_toke
     assert f"{src}: not UTF-8 at byte {cut} (line {line}: invalid start byte)" in msg
     assert "iconv" in msg
     assert not any(tmp_path.glob("*out*"))
+
+
+@pytest.mark.parametrize("size_limit", [None, 700, 1 << 12, 60])
+def test_write_rows_flushes_shards_where_mdswriter_does(tmp_path, size_limit):
+    from streaming import MDSWriter
+
+    from foundryx.data.convert import write_rows
+
+    rows = np.arange(97 * 24, dtype=np.int32).reshape(97, 24) * 37 - 1000
+    folders = {}
+    for how in ("rows", "write"):
+        folders[how] = tmp_path / how
+        w = MDSWriter(out=str(folders[how]), columns={"tokens": "ndarray:int32"},
+                      hashes=["xxh3_64"], size_limit=size_limit)
+        for part in (rows[:10], rows[10:11], rows[11:11], rows[11:]):
+            if how == "rows":
+                write_rows(w, part)
+            else:
+                for row in part:
+                    w.write({"tokens": row})
+        w.finish()
+    want = files_of(folders["write"])
+    assert len(want) > (2 if size_limit in (700, 60) else 1)
+    assert files_of(folders["rows"]) == want

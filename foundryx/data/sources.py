@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,16 +78,74 @@ def read_utf8(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 at byte {e.start} ({e.reason}); {NOT_UTF8_FIX}") from None
 
 
+# one or more blank lines (nothing but whitespace: \s is str.isspace, as str.strip uses) at a
+# line start: what separates the documents of a .txt file
+_BLANK_LINES = re.compile(r"^(?:[^\S\n]*\n)+", re.MULTILINE)
+_READ_BYTES = 1 << 22
+
+
 def _txt_documents(path: Path) -> Iterator[str]:
-    block: list[str] = []
-    for _, line in utf8_lines(path):
-        if line.strip():
-            block.append(line)
-        elif block:
-            yield "\n".join(block)
-            block = []
-    if block:
-        yield "\n".join(block)
+    """The blocks of non-blank lines of ``path``, each line's ``\r\n`` (or ``\n``) end
+    removed, joined by ``\n``: the rule of reading line by line (:func:`utf8_lines`), done on
+    blocks of a few MB (decoded at once, split at blank lines by one regular expression)."""
+    for text in _complete_lines(path):
+        pieces = _BLANK_LINES.split(text)
+        for doc in pieces[:-1]:
+            if doc:
+                yield _without_line_ends(doc)
+        if pieces[-1]:  # the lines after the last blank line: the end of the file
+            yield _without_line_ends(pieces[-1])
+
+
+def _without_line_ends(doc: str) -> str:
+    """``doc`` (whole lines, each ending in ``\n``) with each line's ``\r``s and ``\n``s
+    removed from its end (``rstrip("\r\n")``) and the lines joined by ``\n``."""
+    doc = doc[:-1] if doc.endswith("\n") else doc
+    if "\r" not in doc:
+        return doc
+    return "\n".join(line.rstrip("\r") for line in doc.split("\n"))
+
+
+def _complete_lines(path: Path) -> Iterator[str]:
+    """The text of ``path`` in pieces that each hold whole documents: the text up to the last
+    blank line of what has been read so far (a document spanning reads waits for its end), the
+    rest at the end of the file, with a final newline added; a DataError naming the file, line
+    and byte where it is not UTF-8 (the same as :func:`utf8_lines`)."""
+    offset = lines = 0  # bytes and lines before ``data``
+    rest = b""  # an incomplete last line, read again with the next block
+    carry = ""  # whole lines after the last blank line: an unfinished document
+    with path.open("rb") as f:
+        while True:
+            block = f.read(_READ_BYTES)
+            data = rest + block
+            end = data.rfind(b"\n") + 1 if block else len(data)
+            if not end and block:
+                rest = data
+                continue
+            data, rest = data[:end], data[end:]
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = lines + data.count(b"\n", 0, e.start) + 1
+                raise DataError(f"{path}: not UTF-8 at byte {offset + e.start} (line {line}: "
+                                f"{e.reason}); {NOT_UTF8_FIX}") from None
+            offset, lines = offset + len(data), lines + data.count(b"\n")
+            if not block:
+                yield carry + text + ("\n" if text and not text.endswith("\n") else "")
+                return
+            text = carry + text
+            last = _last_blank_end(text)
+            carry = text[last:]
+            if last:
+                yield text[:last]
+
+
+def _last_blank_end(text: str) -> int:
+    """Where the last run of blank lines of ``text`` (whole lines) ends; 0 if it has none."""
+    end = 0  # an empty line ("\n\n") is the usual separator: start near the last one
+    for m in _BLANK_LINES.finditer(text, max(0, text.rfind("\n\n") - 4096)):
+        end = m.end()
+    return end
 
 
 def _folder_documents(files: list[Path]) -> Iterator[str]:
