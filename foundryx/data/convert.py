@@ -120,10 +120,12 @@ def _batches(source: Source, batch_chars: int, chunk_chars: int
     """``((chunk, docs, progress units), docs)`` per batch; chunks depend on the input only."""
     chunk = in_chunk = size = units = 0
     docs: list[str] = []
+    by_doc = source.unit != "B"  # else bytes of text (source.progress, inlined)
     for doc in source.documents():
         docs.append(doc)
-        size += len(doc)
-        units += source.progress(doc)
+        n = len(doc)
+        size += n
+        units += 1 if by_doc else n if doc.isascii() else len(doc.encode())
         if size >= batch_chars:
             yield (chunk, len(docs), units), docs
             in_chunk += size

@@ -44,7 +44,9 @@ class Source:
     fingerprint: dict[str, Any] = field(default_factory=dict)  # identity, for resuming
 
     def progress(self, doc: str) -> int:
-        return len(doc.encode()) if self.unit == "B" else 1
+        if self.unit != "B":
+            return 1
+        return len(doc) if doc.isascii() else len(doc.encode())
 
 
 def _files_fingerprint(files: list[Path]) -> dict[str, Any]:
@@ -88,22 +90,18 @@ def _txt_documents(path: Path) -> Iterator[str]:
     """The blocks of non-blank lines of ``path``, each line's ``\r\n`` (or ``\n``) end
     removed, joined by ``\n``: the rule of reading line by line (:func:`utf8_lines`), done on
     blocks of a few MB (decoded at once, split at blank lines by one regular expression)."""
-    for text in _complete_lines(path):
+    for text in _complete_lines(path):  # whole lines, each ending in \n
         pieces = _BLANK_LINES.split(text)
-        for doc in pieces[:-1]:
-            if doc:
-                yield _without_line_ends(doc)
-        if pieces[-1]:  # the lines after the last blank line: the end of the file
-            yield _without_line_ends(pieces[-1])
+        if "\r" in text:
+            yield from (_without_line_ends(doc) for doc in pieces if doc)
+        else:
+            yield from [doc[:-1] for doc in pieces if doc]
 
 
 def _without_line_ends(doc: str) -> str:
     """``doc`` (whole lines, each ending in ``\n``) with each line's ``\r``s and ``\n``s
     removed from its end (``rstrip("\r\n")``) and the lines joined by ``\n``."""
-    doc = doc[:-1] if doc.endswith("\n") else doc
-    if "\r" not in doc:
-        return doc
-    return "\n".join(line.rstrip("\r") for line in doc.split("\n"))
+    return "\n".join(line.rstrip("\r") for line in doc[:-1].split("\n"))
 
 
 def _complete_lines(path: Path) -> Iterator[str]:
