@@ -200,3 +200,30 @@ def test_write_rows_flushes_shards_where_mdswriter_does(tmp_path, size_limit):
     want = files_of(folders["write"])
     assert len(want) > (2 if size_limit in (700, 60) else 1)
     assert files_of(folders["rows"]) == want
+
+
+def test_workers_do_not_import_the_calling_script(tmp_path, tiny_tokenizer):
+    """Spawned workers start with a bare ``__main__``: a script (here without the usual
+    ``if __name__ == "__main__"`` guard) runs once, not once more per worker."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "c.txt"
+    src.write_bytes(awkward_text(60))
+    script, marks = tmp_path / "script.py", tmp_path / "marks"
+    script.write_text(
+        "import os, sys\n"
+        "open(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\n"
+        "from foundryx.data.convert import convert_to_mds\n"
+        "from foundryx.data.tokenizers import build_hf_tokenizer\n"
+        "m = convert_to_mds(sys.argv[2], sys.argv[3], build_hf_tokenizer(sys.argv[4]), 24, "
+        "workers=2, batch_chars=500, progress=False)\n"
+        "print(m['sequences'])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    p = subprocess.run([sys.executable, str(script), str(marks), str(src), str(tmp_path / "out"),
+                        tiny_tokenizer.name_or_path], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(marks.read_text().splitlines()) == 1
+    assert int(p.stdout.split()[-1]) > 0
