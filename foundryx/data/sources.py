@@ -111,7 +111,10 @@ def _complete_lines(path: Path) -> Iterator[str]:
     and byte where it is not UTF-8 (the same as :func:`utf8_lines`)."""
     offset = lines = 0  # bytes and lines before ``data``
     rest = b""  # an incomplete last line, read again with the next block
-    carry = ""  # whole lines after the last blank line: an unfinished document
+    # whole lines after the last blank line: an unfinished document, kept as the list of its
+    # reads (joined once it ends), so a document of any length costs linear time. It holds no
+    # blank line, so only each new read is searched for one.
+    carry: list[str] = []
     with path.open("rb") as f:
         while True:
             block = f.read(_READ_BYTES)
@@ -129,13 +132,14 @@ def _complete_lines(path: Path) -> Iterator[str]:
                                 f"{e.reason}); {NOT_UTF8_FIX}") from None
             offset, lines = offset + len(data), lines + data.count(b"\n")
             if not block:
-                yield carry + text + ("\n" if text and not text.endswith("\n") else "")
+                yield "".join(carry) + text + ("\n" if text and not text.endswith("\n") else "")
                 return
-            text = carry + text
             last = _last_blank_end(text)
-            carry = text[last:]
             if last:
-                yield text[:last]
+                yield "".join(carry) + text[:last]
+                carry = [text[last:]]
+            else:
+                carry.append(text)
 
 
 def _last_blank_end(text: str) -> int:
