@@ -35,6 +35,7 @@ import datetime
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -211,6 +212,7 @@ def main() -> None:
                     row = {"wall": res["wall"], "cpu": cpu, "call": res["wall"], "call_cpu": res["cpu"],
                            "tokens": res["tokens"] + res["docs"], "process": wall}
                 else:
+                    shutil.rmtree(work / "lf-out", ignore_errors=True)  # it refuses a full folder
                     wall, cpu, _ = timed_process(
                         [lf_py, str(scripts["lf"]), str(work / "lf-in"), str(work / "lf-out"),
                          str(tok_dir), str(args.max_seq_len), "2"],
