@@ -156,9 +156,9 @@ def llmfoundry_entries(entries: list[dict]) -> list[dict]:
 
 
 def configs(work: Path, model: Path, entries: list[dict], examples: int | None, batch: int,
-            generation_batch: int | None = None) -> dict:
+            generation_batch: int | None = None, max_seq_len: int = MAX_LEN) -> dict:
     fx = {"models": [{"label": "bench", "hf": str(model)}], "icl_tasks": entries,
-          "max_seq_len": MAX_LEN, "device_eval_batch_size": batch, "precision": "fp32",
+          "max_seq_len": max_seq_len, "device_eval_batch_size": batch, "precision": "fp32",
           "device": "cpu", "progress_bar": False, "output_dir": str(work / "fx-out"),
           "python_log_level": "warning"}
     if generation_batch:
@@ -166,8 +166,8 @@ def configs(work: Path, model: Path, entries: list[dict], examples: int | None, 
     lf = {"models": [{"model_name": "bench",
                       "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(model),
                                 "pretrained": True},
-                      "tokenizer": {"name": str(model), "kwargs": {"model_max_length": MAX_LEN}}}],
-          "icl_tasks": llmfoundry_entries(entries), "max_seq_len": MAX_LEN,
+                      "tokenizer": {"name": str(model), "kwargs": {"model_max_length": max_seq_len}}}],
+          "icl_tasks": llmfoundry_entries(entries), "max_seq_len": max_seq_len,
           "device_eval_batch_size": batch, "precision": "fp32", "seed": 17, "loggers": {},
           "python_log_level": "warning"}
     paths = {}
@@ -235,7 +235,7 @@ def run_by_task(args, pys: dict, model: Path, entries: list[dict]) -> dict | Non
         unit_dir = args.work / "units" / key.replace("/", "_")
         unit_dir.mkdir(parents=True, exist_ok=True)
         cfgs = configs(unit_dir, model, [entry], args.examples, args.batch_size,
-                       args.generation_batch_size)
+                       args.generation_batch_size, args.max_seq_len)
         order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
         for side in order:
             if (key, side) in done or args.only not in (None, side) or args.partial:
@@ -335,6 +335,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--max-seq-len", type=int, default=MAX_LEN,
+                    help=f"both sides' max_seq_len (the model has {MAX_LEN} positions)")
     ap.add_argument("--generation-batch-size", type=int,
                     help="foundryx's generation_batch_size (LLM Foundry has none: its generation "
                          "batches are --batch-size rows)")
@@ -364,6 +366,7 @@ def main() -> None:
     cmd = (f"python benchmarks/eval_vs_llmfoundry.py --tasks {os.path.relpath(args.tasks, ROOT)} "
            f"--rounds {args.rounds} --batch-size {args.batch_size} --hidden {args.hidden}"
            + (f" --examples {args.examples}" if args.examples else "")
+           + (f" --max-seq-len {args.max_seq_len}" if args.max_seq_len != MAX_LEN else "")
            + (f" --generation-batch-size {args.generation_batch_size}" if args.generation_batch_size else ""))
     if args.by_task:
         res = run_by_task(args, pys, model, entries)
@@ -374,7 +377,7 @@ def main() -> None:
         emit(text, args.out)
         return
     cfgs = configs(args.work, model, entries, args.examples, args.batch_size,
-                   args.generation_batch_size)
+                   args.generation_batch_size, args.max_seq_len)
     rows = []
     for i in range(args.rounds):
         order = ["foundryx", "llmfoundry"] if i % 2 == 0 else ["llmfoundry", "foundryx"]
@@ -412,7 +415,7 @@ def main() -> None:
             f"layers), byte-level BPE 8192 on tinyshakespeare; fp32, batch {args.batch_size}"
             + (f" (foundryx's generation tasks: generation_batch_size {args.generation_batch_size})"
                if args.generation_batch_size else "") + ", "
-            f"max_seq_len {MAX_LEN}; {'first ' + str(args.examples) if args.examples else 'all'} "
+            f"max_seq_len {args.max_seq_len}; {'first ' + str(args.examples) if args.examples else 'all'} "
             f"examples of each task.\n\n| round | first | foundryx s (call / process) | LLM Foundry s "
             f"(call / process) | LLM Foundry / foundryx | process CPU s, foundryx / LLM Foundry |\n"
             f"|---|---|---:|---:|---:|---:|\n{times}\n\n"

@@ -136,23 +136,18 @@ def test_folder_with_other_files_is_never_replaced(tmp_path, tiny_tokenizer, doc
 @pytest.mark.parametrize("existing", [False, True])
 def test_interrupted_conversion_leaves_no_trusted_output(tmp_path, tiny_tokenizer, docs,
                                                          monkeypatch, existing):
-    from streaming import MDSWriter
-
     src = write_txt(tmp_path / "c.txt", docs)
     out = tmp_path / "mds"
     if existing:
         convert_to_mds(src, out, tiny_tokenizer, SEQ, progress=False)
     before = stored(out) if existing else None
-    calls = []
-    original = MDSWriter.write
+    original = convert.write_rows
 
-    def write_then_fail(self, sample):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        original(self, sample)
+    def write_then_fail(writer, rows):  # interrupted after two sequences are written
+        original(writer, rows[:2])
+        raise KeyboardInterrupt
 
-    monkeypatch.setattr(MDSWriter, "write", write_then_fail)
+    monkeypatch.setattr(convert, "write_rows", write_then_fail)
     with pytest.raises(KeyboardInterrupt):
         convert_to_mds(src, out, tiny_tokenizer, 8, overwrite=True, progress=False)
     left = sorted(p.name for p in tmp_path.iterdir())

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_convert import SEQ, expected, stored, write_txt
 
-from foundryx.data import parallel
+from foundryx.data import convert, parallel
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.partial import LEDGER, Partial
 from foundryx.data.synthetic import generate_corpus
@@ -43,18 +43,17 @@ def count_tokenized(monkeypatch) -> list[int]:
 
 def interrupted(src, out, tokenizer, monkeypatch, n_writes: int = 250) -> None:
     """A conversion stopped by Ctrl-C at its ``n_writes``-th sequence."""
-    from streaming import MDSWriter
-
     calls = []
-    original = MDSWriter.write
+    original = convert.write_rows
 
-    def write(self, sample):
-        calls.append(1)
-        if len(calls) == n_writes:
-            raise KeyboardInterrupt
-        original(self, sample)
+    def write_rows(writer, rows):  # one sequence at a time, to stop at the n-th
+        for i in range(len(rows)):
+            calls.append(1)
+            if len(calls) == n_writes:
+                raise KeyboardInterrupt
+            original(writer, rows[i:i + 1])
 
-    monkeypatch.setattr(MDSWriter, "write", write)
+    monkeypatch.setattr(convert, "write_rows", write_rows)
     with pytest.raises(KeyboardInterrupt):
         convert_to_mds(src, out, tokenizer, SEQ, **SMALL)
     monkeypatch.undo()

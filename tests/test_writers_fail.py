@@ -81,7 +81,7 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 # -- foundryx data convert ---------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["mid-conversion", "at-finish"])
 def test_convert(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
-    from streaming import MDSWriter
+    from foundryx.data import convert
 
     docs_a, docs_b = generate_corpus(40, seed=3), generate_corpus(40, seed=4)
     out = tmp_path / "mds"
@@ -93,15 +93,16 @@ def test_convert(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
     before = tree(tmp_path)
 
     if where == "mid-conversion":
-        original, rows = MDSWriter.write, []
+        original, written = convert.write_rows, []
 
-        def write(self, sample):
-            rows.append(1)
-            if len(rows) == 3:
-                raise enospc("shard.00000.mds")
-            original(self, sample)
+        def write_rows(writer, rows):  # the disk fills at the third sequence
+            for i in range(len(rows)):
+                written.append(1)
+                if len(written) == 3:
+                    raise enospc("shard.00000.mds")
+                original(writer, rows[i:i + 1])
 
-        monkeypatch.setattr(MDSWriter, "write", write)
+        monkeypatch.setattr(convert, "write_rows", write_rows)
     else:  # index.json is merged, the manifest (2nd write) fails
         fail_write_text(monkeypatch, tmp_path, 2)
     r = attempt(capsys, *args, "--input", str(src))

@@ -120,10 +120,12 @@ def _batches(source: Source, batch_chars: int, chunk_chars: int
     """``((chunk, docs, progress units), docs)`` per batch; chunks depend on the input only."""
     chunk = in_chunk = size = units = 0
     docs: list[str] = []
+    by_doc = source.unit != "B"  # else bytes of text (source.progress, inlined)
     for doc in source.documents():
         docs.append(doc)
-        size += len(doc)
-        units += source.progress(doc)
+        n = len(doc)
+        size += n
+        units += 1 if by_doc else n if doc.isascii() else len(doc.encode())
         if size >= batch_chars:
             yield (chunk, len(docs), units), docs
             in_chunk += size
@@ -161,10 +163,9 @@ class _ChunkWriter:
             self.writer = MDSWriter(out=out, columns={COLUMN: "ndarray:int32"},
                                     compression=self.compression, hashes=[SHARD_HASH],
                                     keep_local=False)
-        stream = np.concatenate([self.carry, tokens])
+        stream = np.concatenate([self.carry, tokens]) if len(self.carry) else tokens
         n_full = len(stream) // self.seq * self.seq
-        for row in stream[:n_full].reshape(-1, self.seq):
-            self.writer.write({COLUMN: row})
+        write_rows(self.writer, stream[:n_full].reshape(-1, self.seq))
         self.carry = stream[n_full:]
         self.counts["docs"] += n_docs
         self.counts["tokens"] += len(tokens)
@@ -192,6 +193,41 @@ class _ChunkWriter:
         self.partial.chunk_done({"chunk": self.chunk, **self.counts, "carry": self.carry.tolist()})
         self.counts = dict.fromkeys(self.counts, 0)
         self.chunk += 1
+
+
+def write_rows(writer: Any, rows: np.ndarray) -> None:
+    """``writer.write({COLUMN: row})`` for each row of ``rows`` (one MDSWriter, one
+    ``ndarray:int32`` column), with the same bytes and shards, without encoding each row in
+    Python: every row's encoding is the first row's header and the row's own bytes, so the
+    rows are encoded as one array and handed to the writer's sample cache, a shard flushed
+    where ``MDSWriter.write`` flushes it (when the next sample would pass ``size_limit``)."""
+    if not len(rows):
+        return
+    first = writer.encode_sample({COLUMN: rows[0]})
+    head = len(first) - rows[0].nbytes
+    size = len(first) + writer.extra_bytes_per_sample
+    if writer.size_limit and writer.size_limit < writer.extra_bytes_per_shard + size:
+        for row in rows:  # a sample larger than a shard: MDSWriter's own way
+            writer.write({COLUMN: row})
+        return
+    encoded = np.empty((len(rows), len(first)), dtype=np.uint8)
+    encoded[:, :head] = np.frombuffer(first[:head], dtype=np.uint8)
+    encoded[:, head:] = np.ascontiguousarray(rows).view(np.uint8)
+    blob, n, i = encoded.tobytes(), len(first), 0
+    while i < len(rows):
+        if writer.event.is_set():  # an upload thread failed: as MDSWriter.write reports it
+            writer.cancel_future_jobs()
+            raise Exception("One of the threads failed. Check other traceback for more details.")
+        room = len(rows) - i
+        if writer.size_limit:
+            room = min(room, (writer.size_limit - writer.new_shard_size) // size)
+        if room <= 0:
+            writer.flush_shard()
+            writer._reset_cache()
+            continue
+        writer.new_samples.extend(blob[j * n:(j + 1) * n] for j in range(i, i + room))
+        writer.new_shard_size += room * size
+        i += room
 
 
 def _manifest(source: Source, tokenizer: Any, max_seq_len: int, compression: str | None,

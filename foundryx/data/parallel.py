@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import types
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -55,15 +56,20 @@ def tokenize_batch(docs: list[str]) -> np.ndarray:
     """The token stream of ``docs``: ``prefix + ids + suffix`` per document, as int32."""
     tok, prefix, suffix = _state["tokenizer"], _state["prefix"], _state["suffix"]
     if hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
-        encoded = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
+        # encode_batch_fast: the same ids without the character offsets (tokenizers >= 0.20)
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        encoded = (e.ids for e in encode(docs, add_special_tokens=False))
     else:
         encoded = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
     out: list[int] = []
+    extend = out.extend
     for ids in encoded:
-        out += prefix
-        out += ids
-        out += suffix
-    return np.asarray(out, dtype=np.int32)
+        if prefix:
+            extend(prefix)
+        extend(ids)
+        if suffix:
+            extend(suffix)
+    return np.array(out, dtype=np.int32)
 
 
 @contextlib.contextmanager
@@ -77,6 +83,19 @@ def _single_threaded() -> Iterator[None]:
             os.environ.pop(_PARALLELISM, None)
         else:
             os.environ[_PARALLELISM] = old
+
+
+@contextlib.contextmanager
+def _bare_main() -> Iterator[None]:
+    """Workers started meanwhile do not import the parent's ``__main__`` (a spawned process
+    imports it again by default: for ``foundryx data convert`` the whole command line, a
+    second or more of imports per worker). They need only this module and the tokenizer's."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def tokenize_in_order(
@@ -104,7 +123,8 @@ def tokenize_in_order(
     # spawn, not fork: forking a process that runs threads (torch, tokenizers, loggers) can
     # copy a held lock into the child and hang the pool.
     ctx = mp.get_context("spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, prefix, suffix))
+    with _bare_main():
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer, prefix, suffix))
     try:
         pending: deque = deque()
         for tag, docs in batches:
