@@ -101,6 +101,23 @@ def test_import_torch_runs_nothing_of_foundryx():
     assert got.returncode == 0 and got.stdout.strip() == "[]", (got.stdout, got.stderr[-2000:])
 
 
+def test_the_docs_name_composers_launcher_flags_and_the_readmes_command():
+    """docs/operations.md, "Which launcher": the flags it lists are Composer's launcher's (what
+    ``foundryx launch`` parses, with Composer's own parser), and its ``foundryx launch``
+    command is the README's (run by tests/test_quickstart_e2e.py)."""
+    from composer.cli.launcher import _get_parser
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    section = doc.split("### Which launcher", 1)[1].split("\n#", 1)[0]
+    listed = set(re.findall(r"`(-[-\w/]+)", section.split("and the same ranks", 1)[0]))
+    listed = {f for flag in listed for f in flag.split("/")}
+    flags = {o for a in _get_parser()._actions for o in a.option_strings} - {"-h", "--help", "--version"}
+    assert listed == flags, (listed ^ flags)
+    command = re.search(r"^foundryx launch -n 2 .*$", section, re.M).group(0)
+    assert command in (ROOT / "README.md").read_text()
+    assert "foundryx launch" in (ROOT / "launch" / "slurm_node.sh").read_text()
+
+
 PHASES = r"""
 import os, signal, sys
 os.environ["FOUNDRYX_HELD_SIGNALS"] = "15,10"
@@ -368,7 +385,8 @@ def test_launch_of_a_script_without_foundryx_is_composers_said_in_one_line(tmp_p
     script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
     got = subprocess.run([*LAUNCHERS["foundryx"], "-n", "1", str(script)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=TRY_LIMIT_S)
-    assert got.returncode == 0 and got.stdout.strip() == "rank 0 of 1", got.stderr[-3000:]
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.splitlines()[0] == "rank 0 of 1", got.stdout  # then Composer's own lines
     said = [ln for ln in got.stderr.splitlines() if ln.startswith("foundryx")]
     assert said == [f"foundryx: launch: {script} does not import foundryx (its ranks would never "
                     f"release the signals foundryx holds for them): Composer's launcher runs it as "
