@@ -7,6 +7,9 @@ code 1, printed by the rank that saw it). Training, eval and export load torch a
 checks that need none of them (:func:`foundryx.config.load.precheck`), so ``foundryx --help``,
 the data commands and a config's mistakes answer in a fraction of a second. Each subcommand's
 arguments and handler live in ``foundryx/cli/<name>_command.py``; this module is the shell.
+``foundryx launch`` (``foundryx/cli/launch.py``: Composer's launcher, with a scheduler's signal
+passed on to the ranks and exit 75) is handed its words before this shell parses any: its
+flags are Composer's, read by Composer's parser.
 
 ``train``, ``plan``, ``eval``, ``doctor`` and ``export`` take ``key=value`` overrides anywhere
 on the line (:func:`split_overrides`), before or after the flags.
@@ -84,7 +87,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # `foundryx launch ...` is dispatched before parsing (main): Composer's parser reads its
     # words; listed here for `foundryx --help`.
-    sub.add_parser("launch", help=launch.HELP, add_help=False)
+    sub.add_parser("launch", help=launch.HELP, add_help=False, usage=launch.USAGE,
+                   description=launch.DESCRIPTION,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (train_command.add_parser, registry_command.add_parser, data_command.add_parser,
                 export_command.add_parser, eval_command.add_parser, add_plan_parser,
                 report_command.add_parser, doctor_command.add_parser):

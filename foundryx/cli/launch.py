@@ -65,6 +65,7 @@ COMPOSER_LAUNCHER = "composer.cli.launcher"
 HELD = preempt.numbers(preempt.DEFAULT_SIGNALS)
 FORWARD_EVERY_S = 1.0
 
+USAGE = "foundryx launch [-n N] [Composer's launcher flags] SCRIPT [ARGS ...]"
 HELP = "start N processes of a training script (Composer's launcher, exit 75 when preempted)"
 DESCRIPTION = """Start N processes of a training script, as Composer's launcher (`composer`) does, with
 the same flags, and end as a scheduler needs: a SIGTERM or SIGUSR1 (Slurm, Kubernetes, systemd,
