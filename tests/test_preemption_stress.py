@@ -332,6 +332,7 @@ def test_sigterm_at_20_random_moments_saves_or_says_why(quickstart_data, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.modern_leg  # make test: on torch 2.15 (the foundryx launch checks run on 2.7)
 def test_plain_composer_sigterm_while_training_saves(quickstart_data, tmp_path):
     """``composer -n 2 train.py ...``, Composer's launcher with nothing of foundryx in it: a
     SIGTERM to the process group after batch 2 still ends with batch 2 or 3 saved and both
@@ -377,6 +378,7 @@ def test_launch_mistakes_are_one_line_and_exit_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.modern_leg
 def test_launch_of_a_script_without_foundryx_is_composers_said_in_one_line(tmp_path):
     """A script that does not import foundryx would never release the signals foundryx's
     launcher holds for its ranks: Composer's launcher runs it as ``composer`` does, and one
