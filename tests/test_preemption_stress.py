@@ -311,7 +311,7 @@ def _run(data: Path, tmp: Path, chosen: list[str], launcher: str = "foundryx") -
         t = one_try(data, tmp / f"try{i}", moment, *extra, launcher=launcher)
         how = check(t) if launcher == "foundryx" else check_composer(t)
         ended.append(f"{moment}: {how} in {t.seconds:.0f} s")
-    print("\n".join(ended))
+        print(ended[-1], flush=True)  # as it goes: a run cut short by the timeout shows its tries
     return ended
 
 
