@@ -84,7 +84,7 @@ train: data
 	$(PY) train.py yamls/quickstart.yaml
 
 train-2proc: data
-	$(VENV)/bin/composer -n 2 train.py yamls/quickstart.yaml max_duration=20ba
+	$(VENV)/bin/foundryx launch -n 2 train.py yamls/quickstart.yaml max_duration=20ba
 
 # make test = both torch legs, each the fast set plus its share of the slow set (tests/conftest.py
 # names the modern leg's share). The second leg runs even when the first fails; make test fails

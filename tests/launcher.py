@@ -10,7 +10,8 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING), every rank's output in ``out/rank{r}.out`` and
 when one rank fails the others are stopped by Composer's own cleanup (SIGTERM, then SIGKILL
 after 30 s); the exit code is Composer's (the first failing rank's).
 
-The README's and the docs' commands keep the real ``composer`` command in their tests
+The README's and the docs' commands keep the real ``foundryx launch`` or ``composer`` command
+in their tests
 (test_quickstart_e2e, test_walkthrough, test_guards_e2e, test_cli_first_hour, ...).
 """
 

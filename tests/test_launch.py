@@ -1,6 +1,7 @@
-"""Multi-node launch on localhost: 2 "nodes" x 2 processes through launch/slurm_node.sh (the
-composer launcher with --world_size/--node_rank/--master_addr), FSDP2 over all 4 ranks, or
-hybrid (2 replicas x 2 shards) where this torch can do that on gloo (>= 2.8).
+"""Multi-node launch on localhost: 2 "nodes" x 2 processes through launch/slurm_node.sh
+(`foundryx launch` with Composer's launcher flags --world_size/--node_rank/--master_addr),
+FSDP2 over all 4 ranks, or hybrid (2 replicas x 2 shards) where this torch can do that on gloo
+(>= 2.8).
 
 StreamingDataset keys its shared memory per host and cannot run two "nodes" on one host, so
 the run trains on random tokens from a dataloader this file registers (its ``__main__``).

@@ -1,14 +1,20 @@
-"""Preemption at any moment: SIGTERM to the process group of ``composer -n 2 train.py
+"""Preemption at any moment: SIGTERM to the process group of ``foundryx launch -n 2 train.py
 yamls/quickstart.yaml ...``, as Slurm and ``kill -TERM -PGID`` send it, during the launcher's
 start-up, a rank's start-up, torch.compile, a step, a save or an eval. Each time either a
 checkpoint of the batch the run stopped after is saved, or one line says why none could be
 (training had not begun); the launcher ends with one line, no traceback, exit 75
 (foundryx.runtime.preempt.PREEMPTED). The one other ending allowed: the launcher killed by the signal
-before torch is imported in it (before any foundryx code runs there; no rank has started, so
-nothing exists to save), exit -15. See foundryx.composer_launcher and foundryx.runtime.preempt.
+before its handler is set (Python's start-up and ``import foundryx.cli``, about a second; no rank
+has started, so nothing exists to save), exit -15. See foundryx.cli.launch and
+foundryx.runtime.preempt.
 
-Also here: the launcher's stderr lacks torchao's "Skipping import of cpp extensions" (pinned
-leg: torch 2.7 with torchao 0.16), filtered in the launcher process by the same hook.
+Under plain ``composer -n 2`` (Composer's launcher as Composer made it, no foundryx code in it)
+a SIGTERM while training still saves: the ranks imported foundryx, save the batch they stop
+after and exit 75; what Composer's launcher prints around that is its own.
+
+Also here: no ``torch.backends`` entry point (foundryx runs in no process that did not import
+it), ``foundryx launch``'s stderr lacks torchao's "Skipping import of cpp extensions" (pinned
+leg: torch 2.7 with torchao 0.16), and its mistakes are one line, exit 2.
 
 The unit tests (fast) check the launcher's exit decision and the phases of a process's signal
 handling without torch.
@@ -29,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from foundryx.checkpoint.layout import complete_checkpoints
-from foundryx.composer_launcher import foundryx_script, outcome
+from foundryx.cli.launch import foundryx_script, outcome
 from foundryx.runtime import preempt
 
 ROOT = Path(__file__).parents[1]
@@ -69,23 +75,47 @@ def test_the_launcher_takes_over_for_foundryx_scripts_only(tmp_path):
     assert not foundryx_script("mypkg.train", module_mode=True)
 
 
-def test_a_launcher_hook_that_cannot_load_says_so_and_torch_still_imports(tmp_path):
-    """torch makes any error of a backend hook its own (``import torch`` then fails in every
-    process): a foundryx whose launcher module cannot load costs the composer command its
-    signal handling, in one line, and nothing else."""
-    broken = tmp_path / "shadow" / "foundryx"
-    broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text("")
-    (broken / "composer_launcher.py").write_text("raise ImportError('a half-installed foundryx')\n")
-    script = tmp_path / "bin" / "composer"  # the hook acts in the composer command only
-    script.parent.mkdir()
-    script.write_text("import torch\nprint('torch', torch.__version__)\n")
-    got = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(broken.parent)})
-    assert got.returncode == 0 and got.stdout.startswith("torch "), got.stderr[-2000:]
-    said = [line for line in got.stderr.splitlines() if line.startswith("foundryx:")]
-    assert said == ["foundryx: the composer command runs without foundryx's signal handling "
-                    "(ImportError: a half-installed foundryx); FOUNDRYX_LAUNCHER=0 turns it off"], got.stderr
+def test_no_torch_backends_entry_point_and_no_module_beside_the_package():
+    """torch calls every ``torch.backends`` entry point at the end of every ``import torch``:
+    foundryx registers none, and ships no top-level module for one."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "torch.backends" not in project["project"].get("entry-points", {})
+    assert "py-modules" not in project.get("tool", {}).get("setuptools", {})
+    assert not list(ROOT.glob("_foundryx*.py"))
+
+
+NOTHING_OF_FOUNDRYX = r"""
+import sys, torch
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("foundryx", "_foundryx_torch_hook")))
+"""
+
+
+def test_import_torch_runs_nothing_of_foundryx():
+    """In this environment (its installed entry points, as pip left them): ``import torch``
+    imports no module of foundryx's distribution. Fails in an environment installed from a
+    foundryx that had the ``torch.backends`` hook until it is installed again."""
+    got = subprocess.run([sys.executable, "-c", NOTHING_OF_FOUNDRYX], capture_output=True,
+                         text=True, cwd="/", timeout=300)
+    assert got.returncode == 0 and got.stdout.strip() == "[]", (got.stdout, got.stderr[-2000:])
+
+
+def test_the_docs_name_composers_launcher_flags_and_the_readmes_command():
+    """docs/operations.md, "Which launcher": the flags it lists are Composer's launcher's (what
+    ``foundryx launch`` parses, with Composer's own parser), and its ``foundryx launch``
+    command is the README's (run by tests/test_quickstart_e2e.py)."""
+    from composer.cli.launcher import _get_parser
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    section = doc.split("### Which launcher", 1)[1].split("\n#", 1)[0]
+    listed = set(re.findall(r"`(-[-\w/]+)", section.split("and the same ranks", 1)[0]))
+    listed = {f for flag in listed for f in flag.split("/")}
+    flags = {o for a in _get_parser()._actions for o in a.option_strings} - {"-h", "--help", "--version"}
+    assert listed == flags, (listed ^ flags)
+    command = re.search(r"^foundryx launch -n 2 .*$", section, re.M).group(0)
+    assert command in (ROOT / "README.md").read_text()
+    assert "foundryx launch" in (ROOT / "launch" / "slurm_node.sh").read_text()
 
 
 PHASES = r"""
@@ -181,11 +211,14 @@ def _when(moment: str, out: Path, start: float) -> bool:
     raise ValueError(moment)
 
 
-def one_try(data: Path, out: Path, moment: str, *extra: str) -> Try:
-    """One launch of the quickstart's 2-process run, SIGTERM to its process group at
-    ``moment``, waited for (bounded)."""
+LAUNCHERS = {"foundryx": [str(BIN / "foundryx"), "launch"], "composer": [str(BIN / "composer")]}
+
+
+def one_try(data: Path, out: Path, moment: str, *extra: str, launcher: str = "foundryx") -> Try:
+    """One launch of the quickstart's 2-process run by ``launcher`` (``foundryx launch`` or
+    plain ``composer``), SIGTERM to its process group at ``moment``, waited for (bounded)."""
     out.mkdir(parents=True)
-    cmd = [str(BIN / "composer"), "-n", "2", "--stderr", str(out / "rank{rank}.err"),
+    cmd = [*LAUNCHERS[launcher], "-n", "2", "--stderr", str(out / "rank{rank}.err"),
            "--stdout", str(out / "rank{rank}.out"), "train.py", "yamls/quickstart.yaml",
            f"variables.data_root={data}", f"save_folder={out}/ckpt",
            f"loggers.jsonl.path={out}/metrics.jsonl", *TINY, *extra]
@@ -199,7 +232,7 @@ def one_try(data: Path, out: Path, moment: str, *extra: str) -> Try:
             assert time.monotonic() - start < TRY_LIMIT_S, f"{moment}: not reached"
             time.sleep(0.05)
         os.killpg(p.pid, signal.SIGTERM)
-        rc = p.wait(timeout=max(30.0, TRY_LIMIT_S - (time.monotonic() - start)))
+        rc = p.wait(timeout=max(60.0, TRY_LIMIT_S - (time.monotonic() - start)))
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -207,23 +240,32 @@ def one_try(data: Path, out: Path, moment: str, *extra: str) -> Try:
     return Try(moment, rc, said, out, time.monotonic() - start)
 
 
+def _saved_batch(t: Try, head: str) -> int | None:
+    """The batch rank 0 said it stops after (None: it said no such line), its checkpoint
+    checked complete."""
+    stops = [ln for ln in t.said.splitlines() if "preemption: SIGTERM received" in ln]
+    if not stops:
+        return None
+    assert len(stops) == 1, head
+    batch = int(stops[0].split("stopping after batch ")[1].split()[0])
+    saved = {c.name for c, manifest in complete_checkpoints(t.out / "ckpt") if manifest}
+    assert f"ep0-ba{batch}" in saved, (saved, head)
+    return batch
+
+
 def check(t: Try) -> str:
-    """The try ended as preemption promises; returns how (for the summary)."""
+    """A ``foundryx launch`` try ended as preemption promises; returns how (for the summary)."""
     head = f"{t.moment} (exit {t.rc}):\n{t.said[-3000:]}"
     assert "Traceback" not in t.said and "SystemExit" not in t.said, head
     assert "Skipping import of cpp extensions" not in t.said, head
-    if t.rc == -signal.SIGTERM:  # before the launcher imported torch: no foundryx code yet
+    if t.rc == -signal.SIGTERM:  # before the launcher set its handler: Python's start-up
         assert not (t.out / "rank1.err").exists() and not t.said.strip(), head
-        return "launcher killed before foundryx's hook (no rank started)"
+        return "launcher killed before its handler was set (no rank started)"
     assert t.rc == preempt.PREEMPTED, head
     last = t.said.strip().splitlines()[-1]
     assert last.startswith(("foundryx: preempted by SIGTERM", "foundryx: SIGTERM before the ranks")), head
-    stops = [ln for ln in t.said.splitlines() if "preemption: SIGTERM received" in ln]
-    if stops:  # training had begun: the batch it stopped after is saved, complete
-        assert len(stops) == 1, head
-        batch = int(stops[0].split("stopping after batch ")[1].split()[0])
-        saved = {c.name for c, manifest in complete_checkpoints(t.out / "ckpt") if manifest}
-        assert f"ep0-ba{batch}" in saved, (saved, head)
+    batch = _saved_batch(t, head)
+    if batch is not None:  # training had begun: the batch it stopped after is saved, complete
         return f"saved at batch {batch}"
     if last.startswith("foundryx: SIGTERM before the ranks"):  # the launcher's own line
         return "before the ranks started"
@@ -233,30 +275,50 @@ def check(t: Try) -> str:
     return why[0].removeprefix("foundryx: preemption: ")[:60]
 
 
-def moments(n: int, seed: int = 48) -> list[str]:
+def check_composer(t: Try) -> str:
+    """A plain ``composer`` try signalled while training: both ranks saved the batch they
+    stopped after and exited 75. Their exit codes are read from Composer 0.32's own lines
+    ("Global rank R (PID P) exited with code C", its launcher's report of each rank that
+    exited neither 0 nor killed); the rest of what its launcher prints, and its exit code, are
+    Composer's."""
+    head = f"{t.moment} (composer, exit {t.rc}):\n{t.said[-3000:]}"
+    batch = _saved_batch(t, head)
+    assert batch is not None, head
+    codes = dict(re.findall(r"Global rank (\d+) \(PID \d+\) exited with code (-?\d+)", t.said))
+    assert codes == {"0": str(preempt.PREEMPTED), "1": str(preempt.PREEMPTED)}, (codes, head)
+    rank1 = (t.out / "rank1.err").read_text(errors="replace")
+    assert "Traceback" not in rank1, rank1[-3000:]
+    return f"saved at batch {batch}, ranks exit 75, composer exit {t.rc}"
+
+
+def moments(n: int, seed: int = 48, kinds: tuple[str, ...] = ("launcher", "ranks", "compile",
+            "batch", "save", "eval")) -> list[str]:
     """``n`` moments across the run's life: the launcher's start-up, the ranks', compile,
-    steps, saves and evals, drawn at random (a fixed seed: reruns hit the same moments)."""
+    steps, saves and evals (those of ``kinds``), drawn at random (a fixed seed: reruns hit the
+    same moments)."""
     rng = random.Random(seed)
-    kinds = [lambda: f"launcher:{rng.uniform(0.5, 25):.1f}", lambda: f"ranks:{rng.uniform(0, 20):.1f}",
-             lambda: "compile", lambda: f"batch:{rng.randint(1, 8)}",
-             lambda: f"save:{rng.choice((3, 6))}", lambda: "eval"]
-    return [rng.choice(kinds)() for _ in range(n)]
+    draw = {"launcher": lambda: f"launcher:{rng.uniform(0.5, 25):.1f}",
+            "ranks": lambda: f"ranks:{rng.uniform(0, 20):.1f}", "compile": lambda: "compile",
+            "batch": lambda: f"batch:{rng.randint(1, 8)}", "save": lambda: f"save:{rng.choice((3, 6))}",
+            "eval": lambda: "eval"}
+    return [draw[rng.choice(kinds)]() for _ in range(n)]
 
 
-def _run(data: Path, tmp: Path, chosen: list[str]) -> list[str]:
+def _run(data: Path, tmp: Path, chosen: list[str], launcher: str = "foundryx") -> list[str]:
     ended = []
     for i, moment in enumerate(chosen):
         extra = () if moment == "compile" else ("compile=false",)
-        t = one_try(data, tmp / f"try{i}", moment, *extra)
-        ended.append(f"{moment}: {check(t)} in {t.seconds:.0f} s")
-    print("\n".join(ended))
+        t = one_try(data, tmp / f"try{i}", moment, *extra, launcher=launcher)
+        how = check(t) if launcher == "foundryx" else check_composer(t)
+        ended.append(f"{moment}: {how} in {t.seconds:.0f} s")
+        print(ended[-1], flush=True)  # as it goes: a run cut short by the timeout shows its tries
     return ended
 
 
 @pytest.mark.slow
 def test_sigterm_at_a_few_moments_saves_or_says_why(quickstart_data, tmp_path):
-    """The fast variant: one moment in each phase that matters (a rank starting, a step, a
-    save), ~3 launches."""
+    """``foundryx launch``, the fast variant: one moment in each phase that matters (a rank
+    starting, a step, a save), ~3 launches."""
     ended = _run(quickstart_data, tmp_path, ["ranks:3", "batch:2", "save:3"])
     assert "before training began" in ended[0], ended
     assert "saved at batch" in ended[1] and "saved at batch" in ended[2], ended
@@ -265,16 +327,37 @@ def test_sigterm_at_a_few_moments_saves_or_says_why(quickstart_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.long
 def test_sigterm_at_20_random_moments_saves_or_says_why(quickstart_data, tmp_path):
+    """``foundryx launch``: 20 moments (``FOUNDRYX_STRESS_TRIES``) of every phase."""
     _run(quickstart_data, tmp_path, moments(int(os.environ.get("FOUNDRYX_STRESS_TRIES", "20"))))
 
 
 @pytest.mark.slow
+@pytest.mark.modern_leg  # make test: on torch 2.15 (the foundryx launch checks run on 2.7)
+def test_plain_composer_sigterm_while_training_saves(quickstart_data, tmp_path):
+    """``composer -n 2 train.py ...``, Composer's launcher with nothing of foundryx in it: a
+    SIGTERM to the process group after batch 2 still ends with batch 2 or 3 saved and both
+    ranks exiting 75 (the ranks' handler is foundryx's: train.py imported it)."""
+    _run(quickstart_data, tmp_path, ["batch:2"], launcher="composer")
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_plain_composer_sigterm_at_random_training_moments_saves(quickstart_data, tmp_path):
+    """The same at 6 moments of training (``FOUNDRYX_STRESS_TRIES``): steps, saves, evals."""
+    n = int(os.environ.get("FOUNDRYX_STRESS_TRIES", "6"))
+    _run(quickstart_data, tmp_path, moments(n, seed=53, kinds=("batch", "save", "eval")),
+         launcher="composer")
+
+
+@pytest.mark.slow
 def test_a_2_process_launch_prints_no_torchao_line(quickstart_data, tmp_path):
-    """``composer -n 2 train.py yamls/quickstart.yaml``: the launcher's stderr (its own and rank
-    0's) lacks torchao's import-time line, and a finished run ends without Composer's
-    "Waiting up to 30 seconds" line."""
+    """``foundryx launch -n 2 train.py yamls/quickstart.yaml``: the launcher's stderr (its own
+    and rank 0's) lacks torchao's import-time line (the launcher filters it before it imports
+    Composer), and a finished run ends without Composer's "Waiting up to 30 seconds" line.
+    (Plain ``composer``'s launcher process prints the line when its import of Composer reaches
+    torchao, on the pinned leg: nothing of foundryx runs there; tests/test_tp_docs.py.)"""
     out = tmp_path / "run"
-    cmd = [str(BIN / "composer"), "-n", "2", "train.py", "yamls/quickstart.yaml",
+    cmd = [*LAUNCHERS["foundryx"], "-n", "2", "train.py", "yamls/quickstart.yaml",
            f"variables.data_root={quickstart_data}", f"save_folder={out}/ckpt",
            f"loggers.jsonl.path={out}/metrics.jsonl", "eval_loader=null", "compile=false",
            *TINY[:5], "max_duration=2ba"]
@@ -282,3 +365,31 @@ def test_a_2_process_launch_prints_no_torchao_line(quickstart_data, tmp_path):
     assert got.returncode == 0, got.stderr[-3000:]
     assert "Skipping import of cpp extensions" not in got.stderr, got.stderr[-3000:]
     assert "Waiting up to 30 seconds" not in got.stdout + got.stderr
+    assert not [ln for ln in got.stderr.splitlines() if ln.startswith("foundryx: launch")], got.stderr
+
+
+@pytest.mark.slow
+def test_launch_mistakes_are_one_line_and_exit_2(tmp_path):
+    """A flag Composer's launcher refuses: one line naming it, exit 2, no traceback."""
+    got = subprocess.run([*LAUNCHERS["foundryx"], "-n", "0", "train.py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=TRY_LIMIT_S)
+    assert got.returncode == 2, got.stderr[-3000:]
+    assert got.stderr.strip().splitlines() == ["foundryx launch: error: The nproc must be 1 or greater"]
+
+
+@pytest.mark.slow
+@pytest.mark.modern_leg
+def test_launch_of_a_script_without_foundryx_is_composers_said_in_one_line(tmp_path):
+    """A script that does not import foundryx would never release the signals foundryx's
+    launcher holds for its ranks: Composer's launcher runs it as ``composer`` does, and one
+    line says so."""
+    script = tmp_path / "theirs.py"
+    script.write_text("import os\nprint('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n")
+    got = subprocess.run([*LAUNCHERS["foundryx"], "-n", "1", str(script)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=TRY_LIMIT_S)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.splitlines()[0] == "rank 0 of 1", got.stdout  # then Composer's own lines
+    said = [ln for ln in got.stderr.splitlines() if ln.startswith("foundryx")]
+    assert said == [f"foundryx: launch: {script} does not import foundryx (its ranks would never "
+                    f"release the signals foundryx holds for them): Composer's launcher runs it as "
+                    f"`composer` would, without foundryx's signal handling"], got.stderr

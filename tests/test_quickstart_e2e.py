@@ -27,9 +27,9 @@ def train(data: Path, out: Path, *overrides: str, nproc: int = 1,
             f"loggers.jsonl.path={out}/metrics.jsonl", *overrides]
     if nproc == 1:
         cmd = [sys.executable, "train.py", "yamls/quickstart.yaml", *args]
-    else:
-        composer = shutil.which("composer", path=str(Path(sys.executable).parent))
-        cmd = [composer, "-n", str(nproc), "--stdout", str(out / "rank{rank}.out"),
+    else:  # the README's `foundryx launch -n 2 train.py yamls/quickstart.yaml max_duration=20ba`
+        foundryx = shutil.which("foundryx", path=str(Path(sys.executable).parent))
+        cmd = [foundryx, "launch", "-n", str(nproc), "--stdout", str(out / "rank{rank}.out"),
                "--stderr", str(out / "rank{rank}.err"), "train.py", "yamls/quickstart.yaml", *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if compile_default:  # as `make train` runs it: compile.enabled auto, on where supported

@@ -7,6 +7,9 @@ code 1, printed by the rank that saw it). Training, eval and export load torch a
 checks that need none of them (:func:`foundryx.config.load.precheck`), so ``foundryx --help``,
 the data commands and a config's mistakes answer in a fraction of a second. Each subcommand's
 arguments and handler live in ``foundryx/cli/<name>_command.py``; this module is the shell.
+``foundryx launch`` (``foundryx/cli/launch.py``: Composer's launcher, with a scheduler's signal
+passed on to the ranks and exit 75) is handed its words before this shell parses any: its
+flags are Composer's, read by Composer's parser.
 
 ``train``, ``plan``, ``eval``, ``doctor`` and ``export`` take ``key=value`` overrides anywhere
 on the line (:func:`split_overrides`), before or after the flags.
@@ -28,6 +31,7 @@ from foundryx.cli import (
     doctor_command,
     eval_command,
     export_command,
+    launch,
     registry_command,
     report_command,
     train_command,
@@ -44,6 +48,11 @@ DESCRIPTION = """LLM training on Composer: train, evaluate, export and plan runs
 Commands that take a config also take key=value overrides of it, anywhere on the line:
   foundryx train yamls/quickstart.yaml max_duration=20ba --dry-run
   foundryx plan yamls/mpt-1b.yaml --gpus 8 global_train_batch_size=512
+
+Several processes (FSDP2, tensor parallelism; one per GPU), with Composer's launcher flags:
+  foundryx launch -n 2 train.py yamls/quickstart.yaml max_duration=20ba
+(`composer -n 2 train.py ...` starts the same ranks; `foundryx launch` also passes a scheduler's
+SIGTERM on to them, waits while they save, and exits 75: docs/operations.md, "Which launcher".)
 """
 
 
@@ -76,6 +85,11 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # `foundryx launch ...` is dispatched before parsing (main): Composer's parser reads its
+    # words; listed here for `foundryx --help`.
+    sub.add_parser("launch", help=launch.HELP, add_help=False, usage=launch.USAGE,
+                   description=launch.DESCRIPTION,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
     for add in (train_command.add_parser, registry_command.add_parser, data_command.add_parser,
                 export_command.add_parser, eval_command.add_parser, add_plan_parser,
                 report_command.add_parser, doctor_command.add_parser):
@@ -146,7 +160,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # Composer's launcher flags, read by Composer's parser
+        return launch.main(argv[1:])
+    args = parse(argv)
     known_warnings.install(preimport=False)  # every subcommand: see docs/operations.md
     problem = frozen_missing() if args.command != "doctor" else None
     if problem:

@@ -41,7 +41,7 @@ PREEMPTED = 75
 # interrupted command does: a wrapper that runs a job again on 75 does not run this one again.
 INTERRUPTED = 130
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-# Set by foundryx's launcher (foundryx.composer_launcher) for the ranks it starts with these
+# Set by `foundryx launch` (foundryx.cli.launch) for the ranks it starts with these
 # signals blocked: comma-separated signal numbers.
 HELD_ENV = "FOUNDRYX_HELD_SIGNALS"
 
