@@ -1,7 +1,7 @@
 """Conversion speed: tokens/s of `foundryx data convert` with 1 and 2 worker processes.
 
-    python benchmarks/convert.py                       # tinyshakespeare x ~45 = ~50 MB
-    python benchmarks/convert.py --mb 10 --repeats 1   # a quick look
+    python -m benchmarks.convert                       # tinyshakespeare x ~45 = ~50 MB
+    python -m benchmarks.convert --mb 10 --repeats 1   # a quick look
 
 The corpus is ../shared/corpus/tinyshakespeare.txt repeated to about ``--mb`` MB (documents
 are its blank-line-separated speeches); the tokenizer is a byte-level BPE (vocab 4096) trained
@@ -17,17 +17,15 @@ import argparse
 import datetime
 import os
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from foundryx.data.convert import convert_to_mds
+from foundryx.data.sources import read_documents
+from foundryx.data.tokenizers import train_bpe_tokenizer
 
-from foundryx.data.convert import convert_to_mds  # noqa: E402
-from foundryx.data.sources import read_documents  # noqa: E402
-from foundryx.data.tokenizers import train_bpe_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def cpu_seconds() -> float:

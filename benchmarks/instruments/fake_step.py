@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "yamls/finetune/llama-8b-lora-fp8.yaml"
 SIDES = ("peer", "bf16", "fp8", "nf4", "fp8-offload0.5")
 # the FP8 base with its GEMMs on FP8 tensor cores (row-wise torch._scaled_mm), as an H100 runs
@@ -243,7 +243,7 @@ def fill_frozen(model: nn.Module) -> None:
 
 
 def _on_meta(t: torch.Tensor) -> bool:
-    from step_memory import inner_tensors
+    from benchmarks.instruments.step_memory import inner_tensors
 
     return t.device.type == "meta" or any(x.device.type == "meta" for x in inner_tensors(t)) \
         or any(getattr(t, n).device.type == "meta" for n in ("nf4",) if hasattr(t, n))
