@@ -32,7 +32,7 @@ from foundryx.errors import ConfigError
 from foundryx.models.composer_base import CausalLMBase, FusedLossLM, labels_of
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.hf_tp import hf_tp_plan
-from foundryx.models.layers.loss import linear_cross_entropy
+from foundryx.models.layers.loss import DEFAULT_CHUNKS, linear_cross_entropy
 from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
 from foundryx.models.peft.options import LoraOptions
 from foundryx.runtime.hf_compat import newer_transformers_hint
@@ -325,10 +325,12 @@ def block_classes(model: nn.Module) -> tuple[type, ...]:
 
 def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor) -> torch.Tensor:
     """The next-token loss of a Hugging Face causal LM from its decoder's last hidden states,
-    fused with the output projection (``linear_cross_entropy``): no logits are made."""
+    fused with the output projection (``linear_cross_entropy``, in the model's
+    ``foundryx_loss_chunks``): no logits are made."""
     hidden = model.get_decoder()(**inputs).last_hidden_state
     weight = model.get_output_embeddings().weight
-    return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
+    return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:],
+                                chunks=model.foundryx_loss_chunks)
 
 
 def attach_parallel_hooks(model: nn.Module) -> None:
@@ -349,6 +351,7 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     # the fused loss reads the head's weight outside the head's forward: a forward method of
     # the model, which FSDP2 gathers the model's own (top-level) weights for, as for forward
     model.foundryx_decoder_loss = partial(decoder_loss, model)
+    model.foundryx_loss_chunks = DEFAULT_CHUNKS  # its chunk sizes (layers.loss.LossChunks)
     model.foundryx_forward_methods = ("foundryx_decoder_loss",)
 
 
