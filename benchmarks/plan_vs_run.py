@@ -58,7 +58,7 @@ def plan(recipe: str, args: list[str]) -> dict:
 
 
 def main() -> None:
-    from test_recipes_2rank import RECIPES, overrides, tiny_llama, tiny_mpt_export
+    from benchmarks.instruments.recipe_sizes import RECIPES, overrides, tiny_llama, tiny_mpt_export
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipes", nargs="+",
