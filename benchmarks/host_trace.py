@@ -5,7 +5,7 @@ behind the plan-vs-run gap of a LoRA run on CPU ranks.
             [--config fp8-offload0.55] [--host-heap auto|bounded|glibc] [--trim]
             [--env NAME=VALUE ...] [--out benchmarks/RESULTS.md]
 
-One real run on 2 CPU ranks (``composer -n 2 benchmarks/host_trace.py --worker ...``; this file
+One real run on 2 CPU ranks (``composer -n 2 -m benchmarks.host_trace --worker ...``; this file
 is the training script: it registers a ``host_trace`` callback and calls foundryx's CLI) of the
 shipped ``yamls/finetune/llama-3.1-405b-lora-fp8.yaml`` with only model, data, sizes, device and
 precision overridden, as issue 38 measured it: a Llama of ``--hidden`` x ``--layers`` (1536 x 24:

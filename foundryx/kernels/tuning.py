@@ -61,7 +61,7 @@ _AMD1 = {"waves_per_eu": 1}  # ... for 1 wave: up to 512 VGPRs, for the largest 
 # docs/attention.md). The bwd_atomic rows (issue 47) were chosen on paper only, as the tiles of
 # the largest arithmetic intensity that compile without spills with every feature on in bf16
 # (Triton 3.3; its extra dQ product leaves less room than bwd_dkdv: sm90's 32x32 tiles at head
-# dim 128 spill 188-292 B there); `benchmarks/attention.py --tune` has the last word on a GPU.
+# dim 128 spill 188-292 B there); `python -m benchmarks.attention --tune` has the last word on a GPU.
 TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
     # H100 / H200 (and other big-shared-memory NVIDIA GPUs: sm90, sm100)
     "sm90": {
@@ -120,7 +120,7 @@ BWD: dict[str, tuple[str, str, str]] = {
     "interpreter": ("split", "split", "split"),
 }
 
-# What `benchmarks/attention.py --tune` tries, per kernel (tiles that do not fit are skipped).
+# What `python -m benchmarks.attention --tune` tries, per kernel (tiles that do not fit are skipped).
 CANDIDATES: dict[str, list[KernelConfig]] = {
     "fwd": [
         C(bm, bn, w, s)
