@@ -1,13 +1,13 @@
 """Attention speed on a GPU: the Triton kernel, flash-attn (when installed), FlexAttention
 (compiled) and SDPA.
 
-    python benchmarks/attention.py --out benchmarks/RESULTS.md        # kernels + MPT-1B step
-    python benchmarks/attention.py --seqs 2048 --no-mpt              # a quick look
-    python benchmarks/attention.py --tune                            # rows for kernels/tuning.py
-    python benchmarks/attention.py --seqs 4096 --head-dims 128 --no-mpt --bwd split atomic
+    python -m benchmarks.attention --out benchmarks/RESULTS.md        # kernels + MPT-1B step
+    python -m benchmarks.attention --seqs 2048 --no-mpt              # a quick look
+    python -m benchmarks.attention --tune                            # rows for kernels/tuning.py
+    python -m benchmarks.attention --seqs 4096 --head-dims 128 --no-mpt --bwd split atomic
                                                       # the Triton backward's two modes, side by side
-    python benchmarks/attention.py --table rows.json                 # attn_impl auto's table rows
-    python benchmarks/attention.py --apply-table rows.json           # ... into the table (no GPU)
+    python -m benchmarks.attention --table rows.json                 # attn_impl auto's table rows
+    python -m benchmarks.attention --apply-table rows.json           # ... into the table (no GPU)
 
 Kernel table: forward and forward+backward TFLOP/s, bf16, batch x seq = 16k tokens,
 heads = 2048 / head_dim, for dense and packed sequences (documents of 1/16 to 1/4 of the
@@ -39,15 +39,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a plain checkout
+from foundryx.kernels import tuning
+from foundryx.models.layers.attention import torch_attention
+from foundryx.models.layers.attention_flash import flash_attention
+from foundryx.models.layers.attention_flex import flex_attention
+from foundryx.models.layers.attention_select import flash_attn_module
+from foundryx.models.layers.attention_triton import triton_attention
 
-from foundryx.kernels import tuning  # noqa: E402
-from foundryx.models.layers.attention import torch_attention  # noqa: E402
-from foundryx.models.layers.attention_flash import flash_attention  # noqa: E402
-from foundryx.models.layers.attention_flex import flex_attention  # noqa: E402
-from foundryx.models.layers.attention_select import flash_attn_module  # noqa: E402
-from foundryx.models.layers.attention_triton import triton_attention  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 try:
     from tqdm import tqdm
@@ -350,7 +349,7 @@ def write_table(path: Path, rows, impls, info: str) -> None:
         f"sm{props.major}{props.minor}"
     seqs = " ".join(sorted({str(r["seq"]) for r in rows}))
     heads = " ".join(sorted({str(r["head_dim"]) for r in rows}))
-    source = (f"python benchmarks/attention.py --table FILE --seqs {seqs} --head-dims {heads} "
+    source = (f"python -m benchmarks.attention --table FILE --seqs {seqs} --head-dims {heads} "
               f"({datetime.date.today().isoformat()}; {info})")
     out = table_rows(rows, impls, torch.cuda.get_device_name(), arch, source)
     path.write_text(json.dumps(out, indent=1) + "\n")
@@ -423,7 +422,7 @@ def main(argv=None) -> int:
     table = markdown(rows, mpt, impls, args.mpt_batch)
     print(table)
     if args.out:
-        command = "python benchmarks/attention.py " + " ".join(
+        command = "python -m benchmarks.attention " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
         section = (

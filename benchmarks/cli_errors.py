@@ -3,7 +3,7 @@ mistake (issue 26: a config mistake is reported in under 2 s, before torch is im
 issue 54 a mistake in the config's keys or values also loads the components' code, so that
 their options' problems come in the same message: seconds more).
 
-    python benchmarks/cli_errors.py [--rounds 5] [--baseline REF --baseline-rounds 3]
+    python -m benchmarks.cli_errors [--rounds 5] [--baseline REF --baseline-rounds 3]
                                     [--out benchmarks/RESULTS.md]
 
 Each case runs ``python -m foundryx.cli ...`` as a new process in an empty folder, with this
@@ -140,7 +140,7 @@ def main() -> None:
     section = "\n".join([
         "## Time to the message of a command-line mistake (issue 26, part A)", "",
         f"{datetime.date.today()}. {platform.machine()} Linux VM, {cpus} cores, no GPU; "
-        f"{versions()}, omegaconf {version('omegaconf')}. Command: `python benchmarks/cli_errors.py --rounds {args.rounds}"
+        f"{versions()}, omegaconf {version('omegaconf')}. Command: `python -m benchmarks.cli_errors --rounds {args.rounds}"
         + (f" --baseline {args.baseline} --baseline-rounds {args.baseline_rounds}`"
            if args.baseline else "`")
         + f". Load average {load_before:.1f} before and {load_after:.1f} after (other jobs "

@@ -1,8 +1,8 @@
 """Conversion speed: `foundryx data convert` with 1 and 2 workers, beside the tokenizer alone
 on the same text and cores (and, with ``--llmfoundry``, LLM Foundry 0.22's converter).
 
-    python benchmarks/convert.py --copies 40 --max-seq-len 256 --rounds 3 [--llmfoundry]
-    python benchmarks/convert.py --copies 4 --rounds 1          # a quick look
+    python -m benchmarks.convert --copies 40 --max-seq-len 256 --rounds 3 [--llmfoundry]
+    python -m benchmarks.convert --copies 4 --rounds 1          # a quick look
 
 The corpus is ../shared/corpus/tinyshakespeare.txt repeated ``--copies`` times (documents are
 its blank-line-separated paragraphs); the tokenizer is a byte-level BPE (vocab 4096) trained
@@ -152,8 +152,7 @@ def main() -> None:
     py = sys.executable
     lf_py = None
     if args.llmfoundry:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from vs_llmfoundry import ensure_llmfoundry
+        from benchmarks.vs_llmfoundry import ensure_llmfoundry
 
         lf_py = str(ensure_llmfoundry(args.venv))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -1,7 +1,7 @@
 """A context-parallel rank's training step on paper: peak device memory by category of rank 0 of
 ``--cp`` ranks running yamls/finetune/llama-3.1-8b-lora-long-cp.yaml (issue 52, part 2).
 
-    python benchmarks/cp_estimate.py [--seq 4194304] [--cp 8] [--shape yamls/shapes/llama-3.1-8b]
+    python -m benchmarks.cp_estimate [--seq 4194304] [--cp 8] [--shape yamls/shapes/llama-3.1-8b]
         [--set KEY=VALUE ...] [--json FILE]
 
 The real step (benchmarks/fake_step.py: fake tensors, bf16 autocast, attention as a flash kernel
@@ -27,12 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import torch
 
-import fake_step  # noqa: E402  (benchmarks/ is not a package)
-import torch  # noqa: E402
-from step_memory import CATEGORIES, CategoryTracker, GiB  # noqa: E402
+from benchmarks.instruments import fake_step
+from benchmarks.instruments.step_memory import CATEGORIES, CategoryTracker, GiB
 
 RECIPE = fake_step.ROOT / "yamls/finetune/llama-3.1-8b-lora-long-cp.yaml"
 

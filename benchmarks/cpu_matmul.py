@@ -4,7 +4,7 @@ benchmarks/vs_llmfoundry.py (d_model 256, FFN 1024, 16 x 256 tokens, vocabulary 
 loss chunks): each layer's forward, its input gradient (a transposed weight) and its weight
 gradient (a transposed activation).
 
-    python benchmarks/cpu_matmul.py [--rounds 5] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.cpu_matmul [--rounds 5] [--out benchmarks/RESULTS.md]
 
 The two sides alternate within each round (which goes first alternates too); each number is the
 best of 5 calls after a warm-up; the table gives the median over rounds and the spread of the
@@ -82,7 +82,7 @@ def main() -> None:
         "", "## fp32 matmuls on the CPU: torch's BLAS vs oneDNN", "",
         f"{datetime.date.today()}. {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, {torch.get_num_threads()} threads; torch {torch.__version__}. "
-        f"Command: `python benchmarks/cpu_matmul.py --rounds {args.rounds}`.", "", *lines, ""])
+        f"Command: `python -m benchmarks.cpu_matmul --rounds {args.rounds}`.", "", *lines, ""])
     print(section)
     if args.out:  # appended, as the other benchmarks' --out
         args.out.write_text(args.out.read_text() + section if args.out.exists() else section)

@@ -1,6 +1,6 @@
 """Dataloader speed against a CPU quickstart training step.
 
-    python benchmarks/dataloader.py                 # uses (or builds) data/quickstart
+    python -m benchmarks.dataloader                 # uses (or builds) data/quickstart
 
 Rows: sequences/s of the ``text`` loader on the quickstart MDS (batch 16 x 128 tokens,
 shuffled), with ``emit_sequence_id``, with two streams mixed 0.7/0.3, and of the packed
@@ -15,23 +15,21 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+import yaml
+
+from foundryx.data.finetuning.loader import build_finetuning_dataloader
+from foundryx.data.quickstart import prepare_quickstart
+from foundryx.data.synthetic import generate_corpus
+from foundryx.data.text import build_text_dataloader
+from foundryx.data.tokenizers import build_hf_tokenizer
+from foundryx.models.mpt.composer import ComposerMPTCausalLM
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import yaml  # noqa: E402
-
-from foundryx.data.finetuning.loader import build_finetuning_dataloader  # noqa: E402
-from foundryx.data.quickstart import prepare_quickstart  # noqa: E402
-from foundryx.data.synthetic import generate_corpus  # noqa: E402
-from foundryx.data.text import build_text_dataloader  # noqa: E402
-from foundryx.data.tokenizers import build_hf_tokenizer  # noqa: E402
-from foundryx.models.mpt.composer import ComposerMPTCausalLM  # noqa: E402
 
 BATCH, SEQ = 16, 128
 

@@ -2,7 +2,7 @@
 LLM Foundry 0.22 and foundryx's training-time evaluators run) vs foundryx eval's greedy loop
 (:mod:`foundryx.eval.generate`), on the same batches in one process, alternating.
 
-    python benchmarks/eval_generate.py [--examples 8] [--batch-size 4] [--new-tokens 64]
+    python -m benchmarks.eval_generate [--examples 8] [--batch-size 4] [--new-tokens 64]
             [--rounds 3] [--task gsm8k] [--out benchmarks/RESULTS.md]
 
 The model is benchmarks/eval_vs_llmfoundry.py's (seeded random Llama-style, BPE 8192 on
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from eval_vs_llmfoundry import ROOT, SHARED, build_model, task_entries  # noqa: E402
-from report_out import emit  # noqa: E402
+from benchmarks.eval_vs_llmfoundry import ROOT, SHARED, build_model, task_entries
+from benchmarks.instruments.report_out import emit
 
 
 def generation_setup(task: str, examples: int, batch_size: int, new_tokens: int,
@@ -103,7 +102,7 @@ def main() -> None:
     table = "\n".join(f"| {n} | {first} | {t['generate']:.2f} | {t['foundryx']:.2f} | "
                       f"{t['generate'] / t['foundryx']:.2f} | {'yes' if same else 'NO'} |"
                       for n, first, t, same in rows)
-    cmd = (f"python benchmarks/eval_generate.py --task {args.task} --examples {args.examples} "
+    cmd = (f"python -m benchmarks.eval_generate --task {args.task} --examples {args.examples} "
            f"--batch-size {args.batch_size} --new-tokens {args.new_tokens} --rounds {args.rounds}")
     text = (f"\n## ICL generation: Hugging Face generate vs foundryx eval's greedy loop, CPU (issue 25)\n\n"
             f"{datetime.date.today()}. {platform.machine()}, {os.cpu_count()} cores (shared; load "

@@ -1,7 +1,7 @@
 """foundryx eval vs LLM Foundry 0.22's eval on the same model, tasks and machine: per-task
 numbers side by side, and the wall time of each, alternating.
 
-    python benchmarks/eval_vs_llmfoundry.py [--tasks eval/yamls/tasks.yaml] [--examples N]
+    python -m benchmarks.eval_vs_llmfoundry [--tasks eval/yamls/tasks.yaml] [--examples N]
             [--rounds 1] [--batch-size 4] [--generation-batch-size N] [--profile]
             [--out benchmarks/RESULTS.md]
 
@@ -44,11 +44,11 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.instruments.report_out import emit
+from benchmarks.vs_llmfoundry import ensure_llmfoundry  # the same pinned venv
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
-sys.path.insert(0, str(Path(__file__).parent))
-from report_out import emit  # noqa: E402
-from vs_llmfoundry import ensure_llmfoundry  # noqa: E402  (the same pinned venv)
 
 VOCAB, MAX_LEN = 8192, 2048
 
@@ -363,7 +363,7 @@ def main() -> None:
                  f"{most} few-shot examples drawn from the same rows (and jeopardy_small's "
                  f"categories need 16); give at least {max(most + 1, 16)}")
     pys = {"foundryx": Path(sys.executable), "llmfoundry": lf_py}
-    cmd = (f"python benchmarks/eval_vs_llmfoundry.py --tasks {os.path.relpath(args.tasks, ROOT)} "
+    cmd = (f"python -m benchmarks.eval_vs_llmfoundry --tasks {os.path.relpath(args.tasks, ROOT)} "
            f"--rounds {args.rounds} --batch-size {args.batch_size} --hidden {args.hidden}"
            + (f" --examples {args.examples}" if args.examples else "")
            + (f" --max-seq-len {args.max_seq_len}" if args.max_seq_len != MAX_LEN else "")

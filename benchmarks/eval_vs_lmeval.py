@@ -1,7 +1,7 @@
 """foundryx's ``scoring: lm_eval`` vs the real lm-eval-harness (the ``lm_eval`` package) on
 every multiple-choice file of ../shared/eval_data: acc and acc_norm side by side.
 
-    python benchmarks/eval_vs_lmeval.py [--examples N] [--batch-size 4] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.eval_vs_lmeval [--examples N] [--batch-size 4] [--out benchmarks/RESULTS.md]
             [--only foundryx|lm_eval] [--reuse foundryx|lm_eval]
 
 Installs ``lm_eval[hf]`` (``--lm-eval-version``, default 0.4.13) with the same torch and
@@ -30,9 +30,8 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from eval_vs_llmfoundry import MAX_LEN, ROOT, SHARED, build_model, task_entries  # noqa: E402
-from report_out import emit  # noqa: E402
+from benchmarks.eval_vs_llmfoundry import MAX_LEN, ROOT, SHARED, build_model, task_entries
+from benchmarks.instruments.report_out import emit
 
 LM_EVAL_RUN = """
 import json, sys, time
@@ -201,7 +200,7 @@ def main() -> None:
         lines.append(f"| {key} | {n} | {cell(a)} | {cell(b)} | {cell(an)} | {cell(bn)} | {'yes' if eq else 'NO'} |")
     import torch
     import transformers
-    cmd = ("python benchmarks/eval_vs_lmeval.py" + (f" --examples {args.examples}" if args.examples else "")
+    cmd = ("python -m benchmarks.eval_vs_lmeval" + (f" --examples {args.examples}" if args.examples else "")
            + f" --batch-size {args.batch_size} --hidden {args.hidden}")
     text = (f"\n## foundryx `scoring: lm_eval` vs lm-eval-harness {args.lm_eval_version} (issue 25)\n\n"
             f"{datetime.date.today()}. {platform.machine()}, {os.cpu_count()} cores; torch "

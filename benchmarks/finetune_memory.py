@@ -4,7 +4,7 @@ vs NF4 with ``offload_fraction: 0.5`` (and the same offload by FSDP2's ``CPUOffl
 the ``fsdp2offload`` rows), on 1 and 2 processes (FSDP2 over gloo), each
 configuration in a fresh process (``torchrun``), the order alternated between rounds.
 
-    .venv/bin/python benchmarks/finetune_memory.py [--rounds 1] [--steps 3] [--procs 1 2] [--ac]
+    .venv/bin/python -m benchmarks.finetune_memory [--rounds 1] [--steps 3] [--procs 1 2] [--ac]
 
 ``--ac``: activation checkpointing of every block in every configuration, as the large-model
 recipe (yamls/finetune/llama-8b-lora-fp8.yaml) runs; without it the blocks' activations
@@ -44,6 +44,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = {  # name: (peft?, frozen_base dtype, offload_fraction; negative: by FSDP2 instead)
     "full": (False, None, 0.0),
@@ -173,8 +175,9 @@ def worker(name: str, steps: int) -> None:
 def run_one(name: str, procs: int, steps: int) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(max(1, 2 // procs))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={procs}", __file__, "--worker", name, "--steps", str(steps)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+           f"--nproc_per_node={procs}", "-m", "benchmarks.finetune_memory", "--worker", name,
+           "--steps", str(steps)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{name} on {procs} process(es) failed:\n{out.stderr[-3000:]}")

@@ -3,8 +3,8 @@ LoRA-trained over a bf16, an FP8 and an NF4 frozen base, each with none and half
 offloaded: tokens/s, peak GPU memory and peak host memory beside `foundryx plan`'s figures for
 the same run, and the load's GB/s.
 
-    python benchmarks/flagship.py --device cuda --out flagship.md        # 8B shape, 6 runs
-    python benchmarks/flagship.py --device cpu --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
+    python -m benchmarks.flagship --device cuda --out flagship.md        # 8B shape, 6 runs
+    python -m benchmarks.flagship --device cpu --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
         --steps 2 --out tiny.md                                           # a CPU smoke run
 
 The model: ``--shape`` is a folder with a Hugging Face ``config.json`` (default
@@ -56,7 +56,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
 RECIPE = "yamls/finetune/llama-8b-lora-fp8.yaml"
 CACHE = Path.home() / ".cache" / "foundryx-bench"
@@ -84,7 +83,7 @@ def ensure_model(shape: Path, folder: Path, device: str) -> tuple[float | None, 
     marker = folder / DONE
     wrote = not (marker.is_file() and json.loads(marker.read_text()).get("config") == cfg)
     if wrote:
-        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--write", str(shape),
+        subprocess.run([sys.executable, "-m", "benchmarks.flagship", "--write", str(shape),
                         str(folder), device], cwd=ROOT, check=True)
     done = json.loads(marker.read_text())
     return done["seconds"] if wrote else None, done["bytes"]
@@ -94,9 +93,7 @@ def write(shape: Path, folder: Path, device: str) -> None:
     """The model folder: random bf16 weights of ``shape``, sharded, a tokenizer, the marker."""
     import shutil
 
-    sys.path.insert(0, str(HERE))
-    from load_memory import write_model  # the benchmarks' sharded random-weights writer
-
+    from benchmarks.load_memory import write_model  # the benchmarks' sharded random-weights writer
     from foundryx.data.synthetic import generate_corpus
     from foundryx.data.tokenizers import train_bpe_tokenizer
 
@@ -176,8 +173,9 @@ def worker(stats_dir: str, argv: list[str]) -> int:
 
     registry.dataloaders.register("synthetic", synthetic_loader)
     if any(x.startswith("callbacks.step_profile.") for x in argv):
-        sys.path.insert(0, str(HERE))
-        from step_profile import composer_callback  # a benchmark's own callback
+        from benchmarks.instruments.step_profile import (
+            composer_callback,  # a benchmark's own callback
+        )
 
         registry.callbacks.register("step_profile", composer_callback)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -223,7 +221,7 @@ def run_one(folder: Path, base: str, offload: float, a: argparse.Namespace, time
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "metrics.jsonl"
         argv = [RECIPE, *overrides_for(folder, base, offload, a, a.nproc, metrics)]
-        script = [str(Path(__file__).resolve()), "--worker", tmp, *argv]
+        script = ["-m", "benchmarks.flagship", "--worker", tmp, *argv]  # run in ROOT
         cmd = ([str(BIN / "composer"), "-n", str(a.nproc), *script] if a.nproc > 1
                else [sys.executable, *script])
         log = logs / f"flagship-{base}-offload{offload:g}{getattr(a, 'log_tag', '')}.log"
@@ -416,7 +414,7 @@ def main() -> int:
         return 1
     print(f"model folder ready ({f'written in {written:.0f} s' if written else 'reused'})",
           flush=True)
-    meta = {"command": "python benchmarks/flagship.py " + " ".join(
+    meta = {"command": "python -m benchmarks.flagship " + " ".join(
                 x if " " not in x else repr(x) for x in sys.argv[1:]),
             "shape": str(a.shape), "params": total_params(cfg), "bytes": nbytes,
             "files": len(list(folder.glob("*.safetensors"))), "folder": str(folder),

@@ -1,9 +1,9 @@
 """Peak device memory of one flagship LoRA step, predicted on a CPU (issue 46).
 
-    python benchmarks/flagship_estimate.py --shape yamls/shapes/llama-3.1-8b [--json FILE]
-    python benchmarks/flagship_estimate.py --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
+    python -m benchmarks.flagship_estimate --shape yamls/shapes/llama-3.1-8b [--json FILE]
+    python -m benchmarks.flagship_estimate --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
         --seq 128 --sides peer,bf16
-    python benchmarks/flagship_estimate.py --recipe yamls/finetune/llama-3.1-8b-lora-long.yaml \\
+    python -m benchmarks.flagship_estimate --recipe yamls/finetune/llama-3.1-8b-lora-long.yaml \\
         --sides bf16 --batch 1 --seq 524288 [--layers 2] --json F      # issue 52
 
 ``--recipe`` traces that recipe's step for foundryx's sides (default: the flagship's); a recipe
@@ -40,11 +40,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import fake_step  # noqa: E402  (benchmarks/ is not a package)
-from step_memory import CATEGORIES, HOST, CategoryTracker  # noqa: E402
+from benchmarks.instruments import fake_step
+from benchmarks.instruments.step_memory import CATEGORIES, HOST, CategoryTracker
 
 # Peak allocated GiB measured on one NVIDIA H100 80GB HBM3 (issue 46's table, 2026-11-27,
 # foundryx at ea9e5db; the peer on transformers 5.17.0 + peft 0.21.0): the calibration target.

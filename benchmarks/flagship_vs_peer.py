@@ -2,8 +2,8 @@
 flagship over a bf16 base, and plain transformers + peft doing the same work, alternating, in
 one invocation, with one profiled step of each side.
 
-    python benchmarks/flagship_vs_peer.py --device cuda --profiles prof --out vs-peer.md
-    python benchmarks/flagship_vs_peer.py --device cpu --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
+    python -m benchmarks.flagship_vs_peer --device cuda --profiles prof --out vs-peer.md
+    python -m benchmarks.flagship_vs_peer --device cpu --shape benchmarks/gpu_runbook/shapes/llama-tiny \\
         --seq 64 --steps 3 --profiles prof --out tiny.md                  # a CPU smoke run
 
 The work, the same for every side: the model folder benchmarks/flagship.py writes (random bf16
@@ -42,10 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-import flagship  # noqa: E402 - the benchmarks' own module, beside this one
+from benchmarks import flagship  # the benchmarks' own module, beside this one
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SIDES = ("peer", "foundryx", "foundryx-compile")
 COMPILE = {"foundryx": "false", "foundryx-compile": "auto"}
@@ -57,7 +56,7 @@ def run_peer(folder: Path, a: argparse.Namespace, rnd: int, timeout: float, logs
     profile = a.profile_step if rnd == 1 and a.profiles else 0
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "peer.json"
-        cmd = [sys.executable, str(HERE / "peer_lora.py"), "--model", str(folder), "--device",
+        cmd = [sys.executable, "-m", "benchmarks.peer_lora", "--model", str(folder), "--device",
                a.device, "--steps", str(a.steps), "--seq", str(a.seq), "--batch",
                str(a.microbatch), "--json", str(out)]
         if profile:
@@ -239,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         a.profiles.mkdir(parents=True, exist_ok=True)
     print(f"model folder {folder} ...", flush=True)
     written, _ = flagship.ensure_model(a.shape, folder, a.device)
-    meta = {"command": "python benchmarks/flagship_vs_peer.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": "python -m benchmarks.flagship_vs_peer " + " ".join(sys.argv[1:] if argv is None else argv),
             "shape": str(a.shape), "params": flagship.total_params(cfg), "folder": str(folder),
             "written": f"written in {written:.0f} s" if written else "written by an earlier run",
             "device": a.device, "where": where, "seq": a.seq, "microbatch": a.microbatch,

@@ -42,10 +42,10 @@
 #         one profiled step per side (top kernels, memory breakdown) in <out>-profiles/, a
 #         few KB per file (benchmarks/flagship_vs_peer.py)                    360 s: ~30 s writing + 6 x ~30-90 s
 #   Issue 47's steps, not in the default set either: `--only 1,8,9` (480 s) and `--only 1,10` (390 s):
-#   [8/10] attn_impl auto's table for this GPU (benchmarks/attention.py --table): Triton vs SDPA
+#   [8/10] attn_impl auto's table for this GPU (benchmarks.attention --table): Triton vs SDPA
 #         (and flash-attn) fwd and fwd+bwd, seq 2048, head dims 64 and 128, one document / packed /
 #         ALiBi / both, causal, MHA and GQA: the rows as JSON in the report, to apply with
-#         `python benchmarks/attention.py --apply-table rows.json`                    150 s: ~2 min
+#         `python -m benchmarks.attention --apply-table rows.json`                  150 s: ~2 min
 #   [9/10] MPT-1B compiled: no AC, selective AC, float8 rowwise and tensorwise (torchao): tokens/s
 #         and MFU (the 50% and 1.2x targets), the last step of each profiled (top 25 kernels,
 #         text + JSON in <out>-mfu-profiles/) (benchmarks/train_throughput.py gpu)   240 s: 4 x ~55 s
@@ -89,10 +89,11 @@ HERE=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 PYTHON=${PYTHON:-python3}
 MACHINE_PYTHON=$PYTHON
-HELPER=benchmarks/gpu_runbook/report.py
-ICL=benchmarks/gpu_runbook/icl.py
-FLAGSHIP=benchmarks/flagship.py
-VS_PEER=benchmarks/flagship_vs_peer.py
+# the steps' Python modules, each run from the checkout as `python -m <module>`
+HELPER=benchmarks.gpu_runbook.report
+ICL=benchmarks.gpu_runbook.icl
+FLAGSHIP=benchmarks.flagship
+VS_PEER=benchmarks.flagship_vs_peer
 WHEEL_NAMES=benchmarks/gpu_runbook/wheels.txt
 OUT="" WHEELS=wheels QUICK=0 DRY=0 INSTALL_ONLY=0 TORCH=2.11.0 ONLY=1,2,3,4,5,6 ARGS="$*" # step 7: --only 1,7
 VENV=${XDG_CACHE_HOME:-$HOME/.cache}/foundryx-bench/gpu-runbook-venv
@@ -170,24 +171,24 @@ fi
 
 if [ -n "${RUNBOOK_BWD:-}" ]; then read -r -a BWD_MODES <<<"$RUNBOOK_BWD"; ATTN_ARGS+=(--bwd "${BWD_MODES[@]}"); fi
 commands() { # the steps' commands, shared by the run and --dry-run; again once step 1 picks PYTHON
-  CMD_FLAGSHIP=("$PYTHON" "$FLAGSHIP" --device cuda --shape "$SHAPE" --bases bf16,fp8,nf4
+  CMD_FLAGSHIP=("$PYTHON" -m "$FLAGSHIP" --device cuda --shape "$SHAPE" --bases bf16,fp8,nf4
     --offload 0,0.5 --steps "$STEPS" --time-limit $((LIMITS[1] > 20 ? LIMITS[1] - 10 : LIMITS[1]))
     --run-timeout 90 --logs "$WORK/flagship" --out "$WORK/flagship.md")
-  CMD_ICL=("$PYTHON" "$ICL" --out "$WORK/icl.md")
+  CMD_ICL=("$PYTHON" -m "$ICL" --out "$WORK/icl.md")
   CMD_TESTS=("$PYTHON" -m pytest -q -k "not test_every_combination" -p no:cacheprovider
     --junit-xml="$WORK/tests.xml" "${TESTS[@]}")
-  CMD_ATTN=("$PYTHON" benchmarks/attention.py "${ATTN_ARGS[@]}" --out "$WORK/attention.md")
-  CMD_TP=("$PYTHON" benchmarks/train_throughput.py gpu --models "$MODEL" --settings eager
+  CMD_ATTN=("$PYTHON" -m benchmarks.attention "${ATTN_ARGS[@]}" --out "$WORK/attention.md")
+  CMD_TP=("$PYTHON" -m benchmarks.train_throughput gpu --models "$MODEL" --settings eager
     "${TP_ARGS[@]}" --out "$WORK/throughput.json")
-  CMD_VS_PEER=("$PYTHON" "$VS_PEER" --device cuda --shape "$SHAPE" --rounds 2 --steps "$PEER_STEPS"
+  CMD_VS_PEER=("$PYTHON" -m "$VS_PEER" --device cuda --shape "$SHAPE" --rounds 2 --steps "$PEER_STEPS"
     --time-limit $((LIMITS[6] > 20 ? LIMITS[6] - 10 : LIMITS[6])) --run-timeout 150
     --logs "$WORK/vs-peer" --profiles "${OUT%.md}-profiles" --json "$WORK/vs-peer.json"
     --out "$WORK/vs-peer.md")
-  CMD_TABLE=("$PYTHON" benchmarks/attention.py "${TABLE_ARGS[@]}" --table "$WORK/attention-table.json"
+  CMD_TABLE=("$PYTHON" -m benchmarks.attention "${TABLE_ARGS[@]}" --table "$WORK/attention-table.json"
     --out "$WORK/attention-table.md")
-  CMD_MFU=("$PYTHON" benchmarks/train_throughput.py gpu "${MFU_ARGS[@]}" --profile "${OUT%.md}-mfu-profiles"
+  CMD_MFU=("$PYTHON" -m benchmarks.train_throughput gpu "${MFU_ARGS[@]}" --profile "${OUT%.md}-mfu-profiles"
     --out "$WORK/mfu.json")
-  CMD_SIZES=("$PYTHON" benchmarks/train_throughput.py gpu "${SIZES_ARGS[@]}" --out "$WORK/sizes.json")
+  CMD_SIZES=("$PYTHON" -m benchmarks.train_throughput gpu "${SIZES_ARGS[@]}" --out "$WORK/sizes.json")
 }
 commands
 show() { # a command as one readable line
@@ -202,12 +203,12 @@ if [ "$DRY" = 1 ]; then
   echo "time limits: ${LIMITS[*]} s; steps $ONLY: $TOTAL s in all"
   step_head() { echo "[$1/$N] ${TITLES[$1 - 1]} (limit ${LIMITS[$1 - 1]} s; ${EST[$1 - 1]})"; }
   step_head 1
-  echo "  \$ $(show "$PYTHON" "$HELPER" probe)  # when it fails (or $VENV/bin/python's, when that venv exists):"
+  echo "  \$ $(show "$PYTHON" -m "$HELPER" probe)  # when it fails (or $VENV/bin/python's, when that venv exists):"
   echo "  \$ $(show "$PYTHON" -m venv --without-pip "$VENV")"
-  echo "  \$ $(show "$VENV/bin/python" "$HELPER" machine-pth) \$($(show "$PYTHON" "$HELPER" sites))"
+  echo "  \$ $(show "$VENV/bin/python" -m "$HELPER" machine-pth) \$($(show "$PYTHON" -m "$HELPER" sites))"
   echo "  \$ $(show "$VENV/bin/python" -m pip install --no-deps --no-index --no-compile --find-links "$WHEELS" "$WHEELS/*")"
   echo "  \$ $(show "$VENV/bin/python" -m pip install --no-deps --no-index --no-build-isolation -e .)"
-  echo "  \$ $(show "$PYTHON" "$HELPER" env)  # with the venv's Python when it was made"
+  echo "  \$ $(show "$PYTHON" -m "$HELPER" env)  # with the venv's Python when it was made"
   step_head 2; echo "  \$ $(show "${CMD_FLAGSHIP[@]}")"
   step_head 3; echo "  \$ $(show "${CMD_ICL[@]}")"
   step_head 4; echo "  \$ $(show "${CMD_TESTS[@]}")  # TRITON_INTERPRET unset"
@@ -222,9 +223,10 @@ if [ "$DRY" = 1 ]; then
     n=$((n + 1))
     if "${@:2}" >/dev/null 2>&1; then echo "  ok    $1"; else echo "  FAIL  $1"; bad=$((bad + 1)); fi
   }
-  accepts() { # accepts SCRIPT ARG...: every --flag (and the gpu mode, models, settings) is in SCRIPT --help
+  file_of() { local m=${1//.//}; echo "$m.py"; } # a module's file: benchmarks.x -> benchmarks/x.py
+  accepts() { # accepts MODULE ARG...: every --flag (and the gpu mode, models, settings) is in MODULE --help
     local help a seen=" "
-    help=$("$PYTHON" "$1" --help 2>&1) || { check "$1 --help runs" false; return; }
+    help=$("$PYTHON" -m "$1" --help 2>&1) || { check "$1 --help runs" false; return; }
     for a in "${@:2}"; do
       case $seen in *" $a "*) continue ;; esac
       seen+="$a "
@@ -234,7 +236,8 @@ if [ "$DRY" = 1 ]; then
     done
   }
   echo "checks:"
-  for f in "$HELPER" "$ICL" "$FLAGSHIP" "$VS_PEER" benchmarks/peer_lora.py benchmarks/step_profile.py \
+  for f in "$(file_of "$HELPER")" "$(file_of "$ICL")" "$(file_of "$FLAGSHIP")" "$(file_of "$VS_PEER")" \
+    benchmarks/peer_lora.py benchmarks/instruments/step_profile.py \
     "$WHEEL_NAMES" constraints.txt pyproject.toml "${TESTS[@]}" \
     benchmarks/attention.py benchmarks/train_throughput.py benchmarks/load_memory.py \
     "yamls/mpt-$MODEL.yaml" yamls/finetune/llama-8b-lora-fp8.yaml "$SHAPE/config.json" \
@@ -242,19 +245,19 @@ if [ "$DRY" = 1 ]; then
   check "the time limits of steps $ONLY add up to at most $BUDGET s ($TOTAL)" test "$TOTAL" -le "$BUDGET"
   check "timeout (coreutils) is installed" command -v timeout
   check "every name in $WHEEL_NAMES has a pin (--wheel-list)" wheel_list
-  check "$HELPER --help runs" "$PYTHON" "$HELPER" --help
+  check "$HELPER --help runs" "$PYTHON" -m "$HELPER" --help
   check "pytest runs and accepts --junit-xml" grep -q -- --junit-xml <<<"$("$PYTHON" -m pytest --help 2>&1)"
   check "test_every_combination (deselected) exists" grep -q "def test_every_combination" tests/test_triton_attention.py
-  accepts "$FLAGSHIP" "${CMD_FLAGSHIP[@]:2}"
-  accepts "$ICL" "${CMD_ICL[@]:2}"
-  accepts benchmarks/attention.py "${CMD_ATTN[@]:2}"
-  accepts benchmarks/train_throughput.py "${CMD_TP[@]:2}"
-  accepts "$VS_PEER" "${CMD_VS_PEER[@]:2}"
-  accepts benchmarks/attention.py "${CMD_TABLE[@]:2}"
-  accepts benchmarks/train_throughput.py "${CMD_MFU[@]:2}"
-  accepts benchmarks/train_throughput.py "${CMD_SIZES[@]:2}"
+  accepts "$FLAGSHIP" "${CMD_FLAGSHIP[@]:3}"
+  accepts "$ICL" "${CMD_ICL[@]:3}"
+  accepts benchmarks.attention "${CMD_ATTN[@]:3}"
+  accepts benchmarks.train_throughput "${CMD_TP[@]:3}"
+  accepts "$VS_PEER" "${CMD_VS_PEER[@]:3}"
+  accepts benchmarks.attention "${CMD_TABLE[@]:3}"
+  accepts benchmarks.train_throughput "${CMD_MFU[@]:3}"
+  accepts benchmarks.train_throughput "${CMD_SIZES[@]:3}"
   check "yamls/mpt-125m.yaml and yamls/mpt-350m.yaml exist" test -f yamls/mpt-125m.yaml -a -f yamls/mpt-350m.yaml
-  check "benchmarks/peer_lora.py --help runs" "$PYTHON" benchmarks/peer_lora.py --help
+  check "benchmarks.peer_lora --help runs" "$PYTHON" -m benchmarks.peer_lora --help
   echo "dry run: $n checks, $bad failed"
   [ "$bad" = 0 ]
   exit
@@ -275,17 +278,17 @@ install() { # $1: what is missing; makes the venv, installs the wheel folder, se
   if [ ${#pkgs[@]} = 0 ]; then
     DEPS="**missing: $1; no wheel folder $WHEELS (see the head of benchmarks/gpu_runbook.sh)**"; return 1
   fi
-  mapfile -t sites < <(limited "$PYTHON" "$HELPER" sites)
+  mapfile -t sites < <(limited "$PYTHON" -m "$HELPER" sites)
   if [ ! -x "$vpy" ]; then
     mkdir -p "$(dirname "$VENV")"
     limited "$PYTHON" -m venv --without-pip "$VENV" ||
       { DEPS="**missing: $1; \`$PYTHON -m venv --without-pip $VENV\` failed**"; return 1; }
   fi
-  limited "$vpy" "$HELPER" machine-pth "${sites[@]}" &&
+  limited "$vpy" -m "$HELPER" machine-pth "${sites[@]}" &&
     limited "$vpy" -m pip install --no-deps --no-index --no-compile --find-links "$WHEELS" "${pkgs[@]}" ||
     { DEPS="**missing: $1; installing $WHEELS into $VENV failed (is pip installed for $PYTHON? the log has pip's output)**"; return 1; }
   limited "$vpy" -m pip install --no-deps --no-index --no-build-isolation -e . && rm -rf foundryx.egg-info
-  if DEPS=$(limited "$vpy" "$HELPER" probe); then
+  if DEPS=$(limited "$vpy" -m "$HELPER" probe); then
     PYTHON=$vpy
     DEPS="installed from $WHEELS (${#pkgs[@]} files) into the run book's venv $VENV, over the packages of $MACHINE_PYTHON"
   else
@@ -295,9 +298,9 @@ install() { # $1: what is missing; makes the venv, installs the wheel folder, se
 
 setup_python() { # the Python the steps use (PYTHON), why (DEPS); installs when it must
   local gone
-  if [ -x "$VENV/bin/python" ] && gone=$(limited "$VENV/bin/python" "$HELPER" probe 2>/dev/null); then
+  if [ -x "$VENV/bin/python" ] && gone=$(limited "$VENV/bin/python" -m "$HELPER" probe 2>/dev/null); then
     PYTHON=$VENV/bin/python DEPS="all import in the run book's venv $VENV (made by an earlier run)"
-  elif gone=$(limited "$PYTHON" "$HELPER" probe); then
+  elif gone=$(limited "$PYTHON" -m "$HELPER" probe); then
     DEPS="all import, nothing installed"
   else
     echo "missing: $gone"
@@ -326,7 +329,7 @@ FAILED=0
 step_env() { # $1: the step's markdown
   local rc=0
   setup_python || rc=1
-  limited "$PYTHON" "$HELPER" env >"$1" || rc=1
+  limited "$PYTHON" -m "$HELPER" env >"$1" || rc=1
   { echo "- Python: $PYTHON"; echo "- Dependencies: $DEPS"; } >>"$1"
   return $rc
 }
@@ -352,7 +355,7 @@ step_tests() {
   local rc
   limited "${CMD_TESTS[@]}"; rc=$?
   { echo "Command: \`$(show "${CMD_TESTS[@]/--junit-xml=*/--junit-xml=FILE}")\`"; echo
-    "$PYTHON" "$HELPER" junit "$WORK/tests.xml"; } >"$1"
+    "$PYTHON" -m "$HELPER" junit "$WORK/tests.xml"; } >"$1"
   return $rc
 }
 
@@ -369,7 +372,7 @@ step_throughput() {
   local rc
   limited "${CMD_TP[@]}"; rc=$?
   { echo "Command: \`$(show "${CMD_TP[@]:0:${#CMD_TP[@]}-2}")\`"; echo
-    if [ $rc = 0 ]; then "$PYTHON" "$HELPER" throughput "$WORK/throughput.json"; echo; fi
+    if [ $rc = 0 ]; then "$PYTHON" -m "$HELPER" throughput "$WORK/throughput.json"; echo; fi
     echo "Random tokens, seq 2048, bf16 (amp_bf16), one process, attn_impl of the yamls (torch)."
     echo "MFU is n/a when foundryx/runtime/devices.py (the speed monitor's peak table) has no bf16 peak for this GPU."
   } >"$1"
@@ -379,7 +382,7 @@ step_throughput() {
 step_vs_peer() { # both sides on the machine's own transformers: its site-packages first
   local rc sites="" dir=${OUT%.md}-profiles
   if [ "$PYTHON" != "$MACHINE_PYTHON" ]; then
-    sites=$(limited "$MACHINE_PYTHON" "$HELPER" sites | paste -sd: -)
+    sites=$(limited "$MACHINE_PYTHON" -m "$HELPER" sites | paste -sd: -)
   fi
   rm -rf "$dir"
   limited env PYTHONPATH="$sites${PYTHONPATH:+:$PYTHONPATH}" "${CMD_VS_PEER[@]}"; rc=$?
@@ -400,7 +403,7 @@ step_table() { # issue 47: attn_impl auto's rows for this GPU, as JSON to apply 
     sed -e '/^## Attention kernels on /d' -e "s|$WORK/||g" "$WORK/attention-table.md" | sed '/./,$!d' >"$1"
   fi
   if [ -f "$WORK/attention-table.json" ]; then
-    { echo; echo "The rows (save as rows.json, then \`python benchmarks/attention.py --apply-table rows.json\`):"
+    { echo; echo "The rows (save as rows.json, then \`python -m benchmarks.attention --apply-table rows.json\`):"
       echo; echo '```json'; cat "$WORK/attention-table.json"; echo '```'; } >>"$1"
   fi
   if grep -q "wrong (max error" "$1"; then
@@ -411,7 +414,7 @@ step_table() { # issue 47: attn_impl auto's rows for this GPU, as JSON to apply 
 
 mfu_report() { # mfu_report JSON CMD...: the throughput table, failed cases, the MFU formula
   { echo "Command: \`$(show "${@:2:$#-3}")\`"; echo
-    [ ! -f "$1" ] || { "$PYTHON" "$HELPER" throughput "$1"; echo; } # with the failed cases' reasons
+    [ ! -f "$1" ] || { "$PYTHON" -m "$HELPER" throughput "$1"; echo; } # with the failed cases' reasons
     echo "Random tokens, seq 2048, amp_bf16, one process, attn_impl of the yamls (torch), micro-batch"
     echo "125m/350m 16, 1b 8. MFU as the speed monitor counts it: flops_per_batch / batch seconds /"
     echo "peak, flops_per_batch = 3 * b * (2 * N * s + 4 * n_layers * d_model * s^2) (N: matmul"

@@ -1,8 +1,8 @@
 """The same Llama-style model trained as ``mpt_causal_lm`` and, exported, as ``hf_causal_lm``;
 and how fast ``foundryx export`` turns a checkpoint into a Llama folder.
 
-    python benchmarks/hf_models.py                              # print the table
-    python benchmarks/hf_models.py --out benchmarks/RESULTS.md  # and append it there
+    python -m benchmarks.hf_models                              # print the table
+    python -m benchmarks.hf_models --out benchmarks/RESULTS.md  # and append it there
 
 Training: fp32 on CPU, AdamW, the same random batches for both; tokens/s over the timed steps
 after warm-up, the two models taking turns. The first-step losses must agree (same weights, same math). Export: a
@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a plain checkout
-
-from foundryx.export import export_checkpoint, write_model_metadata  # noqa: E402
-from foundryx.models.hf import ComposerHFCausalLM  # noqa: E402
-from foundryx.models.mpt.composer import ComposerMPTCausalLM  # noqa: E402
+from foundryx.export import export_checkpoint, write_model_metadata
+from foundryx.models.hf import ComposerHFCausalLM
+from foundryx.models.mpt.composer import ComposerMPTCausalLM
 
 LLAMA_STYLE = {"attn_config": {"rope": True}, "norm_type": "rmsnorm",
                "ffn_config": {"ffn_type": "swiglu"}, "no_bias": True}
@@ -101,7 +98,7 @@ def main() -> None:
         "", "## hf_causal_lm vs mpt_causal_lm, and export speed (issue 4)", "",
         f"{datetime.date.today()}. 2-core CPU VM, no GPU; torch {torch.__version__}, composer "
         f"{composer.__version__}, transformers {transformers.__version__}; fp32, "
-        f"{torch.get_num_threads()} threads. Command: `python benchmarks/hf_models.py "
+        f"{torch.get_num_threads()} threads. Command: `python -m benchmarks.hf_models "
         f"--sizes {' '.join(args.sizes)}`.", "", *rows, "",
     ])
     print(section)

@@ -1,11 +1,11 @@
 """Where a rank's host memory goes, step by step and phase by phase (issue 38): the trace
 behind the plan-vs-run gap of a LoRA run on CPU ranks.
 
-    python benchmarks/host_trace.py [--hidden 1536] [--layers 24] [--steps 12] [--seq 256]
+    python -m benchmarks.host_trace [--hidden 1536] [--layers 24] [--steps 12] [--seq 256]
             [--config fp8-offload0.55] [--host-heap auto|bounded|glibc] [--trim]
             [--env NAME=VALUE ...] [--out benchmarks/RESULTS.md]
 
-One real run on 2 CPU ranks (``composer -n 2 benchmarks/host_trace.py --worker ...``; this file
+One real run on 2 CPU ranks (``composer -n 2 -m benchmarks.host_trace --worker ...``; this file
 is the training script: it registers a ``host_trace`` callback and calls foundryx's CLI) of the
 shipped ``yamls/finetune/llama-3.1-405b-lora-fp8.yaml`` with only model, data, sizes, device and
 precision overridden, as issue 38 measured it: a Llama of ``--hidden`` x ``--layers`` (1536 x 24:
@@ -39,9 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from report_out import emit  # noqa: E402
-from rss_steps import CONFIGS, RECIPE, llama  # noqa: E402
+from benchmarks.instruments.report_out import emit
+from benchmarks.rss_steps import CONFIGS, RECIPE, llama
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -192,8 +191,10 @@ def main() -> None:
         env = {**os.environ, **dict(e.split("=", 1) for e in a.env),
                **({"HOST_TRACE_TRIM": "1"} if a.trim else {})}
         cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", "--stderr",
-               f"{tmp}/rank{{rank}}.err", "--stdout", f"{tmp}/rank{{rank}}.out", __file__,
-               "--worker", tmp, *args, f"loggers.jsonl.path={tmp}/metrics.jsonl"]
+               f"{tmp}/rank{{rank}}.err", "--stdout", f"{tmp}/rank{{rank}}.out", "-m",
+               "benchmarks.host_trace", "--worker", tmp, *args,
+               f"loggers.jsonl.path={tmp}/metrics.jsonl"]
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])  # -m from tmp
         r = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, check=False)
         if r.returncode:
             sys.exit(f"the run failed:\n{r.stderr[-2000:]}\n" + "".join(
@@ -207,7 +208,7 @@ def report(a, plan: dict, traces: list[dict]) -> str:  # noqa: ANN001
     terms = ", ".join(f"{k} {v / GIB:.3f}" for k, v in host["terms"].items() if v)
     lines = [f"\n### Host memory per rank, phase by phase: {a.config}, hidden {a.hidden} x "
              f"{a.layers} layers, seq {a.seq}, {a.steps} steps (issue 38)\n",
-             f"Command: `python benchmarks/host_trace.py --hidden {a.hidden} --layers {a.layers} "
+             f"Command: `python -m benchmarks.host_trace --hidden {a.hidden} --layers {a.layers} "
              f"--steps {a.steps} --seq {a.seq} --config {a.config} --host-heap {a.host_heap}"
              + (" --trim" if a.trim else "") + (f" --env {' '.join(a.env)}`" if a.env else "`") + ".",
              f"Planned host per rank {host['per_rank'] / GIB:.3f} GiB (terms, GiB: {terms}).", "",

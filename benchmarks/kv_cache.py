@@ -2,7 +2,7 @@
 transformers' own ``DynamicCache``, under the same greedy loop, on the same batches, in one
 process, alternating.
 
-    python benchmarks/kv_cache.py [--examples 32] [--batch-size 32] [--new-tokens 64]
+    python -m benchmarks.kv_cache [--examples 32] [--batch-size 32] [--new-tokens 64]
             [--rounds 4] [--task gsm8k] [--old PATH/kv_cache.py] [--out benchmarks/RESULTS.md]
 
 ``--old`` adds a third side: another version of ``foundryx/eval/kv_cache.py`` (from a git
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from eval_generate import generation_setup  # noqa: E402
-from report_out import emit  # noqa: E402
+from benchmarks.eval_generate import generation_setup
+from benchmarks.instruments.report_out import emit
 
 
 def main() -> None:
@@ -88,7 +87,7 @@ def main() -> None:
     summary = "; ".join(
         f"{o} / foundryx median {statistics.median(r):.2f} (min {min(r):.2f}, max {max(r):.2f})"
         for o in others for r in [[t[o] / t["foundryx"] for _, _, t, _ in rows]])
-    cmd = (f"python benchmarks/kv_cache.py --task {args.task} --examples {args.examples} "
+    cmd = (f"python -m benchmarks.kv_cache --task {args.task} --examples {args.examples} "
            f"--batch-size {args.batch_size} --new-tokens {args.new_tokens} --rounds {args.rounds}"
            + (" --old OLD/kv_cache.py" if args.old else ""))
     text = (f"\n### KV cache of the greedy loop: foundryx's vs transformers' DynamicCache\n\n"

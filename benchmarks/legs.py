@@ -3,7 +3,7 @@ the quickstart eval suite, each run as a user runs it (``train.py``, ``foundryx 
 ``foundryx eval``) in the pinned venv (torch 2.7, transformers 4.57) and the modern one (torch
 2.15, transformers 5.x), the legs alternating within each round.
 
-    python benchmarks/legs.py [--rounds 3] [--batches 60] [--lora-batches 30] [--out benchmarks/RESULTS.md]
+    python -m benchmarks.legs [--rounds 3] [--batches 60] [--lora-batches 30] [--out benchmarks/RESULTS.md]
 
 Per run: tokens/s (the median of the run's ``throughput/tokens_per_sec`` after its first 10
 batches), wall seconds, and the peak RSS of the process (``ru_maxrss`` from ``wait4``, loading
@@ -108,7 +108,7 @@ def main() -> None:
         lines.append(f"| {k} | {statistics.median(p):,.2f} | {statistics.median(m):,.2f} | "
                      f"{statistics.median(ratios):.3f} ({min(ratios):.3f}..{max(ratios):.3f}) |")
     table = "\n".join(lines)
-    head = (f"`python benchmarks/legs.py --rounds {args.rounds} --batches {args.batches} "
+    head = (f"`python -m benchmarks.legs --rounds {args.rounds} --batches {args.batches} "
             f"--lora-batches {args.lora_batches}`, {datetime.date.today()}, "
             f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores); "
             f"pinned: {versions('pinned')}; modern: {versions('modern')}.")

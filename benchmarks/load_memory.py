@@ -3,9 +3,9 @@ planner's host-memory prediction beside each row (issue 23).
 
 One command reruns it all (the model is written once, cached; no download):
 
-    nice python benchmarks/load_memory.py --out benchmarks/RESULTS.md      # the whole grid
-    python benchmarks/load_memory.py --ranks 2 --dtypes bf16 fp8 int8 nf4  # a subset
-    python benchmarks/load_memory.py --table results.json                  # re-render, re-plan
+    nice python -m benchmarks.load_memory --out benchmarks/RESULTS.md      # the whole grid
+    python -m benchmarks.load_memory --ranks 2 --dtypes bf16 fp8 int8 nf4  # a subset
+    python -m benchmarks.load_memory --table results.json                  # re-render, re-plan
 
 The model: a Llama-style 1.1B (TinyLlama's shape: hidden 2048, 22 layers, vocab 32000) in
 bf16 safetensors, several files with an index, random values, written once to
@@ -51,7 +51,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
             "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000,
@@ -168,8 +167,7 @@ def run_case(folder: Path, world: int, dtype: str, offload: float) -> list[dict]
         init = f"file://{tmp}/pg"
         procs = []
         for r in range(world):
-            code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                    f"from benchmarks.load_memory import rank_main; "
+            code = (f"from benchmarks.load_memory import rank_main; "  # cwd: the checkout
                     f"rank_main({r}, {world}, {init!r}, {str(folder)!r}, {dtype!r}, {offload}, "
                     f"{tmp + f'/r{r}.json'!r})")
             procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
@@ -329,7 +327,7 @@ def main() -> None:
             "machine": f"{platform.machine()} {platform.system()}, {os.cpu_count()} CPUs "
                        f"(shared with other jobs: load average {os.getloadavg()[0]:.1f} at the "
                        "start), no GPU",
-            "command": "python benchmarks/load_memory.py " + " ".join(sys.argv[1:])}
+            "command": "python -m benchmarks.load_memory " + " ".join(sys.argv[1:])}
     out_json = a.json or CACHE / f"load_memory-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if cache == "warm":
         cat_run(folder, False)  # the files in the page cache before the first row

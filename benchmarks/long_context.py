@@ -1,6 +1,6 @@
 """The longest sequence per GPU size, foundryx's long recipe against the peer, on paper (issue 52).
 
-    python benchmarks/long_context.py --peer /tmp/peer_8192.json /tmp/peer_16384.json \\
+    python -m benchmarks.long_context --peer /tmp/peer_8192.json /tmp/peer_16384.json \\
         [--foundryx /tmp/long_16k.json /tmp/long_512k.json] [--json F]
 
 foundryx: ``foundryx plan yamls/finetune/llama-3.1-8b-lora-long.yaml --search max_seq_len`` at
@@ -30,7 +30,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 RECIPE = "yamls/finetune/llama-3.1-8b-lora-long.yaml"
 SHAPE = ["variables.model_path=yamls/shapes/llama-3.1-8b"]

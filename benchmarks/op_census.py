@@ -1,7 +1,7 @@
 """An op census of one training step on fake tensors, with its time on paper (issues 46, 47).
 
-    python benchmarks/op_census.py --shape yamls/shapes/llama-3.1-8b [--sides peer,bf16] [--json F]
-    python benchmarks/op_census.py --mpt yamls/mpt-1b.yaml --batch 8 --seq 2048   # issue 47
+    python -m benchmarks.op_census --shape yamls/shapes/llama-3.1-8b [--sides peer,bf16] [--json F]
+    python -m benchmarks.op_census --mpt yamls/mpt-1b.yaml --batch 8 --seq 2048   # issue 47
 
 For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
 ``fp8-offload0.5``) the measured (second) step is dispatched op by op:
@@ -46,11 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import fake_step  # noqa: E402
-from step_memory import inner_tensors, module_hooks, setting  # noqa: E402
+from benchmarks.instruments import fake_step
+from benchmarks.instruments.step_memory import inner_tensors, module_hooks, setting
 
 H100 = {"name": "NVIDIA H100 80GB HBM3 (SXM)", "flops": 989e12, "fp8_flops": 1979e12,
         "bytes_per_s": 3.35e12, "launch_s": 4e-6}

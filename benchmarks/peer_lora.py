@@ -1,8 +1,8 @@
 """The peer, as a user writes it (issue 46): plain transformers + peft LoRA on a Llama model
 folder, in its own process, one JSON object out.
 
-    python benchmarks/peer_lora.py --model ~/.cache/foundryx-bench/llama-3.1-8b-bf16 --json peer.json
-    python benchmarks/peer_lora.py --model FOLDER --device cpu --seq 64 --steps 3 --json p.json
+    python -m benchmarks.peer_lora --model ~/.cache/foundryx-bench/llama-3.1-8b-bf16 --json peer.json
+    python -m benchmarks.peer_lora --model FOLDER --device cpu --seq 64 --steps 3 --json p.json
 
 The method, exactly as the issue's table measured it: the model loaded in bf16 (on a GPU, onto
 it with ``device_map``), ``model.train()``, ``gradient_checkpointing_enable(
@@ -30,7 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 GiB = 2**30
 
 
@@ -62,8 +61,7 @@ def train(a: argparse.Namespace) -> dict:
     data = torch.randint(0, vocab, (a.steps, a.batch, a.seq), generator=g)
     profiler = None
     if a.profile_step:
-        sys.path.insert(0, str(HERE))
-        from step_profile import StepProfile
+        from benchmarks.instruments.step_profile import StepProfile
 
         profiler = StepProfile(a.profile_dir, "peer", a.device)
     if cuda:

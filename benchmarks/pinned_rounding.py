@@ -3,7 +3,7 @@
 (issue 40). Computed, not measured: torch's caching host allocator rounds each pinned block up
 to the next power of two (pytorch#150517), and a GPU is needed to pin anything.
 
-    python benchmarks/pinned_rounding.py [--out FILE]
+    python -m benchmarks.pinned_rounding [--out FILE]
 
 For every recipe in ``yamls/finetune/`` whose ``frozen_base.offload_fraction`` is above 0: the
 layers the offload runtime picks (foundryx.parallel.offload.offload_layers' rule, forward order:
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import yaml
 
+from benchmarks.instruments.report_out import emit
 from foundryx.parallel.offload import offload_choice
-
-sys.path.insert(0, str(Path(__file__).parent))
-from report_out import emit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +78,7 @@ def main() -> None:
               f"+{100 * (r['pinned'] / r['exact'] - 1):.1f}% | "
               f"+{(r['pinned'] - r['exact']) * r['ranks'] / gib:.1f} |" for r in rows]
     emit("\n".join(["", "### Offloaded shards pinned tensor by tensor (FSDP2) against one exact "
-                    "buffer (issue 40)", "", "Command: `python benchmarks/pinned_rounding.py` "
+                    "buffer (issue 40)", "", "Command: `python -m benchmarks.pinned_rounding` "
                     "(computed from torch's power-of-two rounding of pinned blocks, "
                     "pytorch#150517; not measured).", "", *lines, ""]), a.out)
 

@@ -4,7 +4,7 @@ checkpointing off and on, on 1 and 2 processes (FSDP2 over gloo), each configura
 process (``torchrun``); and ``foundryx plan --search microbatch`` against a bisection of the
 microbatch by real runs under a memory cap.
 
-    nice .venv/bin/python benchmarks/plan_accuracy.py [--procs 1 2] [--cases ...] [--steps 2]
+    nice .venv/bin/python -m benchmarks.plan_accuracy [--procs 1 2] [--cases ...] [--steps 2]
         [--search-cap-mb N] [--out results.jsonl]
 
 Each case is a run config (YAML) that both sides read: the worker builds it the way ``foundryx
@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MODEL = {"name": "mpt_causal_lm", "d_model": 256, "n_heads": 4, "n_layers": 4, "expansion_ratio": 4,
          "max_seq_len": 256, "vocab_size": 8192, "attn_config": {"attn_impl": "torch", "rope": True},
@@ -148,8 +147,9 @@ def measure(config: Path, procs: int, steps: int) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",
            "OMP_NUM_THREADS": str(max(1, 2 // procs)), "FOUNDRYX_COMPILE": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={procs}", __file__, "--worker", str(config), "--steps", str(steps)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+           f"--nproc_per_node={procs}", "-m", "benchmarks.plan_accuracy", "--worker", str(config),
+           "--steps", str(steps)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{config.name} on {procs} process(es) failed:\n{out.stderr[-3000:]}")

@@ -9,7 +9,7 @@
   counted once there; a worker adds its private pages (``Private_Clean + Private_Dirty`` of
   ``/proc/PID/smaps_rollup``).
 
-    nice .venv/bin/python benchmarks/plan_host.py [--repeats 3] [--workers 2]
+    nice .venv/bin/python -m benchmarks.plan_host [--repeats 3] [--workers 2]
 
 Prints one JSON line per measure and a Markdown table for benchmarks/RESULTS.md.
 """

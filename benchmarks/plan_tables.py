@@ -4,7 +4,7 @@ fine-tuning without sharding, through ZeRO stages 1-3, LoRA, an FP8 base and the
 over the GPUs, to the whole plan with activations and buffers and the offload fraction that
 leaves headroom.
 
-    python benchmarks/plan_tables.py [--seq 4096] [--headroom 0.10]
+    python -m benchmarks.plan_tables [--seq 4096] [--headroom 0.10]
 
 No hub access and no weights: each model's shape is a Hugging Face config.json this script
 writes (Llama 3.1 8B and 405B as in yamls/shapes/; Llama 3 70B is Llama 3.1 70B's shape with its

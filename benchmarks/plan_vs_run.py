@@ -3,7 +3,7 @@ recipe in yamls/finetune/ at the sizes its 2-rank test runs it (tests/test_recip
 a tiny model of the recipe's family saved as bf16 safetensors, its own precision, init mode,
 LoRA, frozen base, offload and workers; 4 batches; CPU).
 
-    python benchmarks/plan_vs_run.py [--recipes finetune/llama-lora.yaml ...] [--out FILE]
+    python -m benchmarks.plan_vs_run [--recipes finetune/llama-lora.yaml ...] [--out FILE]
 
 Measured: ``memory/host_peak_gib_max`` from ``callbacks.memory_monitor`` (every rank's peak
 RSS since its process started, loading included; the largest rank's), the largest reading of
@@ -24,24 +24,23 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from report_out import emit  # noqa: E402
+from benchmarks.instruments.report_out import emit
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 GIB = 2**30
 
 
 def measure(recipe: str, args: list[str], out: Path) -> float:
-    import launcher
-
     from foundryx.loggers.jsonl import read_metrics
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     metrics = out / "metrics-bench.jsonl"
-    proc = launcher.launch([str(ROOT / "train.py"), str(ROOT / "yamls" / recipe), *args,
-                            "callbacks.memory_monitor.interval=1", f"loggers.jsonl.path={metrics}"],
-                           2, out, out, env, timeout=900)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(Path(sys.executable).parent / "composer"), "-n", "2", "--stdout",
+           f"{out}/rank{{rank}}.out", "--stderr", f"{out}/rank{{rank}}.err",
+           str(ROOT / "train.py"), str(ROOT / "yamls" / recipe), *args,
+           "callbacks.memory_monitor.interval=1", f"loggers.jsonl.path={metrics}"]
+    proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode:
         err = "".join(p.read_text()[-3000:] for p in sorted(out.glob("rank*.err")))
         raise SystemExit(f"{recipe} failed:\n{err}")
@@ -59,7 +58,7 @@ def plan(recipe: str, args: list[str]) -> dict:
 
 
 def main() -> None:
-    from test_recipes_2rank import RECIPES, overrides, tiny_llama, tiny_mpt_export
+    from benchmarks.instruments.recipe_sizes import RECIPES, overrides, tiny_llama, tiny_mpt_export
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipes", nargs="+",
@@ -91,7 +90,7 @@ def main() -> None:
         f"{'yes' if abs(p / m - 1) <= 0.2 else 'NO'} |" for r, p, ld, tr, m in rows)
     text = (f"\n### Planned host memory per rank vs a whole run's measured peak (issue 38)\n\n"
             f"{datetime.date.today()}. {platform.machine()}, {os.cpu_count()} cores, torch "
-            f"{torch.__version__}. Command: `python benchmarks/plan_vs_run.py`. 2 CPU ranks, each "
+            f"{torch.__version__}. Command: `python -m benchmarks.plan_vs_run`. 2 CPU ranks, each "
             f"recipe at its 2-rank test's sizes (tests/test_recipes_2rank.py), 4 batches.\n\n"
             f"| recipe | planned GiB per rank | of which: load | train | measured peak GiB "
             f"(largest rank) | planned / measured | within 20% |\n"

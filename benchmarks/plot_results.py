@@ -1,6 +1,6 @@
 """Plots of the RESULTS.md tables a reader takes as curves, drawn from the tables themselves.
 
-    python benchmarks/plot_results.py   # writes benchmarks/images/loading-grid.png and
+    python -m benchmarks.plot_results   # writes benchmarks/images/loading-grid.png and
                                         # benchmarks/images/planner-device.png
 
 The shard-on-read grid (section "Loading"): per frozen-base dtype, the measured peak host

@@ -1,7 +1,7 @@
 """Streaming the quickstart from an S3 API server on localhost vs reading it from local disk.
 
-    python benchmarks/remote.py                     # uses (or builds) data/quickstart
-    python benchmarks/remote.py --rounds 5 --batches 200
+    python -m benchmarks.remote                     # uses (or builds) data/quickstart
+    python -m benchmarks.remote --rounds 5 --batches 200
 
 The S3 server is moto's (``moto_server``, installed with the dev dependencies) in its own
 process, so it does not share this process's GIL. The quickstart's MDS ``train`` split is
@@ -34,12 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from foundryx.data.quickstart import prepare_quickstart
+from foundryx.data.text import build_text_dataloader
+from foundryx.data.tokenizers import build_hf_tokenizer
 
-from foundryx.data.quickstart import prepare_quickstart  # noqa: E402
-from foundryx.data.text import build_text_dataloader  # noqa: E402
-from foundryx.data.tokenizers import build_hf_tokenizer  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BATCH, SEQ = 16, 128
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",

@@ -17,7 +17,7 @@ background (thread or process) loss < 10% of the synchronous upload time of the 
 checkpoint. The bucket is moto's S3 server in its own process on localhost (``moto_server``), so the upload's cost on the
 loop is real client work (hashing, HTTP, copies) without a network in the way.
 
-    python benchmarks/remote_checkpoint.py [--mb 256] [--rounds 5] [--steps 120] [--pin]
+    python -m benchmarks.remote_checkpoint [--mb 256] [--rounds 5] [--steps 120] [--pin]
 
 ``--pin`` (2+ CPUs) models a training node whose upload has a core of its own and a store on
 another machine: the training thread runs on CPU 0, the S3 server and the uploader's threads on
@@ -42,13 +42,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-
-from foundryx.checkpoint.layout import Manifest  # noqa: E402
-from foundryx.checkpoint.remote import RemoteFolder, client  # noqa: E402
-from foundryx.checkpoint.upload import Upload  # noqa: E402
-from foundryx.checkpoint.upload_process import UploadWorker  # noqa: E402
-from foundryx.checkpoint.verify import file_digest  # noqa: E402
+from foundryx.checkpoint.layout import Manifest
+from foundryx.checkpoint.remote import RemoteFolder, client
+from foundryx.checkpoint.upload import Upload
+from foundryx.checkpoint.upload_process import UploadWorker
+from foundryx.checkpoint.verify import file_digest
 
 
 def free_port() -> int:

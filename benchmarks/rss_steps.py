@@ -1,7 +1,7 @@
 """Host memory per rank, step by step, over a long run (issue 38): does a run's RSS stay flat
 after its first steps?
 
-    python benchmarks/rss_steps.py [--steps 200] [--configs fp8-offload0.55 ...]
+    python -m benchmarks.rss_steps [--steps 200] [--configs fp8-offload0.55 ...]
             [--hidden 512] [--layers 4] [--host-heap auto|bounded|glibc] [--out FILE]
 
 Each configuration is a real run on 2 CPU ranks (``composer -n 2 train.py RECIPE``), the
@@ -30,8 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from report_out import emit  # noqa: E402
+from benchmarks.instruments.report_out import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "yamls/finetune/llama-3.1-405b-lora-fp8.yaml"
@@ -128,7 +127,7 @@ def main() -> None:
                                   "rss": [round(x, 4) for x in rss]}), flush=True)
     image = "rss-steps.png" if args.host_heap == "auto" else f"rss-steps-{args.host_heap}.png"
     _plot(curves, ROOT / "benchmarks" / "images" / image)
-    cmd = (f"python benchmarks/rss_steps.py --steps {args.steps} --hidden {args.hidden} "
+    cmd = (f"python -m benchmarks.rss_steps --steps {args.steps} --hidden {args.hidden} "
            f"--layers {args.layers} --host-heap {args.host_heap}")
     rows = "\n".join(f"| {n} | {r} | {a:.3f} | {b:.3f} | {g['median']:+.2f}% | {g['envelope']:+.2f}% "
                      f"| {g['largest']:+.2f}% | {p:.3f} |" for n, r, a, b, g, p in table)

@@ -3,7 +3,7 @@ same global batch as (shard 4), (shard 2 x tp 2) and (tp 4), for MPT and a Huggi
 with the planner's prediction beside each; and the activation memory per rank with sequence
 parallel at tp 1 and tp 2 at a sequence length where activations dominate.
 
-    nice .venv/bin/python benchmarks/tp.py [--models mpt llama] [--layouts 1 2 4] [--steps 4]
+    nice .venv/bin/python -m benchmarks.tp [--models mpt llama] [--layouts 1 2 4] [--steps 4]
         [--seq 256] [--act-seq 2048] [--out results.jsonl]
 
 Each configuration is a run config (YAML) that both sides read, with ``parallelism: {tp: T}``
@@ -43,10 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.plan_accuracy import rss_mb
 
-from plan_accuracy import rss_mb  # noqa: E402  (this folder: the same /proc reading)
+ROOT = Path(__file__).resolve().parents[1]
 
 WORLD = 4
 GLOBAL_BATCH = 8  # sequences per step, every layout
@@ -193,10 +192,11 @@ def worker(config: str, steps: int) -> None:
 
 def measure(config: Path, steps: int) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
-           "FOUNDRYX_COMPILE": "0", "PYTHONPATH": str(ROOT)}
+           "FOUNDRYX_COMPILE": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={WORLD}", __file__, "--worker", str(config), "--steps", str(steps)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+           f"--nproc_per_node={WORLD}", "-m", "benchmarks.tp", "--worker", str(config), "--steps",
+           str(steps)]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise SystemExit(f"{config.name} on {WORLD} processes failed:\n{out.stderr[-3000:]}")

@@ -1,11 +1,11 @@
 """Training throughput (tokens/s) and MFU through the real training path (`foundryx train`).
 
-  python benchmarks/train_throughput.py cpu              # quickstart model, 1 and 2 processes
-  python benchmarks/train_throughput.py gpu              # MPT-125M/350M/1B, seq 2048, bf16, on
+  python -m benchmarks.train_throughput cpu              # quickstart model, 1 and 2 processes
+  python -m benchmarks.train_throughput gpu              # MPT-125M/350M/1B, seq 2048, bf16, on
                                                          # one GPU: each activation-checkpointing
                                                          # and compile setting
-  python benchmarks/train_throughput.py gpu --models 1b --batches 40 --out results.json
-  python benchmarks/train_throughput.py gpu --models 1b --settings compile sel-compile \
+  python -m benchmarks.train_throughput gpu --models 1b --batches 40 --out results.json
+  python -m benchmarks.train_throughput gpu --models 1b --settings compile sel-compile \
       fp8-rowwise --profile profiles/          # + one compiled step's top kernels per case
 
 Each case is a separate run of this file as the training script (under the composer launcher
@@ -153,7 +153,7 @@ def run_case(config: str, overrides: list[str], nproc: int, out: Path, warmup: i
     args = [config, *overrides, f"loggers.jsonl.path={metrics}", "save_folder=null",
             "eval_loader=null", "eval_first=false", "callbacks.speed_monitor.window_size=5",
             "console_log_interval=1000ba", "python_log_level=warning"]
-    script = [str(Path(__file__).resolve()), "--worker", *args]
+    script = ["-m", "benchmarks.train_throughput", "--worker", *args]  # run in ROOT
     cmd = [str(BIN / "composer"), "-n", str(nproc), *script] if nproc > 1 else [sys.executable, *script]
     threads = str(max(1, (os.cpu_count() or 1) // nproc))  # no oversubscription on CPU
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}

@@ -1,6 +1,6 @@
 """foundryx vs LLM Foundry: training tokens/s of the same MPT on the same data, alternating.
 
-    python benchmarks/vs_llmfoundry.py [--rounds 3] [--batches 200] [--no-compile]
+    python -m benchmarks.vs_llmfoundry [--rounds 3] [--batches 200] [--no-compile]
             [--cpu-matmul auto|onednn|blas] [--warm-cache] [--foundryx-ref REF ...]
             [--skip-checkout] [--profile] [--out benchmarks/RESULTS.md]
 
@@ -49,8 +49,7 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent))
-from report_out import emit  # noqa: E402
+from benchmarks.instruments.report_out import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus" / "tinyshakespeare.txt"
@@ -341,7 +340,7 @@ def main() -> None:
     text = (f"\n## foundryx vs LLM Foundry 0.22 on CPU\n\n{datetime.date.today()}. "
             f"{platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}, all sides"
             f"{'' if args.skip_checkout else f'; foundryx = this checkout ({head})'}. "
-            f"Command: `python benchmarks/vs_llmfoundry.py --rounds {args.rounds} --batches "
+            f"Command: `python -m benchmarks.vs_llmfoundry --rounds {args.rounds} --batches "
             f"{args.batches}{' --warm-cache' if args.warm_cache else ''}"
             f"{' --no-compile' if args.no_compile else ''}"
             f"{'' if args.cpu_matmul == 'auto' else ' --cpu-matmul ' + args.cpu_matmul}{flags}` (Inductor cache: "

@@ -38,7 +38,7 @@ from foundryx.parallel.cp import length_problem
 from foundryx.parallel.dist import world_size
 from foundryx.parallel.offload import offload_layers
 from foundryx.parallel.offload_pack import pack_offloaded
-from foundryx.parallel.parallelize import default_device
+from foundryx.runtime.device_choice import pick_device
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +70,8 @@ def build_model(cfg: TrainConfig, tokenizer: Any) -> Any:
     if frozen is not None:  # after LoRA, before parallelism
         model = apply_frozen_storage(model, coerce(FrozenBaseOptions, frozen, owner="model.frozen_base"),
                                      tp=tp_degree(getattr(cfg, "parallelism", None)),
-                                     device=run_device(cfg))
+                                     device=pick_device(getattr(cfg, "device", None)))
     return model
-
-
-def run_device(cfg: Any) -> torch.device:
-    """The run's device as torch names it: ``device: cpu`` is the CPU whatever the machine
-    has (nothing is pinned and CUDA is never initialised); ``gpu``, or none set, the current
-    GPU when there is one (device_choice.pick_device's choice)."""
-    return torch.device("cpu") if getattr(cfg, "device", None) == "cpu" else default_device()
 
 
 def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1,
@@ -86,10 +79,10 @@ def apply_frozen_storage(model: Any, options: FrozenBaseOptions, tp: int = 1,
     """``model.frozen_base`` from outside the model: the frozen linear weights stored in
     ``options.dtype`` (models.peft.frozen_base), then ``options.offload_fraction`` of those
     layers offloaded to host memory by the offload runtime (parallel.offload), handed the
-    storages' row cuts and ``device``, the run's (None: the current GPU when there is one), which
+    storages' row cuts and ``device``, the run's (None: ``pick_device``'s), which
     decides whether their host buffer is pinned and whether an fp8 base multiplies in FP8."""
     world = world_size()
-    device = device if device is not None else default_device()
+    device = device if device is not None else pick_device()
     model = apply_frozen_base(model, options, tp=tp, world=world, device=device)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
     chosen = offload_layers(layers, options.offload_fraction, STORAGE_ROWS, device)
@@ -221,7 +214,7 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
     return parallelize_and_load(model, cfg.parallelism,
                                 activation_checkpointing=cfg.activation_checkpointing,
                                 compile=cfg.compile, precision=cfg.precision,
-                                cpu_matmul=cfg.cpu_matmul, device=run_device(cfg),
+                                cpu_matmul=cfg.cpu_matmul, device=pick_device(cfg.device),
                                 float8=cfg.float8, tiling=cfg.tiling,
                                 microbatch_tokens=microbatch_tokens(cfg))
 
@@ -245,7 +238,7 @@ def parallelize_and_load(model: Any, parallelism: Any = None, **kwargs: Any) -> 
     if plan is not None:  # frozen-only FSDP2 units keep the checkpoint's dtype
         keep_stored_dtype(model, plan, parallelism, kwargs.get("precision") or "fp32")
     model = parallelize(model, parallelism, **kwargs)
-    device = kwargs.get("device") or default_device()
+    device = kwargs.get("device") or pick_device()
     if plan is not None:
         load_pretrained(model, plan, device)
     elif tp_degree(parallelism) > 1:  # TP cut the offloaded shards again: one buffer once more

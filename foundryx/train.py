@@ -23,6 +23,7 @@ from foundryx.callbacks.preemption import Preemption
 from foundryx.checkpoint.layout import complete_checkpoints
 from foundryx.config import LoadedConfig, TrainConfig, load_config
 from foundryx.config.components import component_options
+from foundryx.config.hardware import machine_problems
 from foundryx.config.load import read_resolved
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS
 from foundryx.data.quickstart import STAMP as QUICKSTART_STAMP
@@ -41,8 +42,8 @@ from foundryx.plan.planner import plan_here
 from foundryx.plan.prelaunch import check_fits, host_problem, longest_line
 from foundryx.plan.render import render
 from foundryx.runtime import host_heap, known_warnings, preempt
-from foundryx.runtime.device_choice import pick_device
-from foundryx.runtime.devices import machine_from_torch, run_problems
+from foundryx.runtime.device_choice import composer_name, pick_device
+from foundryx.runtime.devices import machine_from_torch
 from foundryx.runtime.log_setup import setup_logging
 from foundryx.runtime.process_groups import with_host_collectives
 from foundryx.runtime.run_summary import RunFacts, summary
@@ -86,7 +87,8 @@ def dry_run(path: str | Path, overrides: list[str] | None = None) -> tuple[str, 
             raise e from None
     # A dry run checks the config for the machine the run will have (a login node has no GPU):
     # what this machine could not run is a note, not a problem; a real run here stops on it.
-    elsewhere = run_problems(loaded.resolved, machine_from_torch())
+    c = loaded.cfg
+    elsewhere = machine_problems(machine_from_torch(), c.device, c.precision, c.float8.enabled)
     parts = [f"# resolved config of {loaded.source}", loaded.to_yaml(), "# derived numbers",
              loaded.derived.table(), "# plan (`foundryx plan` for other devices)"]
     try:
@@ -159,13 +161,12 @@ def dry_run_world(path: str | Path, overrides: list[str] | None) -> int | None:
 def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
     cfg, derived = loaded.cfg, loaded.derived
-    cannot = run_problems({"device": cfg.device, "precision": cfg.precision, "float8": cfg.float8},
-                          machine_from_torch())
+    cannot = machine_problems(machine_from_torch(), cfg.device, cfg.precision, cfg.float8.enabled)
     if cannot:  # before anything is set up or written
         raise ConfigError(cannot, source=loaded.source)
     setup_logging(cfg.python_log_level)
     known_warnings.install()
-    picked = pick_device(cfg.device)
+    picked = composer_name(pick_device(cfg.device, say=True))  # gpu or cpu, Composer's names
     host_heap.configure(cfg.host_heap, picked)  # before the load and the steps free anything
     if picked == "gpu" and cfg.plan_check:
         check_fits(loaded)  # before anything is built on the GPU: stop a run that cannot fit

@@ -134,7 +134,7 @@ def test_no_row_for_this_device_chooses_sdpa_and_says_so(monkeypatch):
     assert name == "torch"
     assert reason == (
         "the attention table (foundryx/models/layers/attention_table.py) has no row for this "
-        "device (NVIDIA A100-SXM4-80GB); SDPA, without measuring (benchmarks/attention.py "
+        "device (NVIDIA A100-SXM4-80GB); SDPA, without measuring (python -m benchmarks.attention "
         "--table measures rows for it)")
     # an H100 PCIe is another kind of device: the SXM's rows do not apply
     assert h100_choice(monkeypatch, device="NVIDIA H100 PCIe")[0] == "torch"

@@ -19,7 +19,7 @@ TINY = ROOT / "benchmarks/gpu_runbook/shapes/llama-tiny"
 
 def _estimate(tmp_path: Path, seq: int, cp: int) -> dict:
     out = tmp_path / f"cp{cp}.json"
-    r = subprocess.run([sys.executable, "benchmarks/cp_estimate.py", "--shape", str(TINY),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.cp_estimate", "--shape", str(TINY),
                         "--seq", str(seq), "--cp", str(cp), "--json", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -11,6 +11,7 @@ from composer.core import Precision
 
 from foundryx.callbacks import speed_monitor
 from foundryx.callbacks.speed_monitor import SpeedMonitor
+from foundryx.config.hardware import machine_problems
 from foundryx.errors import ConfigError
 from foundryx.runtime import devices
 
@@ -129,7 +130,12 @@ def test_bad_options_name_the_yaml_path():
     assert "callbacks.speed_monitor.window_size" in text and "callbacks.speed_monitor.peak_flops" in text
 
 
-# -- can this machine run a config's device and precision? -------------------------------------
+# -- can this machine run a config's device and precision? (the rules: foundryx.config.hardware;
+# the machine's capability: devices.Machine) ---------------------------------------------------
+def run_problems(data, machine):
+    return machine_problems(machine, data.get("device"), data.get("precision", "fp32"))
+
+
 NO_GPU = devices.Machine(0, "no NVIDIA or AMD GPU device: no /dev/nvidia*, no /dev/kfd")
 V100 = devices.Machine(1, name="Tesla V100-SXM2-16GB", capability=(7, 0))
 A100 = devices.Machine(1, name="NVIDIA A100-SXM4-40GB", capability=(8, 0))
@@ -154,7 +160,7 @@ UNKNOWN = devices.Machine(None)  # device files present, torch not imported yet
 ], ids=["gpu-without-gpu", "gpu-and-fp16-without-gpu", "gpu-and-bf16-without-gpu", "fp16-on-cpu", "fp16-no-device-no-gpu",
         "bf16-on-v100"])
 def test_what_this_machine_cannot_run_is_one_line_with_the_fix(data, machine, needles):
-    problems = devices.run_problems(data, machine)
+    problems = run_problems(data, machine)
     assert len(problems) == 1 and "\n" not in problems[0], problems
     for needle in needles:
         assert needle in problems[0], problems[0]
@@ -169,16 +175,16 @@ def test_what_this_machine_cannot_run_is_one_line_with_the_fix(data, machine, ne
     ({"device": "tpu"}, NO_GPU),  # the schema's problem, reported as such
 ])
 def test_what_this_machine_can_run_is_no_problem(data, machine):
-    assert devices.run_problems(data, machine) == []
+    assert run_problems(data, machine) == []
 
 
 def test_amp_fp8_needs_transformer_engine(monkeypatch):
     monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: None)
-    (problem,) = devices.run_problems({"device": "gpu", "precision": "amp_fp8"}, A100)
+    (problem,) = run_problems({"device": "gpu", "precision": "amp_fp8"}, A100)
     assert "TransformerEngine, which is not installed" in problem
     assert "Fix: set precision=amp_bf16" in problem
     monkeypatch.setattr(devices.importlib.util, "find_spec", lambda name: object())
-    (problem,) = devices.run_problems({"device": "gpu", "precision": "amp_fp8"}, A100)
+    (problem,) = run_problems({"device": "gpu", "precision": "amp_fp8"}, A100)
     assert "compute capability 8.9" in problem and "is 8.0" in problem
 
 

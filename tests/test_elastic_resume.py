@@ -52,7 +52,7 @@ TOLERANCE = {"mpt": 1e-5, "full": 1e-5, "lora-fp8-offload": 1e-2, "lora-fp8-offl
 
 
 def command(kind: str, data: Path, llama: Path | None) -> list[str]:
-    from test_recipes_2rank import SIZES
+    from benchmarks.instruments.recipe_sizes import SIZES
 
     if kind == "mpt":
         return [f"variables.data_root={data}", "save_folder=ckpt", *MPT, *RUN]
@@ -104,7 +104,7 @@ def said(r, out: Path) -> str:
 
 @pytest.fixture(scope="module")
 def llama(quickstart_data, tmp_path_factory) -> Path:
-    from test_recipes_2rank import tiny_llama
+    from benchmarks.instruments.recipe_sizes import tiny_llama
 
     return tiny_llama("llama-3.1-405b", tmp_path_factory.mktemp("llama") / "m",
                       quickstart_data / "tokenizer")

@@ -14,10 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.instruments import step_profile
 
-import step_profile  # noqa: E402
+ROOT = Path(__file__).parents[1]
 
 
 def test_the_snapshot_replays_to_its_peak_and_names_who_allocated():
@@ -81,7 +80,7 @@ def test_side_by_side_on_cpu(tmp_path):
     two rounds alternating, each side profiled once, the ratios."""
     out, raw, prof = tmp_path / "vs.md", tmp_path / "vs.json", tmp_path / "prof"
     r = subprocess.run(
-        [sys.executable, "benchmarks/flagship_vs_peer.py", "--device", "cpu", "--shape",
+        [sys.executable, "-m", "benchmarks.flagship_vs_peer", "--device", "cpu", "--shape",
          "benchmarks/gpu_runbook/shapes/llama-tiny", "--seq", "64", "--steps", "3",
          "--cache", str(tmp_path / "model"), "--logs", str(tmp_path / "logs"),
          "--profiles", str(prof), "--json", str(raw), "--out", str(out)],

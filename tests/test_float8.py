@@ -11,16 +11,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from foundryx.config.schema import Float8Config
+from foundryx.config.hardware import combination_problems, machine_problems
+from foundryx.config.load import precheck
+from foundryx.config.schema import Float8Config, ParallelismConfig, TrainConfig
 from foundryx.errors import ConfigError
 from foundryx.models.mpt.configuration import MPTConfig
 from foundryx.models.mpt.modeling import MPTForCausalLM, causal_lm_loss
 from foundryx.parallel.float8 import apply_float8, float8_targets
-from foundryx.runtime import devices
-from foundryx.runtime.devices import Machine, float8_problems
+from foundryx.runtime.devices import Machine
 
 ROOT = Path(__file__).parents[1]
-ON = {"float8": {"enabled": True, "recipe": "rowwise"}, "device": "gpu", "precision": "amp_bf16"}
+ON = {"float8": True, "device": "gpu", "precision": "amp_bf16"}
+
+
+def run_problems(data, machine):
+    """What ``machine`` cannot run of these settings (the rules: foundryx.config.hardware)."""
+    return machine_problems(machine, data.get("device"), data.get("precision", "fp32"),
+                            data.get("float8", False))
+
+
+def config(precision="amp_bf16", model=None, parallelism=None, enabled=True):
+    return TrainConfig(model=model or {"name": "mpt_causal_lm"}, tokenizer={}, train_loader={},
+                       max_duration="1ba", global_train_batch_size=1, optimizer={},
+                       precision=precision, parallelism=parallelism,
+                       float8=Float8Config(enabled=enabled))
 A100 = Machine(1, name="NVIDIA A100-SXM4-80GB", capability=(8, 0))
 H100 = Machine(1, name="NVIDIA H100 80GB HBM3", capability=(9, 0))
 
@@ -36,7 +50,7 @@ H100 = Machine(1, name="NVIDIA H100 80GB HBM3", capability=(9, 0))
     (Machine(None), None),  # no torch yet: the run checks again with torch
 ], ids=["h100", "l40s", "mi300x", "a100", "mi250x", "unknown"])
 def test_the_gpu_must_have_fp8_tensor_cores(machine, problem):
-    got = devices.run_problems(ON, machine)
+    got = run_problems(ON, machine)
     if problem is None:
         assert got == []
     else:
@@ -44,22 +58,37 @@ def test_the_gpu_must_have_fp8_tensor_cores(machine, problem):
 
 
 def test_off_is_no_problem_anywhere():
-    assert devices.run_problems({**ON, "float8": {"enabled": False}}, A100) == []
-    assert devices.run_problems({"device": "gpu", "precision": "amp_bf16"}, A100) == []
-    assert float8_problems({"float8": Float8Config()}, A100) == []
+    assert run_problems({**ON, "float8": False}, A100) == []
+    assert run_problems({"device": "gpu", "precision": "amp_bf16"}, A100) == []
+    assert combination_problems(config(enabled=False, precision="amp_fp8")) == []
+    assert combination_problems(config()) == []
 
 
 def test_cpu_and_conflicting_settings_are_refused():
     cpu = Machine(0, "no NVIDIA or AMD GPU device")
-    got = devices.run_problems({**ON, "device": None}, cpu)
+    got = run_problems({**ON, "device": None}, cpu)
     assert got and got[0].startswith("float8.enabled: true cannot run on the CPU")
     assert "this machine has no GPU (no NVIDIA or AMD GPU device)" in got[0]
-    assert "the config sets device: cpu" in devices.run_problems({**ON, "device": "cpu"}, H100)[0]
-    assert "two float8 trainings" in float8_problems({**ON, "precision": "amp_fp8"}, H100)[0]
-    lora = {**ON, "model": {"peft_config": {"r": 8}}}
-    assert "float8 training is for pretraining" in float8_problems(lora, H100)[0]
-    tp = {**ON, "parallelism": {"tp": 2}}
-    assert "parallelism.tp: 2" in float8_problems(tp, H100)[0]
+    assert "the config sets device: cpu" in run_problems({**ON, "device": "cpu"}, H100)[0]
+    # rules of the config alone, whatever the machine: every one at once
+    (got,) = combination_problems(config(precision="amp_fp8"))
+    assert "two float8 trainings" in got
+    lora = config(model={"name": "mpt_causal_lm", "peft_config": {"r": 8}})
+    assert "float8 training is for pretraining" in combination_problems(lora)[0]
+    both = combination_problems(config(model={"name": "hf_causal_lm", "frozen_base": {"dtype": "nf4"}},
+                                       parallelism=ParallelismConfig(tp=2)))
+    assert len(both) == 2 and "parallelism.tp: 2" in both[1]
+
+
+def test_a_combination_is_a_config_problem_before_torch():
+    """The combination rules are config validation: ``precheck`` (no torch, no machine)
+    reports them under their YAML path with the config's other problems."""
+    with pytest.raises(ConfigError) as err:
+        precheck(ROOT / "yamls/quickstart.yaml", ["float8.enabled=true", "precision=amp_fp8",
+                                                  "parallelism.tp=2"])
+    text = str(err.value)
+    assert "float8.enabled: true with precision: 'amp_fp8'" in text
+    assert "float8.enabled: true with parallelism.tp: 2" in text
 
 
 def test_a_gpu_without_fp8_stops_the_run_before_the_model_is_built(monkeypatch, quickstart_data):

@@ -106,12 +106,12 @@ def test_dequantizing_a_layer_allocates_one_dense_copy(dtype):
         # chunks and in a GPU's (the whole layer in one chunk: 4M weights)
         from foundryx.models.peft import frozen_base
 
-        for chunks in ({"cpu": 4096}, {"cpu": frozen_base.NF4_CHUNK_BLOCKS["gpu"]}):
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(frozen_base, "NF4_CHUNK_BLOCKS", chunks)
-                for out in (torch.float32, torch.bfloat16):
-                    assert torch.equal(dequantize(q.weight, out),
-                                       q.weight.get_original_weight().to(out))
+        for chunk in (None, frozen_base.NF4_CHUNK_BLOCKS["gpu"]):  # the layer's option
+            q.nf4_chunk = chunk
+            for out in (torch.float32, torch.bfloat16):
+                assert torch.equal(q.dense_weight(out, torch.device("cpu")),
+                                   q.weight.get_original_weight().to(out))
+        q.nf4_chunk = None
     # offloaded, the layer copies its low-precision bytes, not more: torchao's NF4 clone()
     # dequantizes and quantizes again (about 10x the dense weight, and slow)
     want = dequantize(q.weight, torch.float32)

@@ -117,9 +117,9 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_training_step_never_holds_the_whole_vocabulary_logits(monkeypatch):
-    monkeypatch.setattr(loss_module, "CPU_CHUNK_LOGIT_BYTES", 64 * 4096 * 4)  # 64-token chunks
+def test_training_step_never_holds_the_whole_vocabulary_logits():
     model, b = tiny_mpt(True), batch()
+    model.model.loss_chunks = loss_module.LossChunks(cpu=64 * 4096 * 4)  # 64-token chunks
     model.train()
     whole = b["input_ids"].numel() * 4096  # tokens x vocab
     with LargestTensor() as seen:

@@ -43,14 +43,14 @@ def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
         assert f"[{n}/10]" in r.stdout
     assert "time limits: 90 230 30 60 40 50 360 150 240 300 s; steps 1,2,3,4,5,6: 500 s in all" in r.stdout
     assert "the time limits of steps 1,2,3,4,5,6 add up to at most 500 s (500)" in r.stdout
-    assert "benchmarks/flagship_vs_peer.py --device cuda --shape " in r.stdout
+    assert "-m benchmarks.flagship_vs_peer --device cuda --shape " in r.stdout
     assert "--rounds 2 --steps " + ("3" if quick else "5") in r.stdout
-    assert "benchmarks/flagship.py --device cuda --shape " in r.stdout
+    assert "-m benchmarks.flagship --device cuda --shape " in r.stdout
     assert "--bases bf16,fp8,nf4 --offload 0,0.5" in r.stdout
-    assert "benchmarks/gpu_runbook/icl.py --out" in r.stdout
+    assert "-m benchmarks.gpu_runbook.icl --out" in r.stdout
     assert "-m pytest" in r.stdout and "tests/test_triton_attention.py" in r.stdout
     assert "-k 'not test_every_combination'" in r.stdout
-    assert "benchmarks/attention.py" in r.stdout and "train_throughput.py gpu" in r.stdout
+    assert "-m benchmarks.attention" in r.stdout and "-m benchmarks.train_throughput gpu" in r.stdout
     assert "-m venv --without-pip" in r.stdout and "--no-deps --no-index" in r.stdout
     assert "FAIL " not in r.stdout and ", 0 failed" in r.stdout
     for flag in ("--shape", "--bases", "--offload", "--steps", "--time-limit", "--settings",
@@ -68,9 +68,9 @@ def test_step_5_times_both_triton_backwards_when_asked():
     r = runbook("--dry-run", "--only", "1,5", RUNBOOK_BWD="split atomic",
                 RUNBOOK_LIMITS="90 230 30 60 100 50 360 150 240 300")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "benchmarks/attention.py --seqs 4096 --head-dims 128 --no-mpt --bwd split atomic" \
+    assert "-m benchmarks.attention --seqs 4096 --head-dims 128 --no-mpt --bwd split atomic" \
         in r.stdout
-    assert "ok    benchmarks/attention.py accepts --bwd" in r.stdout
+    assert "ok    benchmarks.attention accepts --bwd" in r.stdout
     assert "--bwd" not in runbook("--dry-run").stdout
 
 
@@ -95,10 +95,10 @@ def test_a_limit_that_does_not_fit_fails_the_dry_run():
 def test_issue_47_steps_in_the_dry_run():
     r = runbook("--dry-run", "--only", "1,8,9")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "benchmarks/attention.py --seqs 2048 --head-dims 64 128 --table <tmp>/attention-table.json" in r.stdout
-    assert ("benchmarks/train_throughput.py gpu --models 1b --settings compile sel-compile fp8-rowwise "
+    assert "-m benchmarks.attention --seqs 2048 --head-dims 64 128 --table <tmp>/attention-table.json" in r.stdout
+    assert ("-m benchmarks.train_throughput gpu --models 1b --settings compile sel-compile fp8-rowwise "
             "fp8-tensorwise --batches 12 --warmup 4 --profile ") in r.stdout
-    assert ("train_throughput.py gpu --models 125m 350m --settings eager compile ac-compile "
+    assert ("benchmarks.train_throughput gpu --models 125m 350m --settings eager compile ac-compile "
             "sel-compile") in r.stdout
 
 
@@ -141,6 +141,9 @@ args, state = sys.argv[1:], Path(os.environ["FAKE_STATE"])
 venv = os.environ.get("FAKE_VENV")
 with (state / "calls").open("a") as f:
     f.write(("venv: " if venv else "") + " ".join(args) + "\n")
+given = list(args)
+if args[:1] == ["-m"] and args[1].startswith("benchmarks."):  # a benchmark: matched by its file
+    args = [args[1].replace(".", "/") + ".py", *args[2:]]
 def value(flag):
     return next(a.split("=", 1)[1] if "=" in a else args[i + 1]
                 for i, a in enumerate(args) if a.split("=")[0] == flag)
@@ -166,7 +169,7 @@ elif args[0].endswith("report.py") and args[1] == "machine-pth":
 elif args[0].endswith("report.py") and args[1] == "env":
     print("- GPU: Fake H100")
 elif args[0].endswith("report.py"):
-    os.execv(sys.executable, [sys.executable, *args])
+    os.execv(sys.executable, [sys.executable, *given])
 elif args[0].endswith("flagship.py"):
     Path(value("--out")).write_text(
         "| base | offload | tokens/s |\n|---|---|---|\n| bf16 | 0 | 5,000 |\n")
@@ -254,7 +257,7 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     # step 1: the machine's Python lacks Composer and has transformers 5: the run book's own
     # venv over the machine's packages, the wheel folder, then foundryx (editable)
     assert f"-m venv --without-pip {venv}\n" in calls
-    assert "venv: benchmarks/gpu_runbook/report.py machine-pth /machine/site-packages " \
+    assert "venv: -m benchmarks.gpu_runbook.report machine-pth /machine/site-packages " \
            "/machine/user site\n" in calls
     assert (f"venv: -m pip install --no-deps --no-index --no-compile --find-links {wheels} "
             f"{wheels}/composer.whl\n") in calls
@@ -264,8 +267,8 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
     assert f"- Python: {venv}/bin/python" in text
     assert "### 1. environment: ok, 0 min" in text and "Fake H100" in text
     # every later step runs with the venv's Python
-    later = [c for c in calls.splitlines() if "flagship.py" in c or "icl.py" in c
-             or "-m pytest" in c or "attention.py" in c or "train_throughput.py" in c]
+    later = [c for c in calls.splitlines() if "benchmarks.flagship" in c or "benchmarks.gpu_runbook.icl" in c
+             or "-m pytest" in c or "benchmarks.attention" in c or "benchmarks.train_throughput" in c]
     assert len(later) == 5 and all(c.startswith("venv: ") for c in later), later
     # step 2 ran past its limit: stopped there, its finished rows kept, the next step ran
     assert "### 2. flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 bases, offload 0 " \
@@ -301,8 +304,8 @@ def test_the_side_by_side_runs_on_the_machines_transformers(tmp_path):
     r, out = fake_gpu_run(tmp_path, "1,7", PYTHONPATH="")
     assert r.returncode == 0, r.stderr
     calls = (tmp_path / "calls").read_text()
-    (line,) = [c for c in calls.splitlines() if "flagship_vs_peer.py" in c]
-    assert line.startswith("venv: benchmarks/flagship_vs_peer.py --device cuda --shape "
+    (line,) = [c for c in calls.splitlines() if "benchmarks.flagship_vs_peer" in c]
+    assert line.startswith("venv: -m benchmarks.flagship_vs_peer --device cuda --shape "
                            "yamls/shapes/llama-3.1-8b --rounds 2 --steps 5 --time-limit 350 ")
     assert f"--profiles {tmp_path}/report-profiles " in line
     assert "PYTHONPATH=/machine/site-packages:/machine/user site\n" in calls
@@ -333,7 +336,7 @@ def test_flagship_trains_a_tiny_llama_on_cpu(tmp_path):
     base, each row with tokens/s, peak host memory and the plan's, and the load."""
     out, raw = tmp_path / "flagship.md", tmp_path / "flagship.json"
     r = subprocess.run(
-        [sys.executable, "benchmarks/flagship.py", "--device", "cpu", "--shape",
+        [sys.executable, "-m", "benchmarks.flagship", "--device", "cpu", "--shape",
          "benchmarks/gpu_runbook/shapes/llama-tiny", "--bases", "fp8,nf4", "--offload", "0.5",
          "--steps", "2", "--cache", str(tmp_path / "model"), "--logs", str(tmp_path / "logs"),
          "--json", str(raw), "--out", str(out)],
@@ -361,7 +364,7 @@ def test_flagship_trains_a_tiny_llama_on_cpu(tmp_path):
 def test_icl_check_compares_two_devices(tmp_path):
     """benchmarks/gpu_runbook/icl.py, the run book's step 3, with the CPU on both sides."""
     out = tmp_path / "icl.md"
-    r = subprocess.run([sys.executable, "benchmarks/gpu_runbook/icl.py", "--devices", "cpu", "cpu",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.gpu_runbook.icl", "--devices", "cpu", "cpu",
                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = out.read_text()
@@ -438,7 +441,7 @@ def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
     # a copy of the checkout: the editable install writes into it, not into this one
     repo = tmp_path / "repo"
     for part in ("pyproject.toml", "README.md", "constraints.txt", "foundryx",
-                 "benchmarks/gpu_runbook.sh", "benchmarks/gpu_runbook"):
+                 "benchmarks/__init__.py", "benchmarks/gpu_runbook.sh", "benchmarks/gpu_runbook"):
         if (ROOT / part).is_dir():
             shutil.copytree(ROOT / part, repo / part, ignore=shutil.ignore_patterns("__pycache__"))
         else:
@@ -464,7 +467,7 @@ def test_wheel_folder_installs_on_a_bare_machine(tmp_path):
                 script=script, RUNBOOK_LIMITS="300 230 35 60 45 50 360 150 240 300")  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     assert f"Python: {venv}/bin/python" in r.stdout and "into the run book's venv" in r.stdout
-    probe = subprocess.run([str(venv / "bin" / "python"), "benchmarks/gpu_runbook/report.py", "probe"],
+    probe = subprocess.run([str(venv / "bin" / "python"), "-m", "benchmarks.gpu_runbook.report", "probe"],
                            cwd=repo, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0 and probe.stdout.strip() == "all import", probe.stdout + probe.stderr
     cli = subprocess.run([str(venv / "bin" / "foundryx"), "--help"], capture_output=True, text=True,

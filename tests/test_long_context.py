@@ -348,14 +348,11 @@ def test_plan_check_says_the_longest_that_fits():
 # ---------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_estimator_traces_the_long_recipe_with_host_apart():
-    """benchmarks/flagship_estimate.py --recipe (the long recipe) on the tiny Llama shape at
+    """python -m benchmarks.flagship_estimate --recipe (the long recipe) on the tiny Llama shape at
     128 tokens, tiled (16-token tiles): the offloaded checkpoints are host memory (2 layers x
     128 tokens x d_model 64 in bf16), not in the device's peak; the untiled step on the device
     is larger; --layers 1 scales the per-layer categories back to the shape's 2 layers."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import flagship_estimate
+    from benchmarks import flagship_estimate
 
     tiny = ROOT / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
     recipe = ROOT / LONG_RECIPE
@@ -371,23 +368,20 @@ def test_estimator_traces_the_long_recipe_with_host_apart():
 
 
 def test_long_context_table_arithmetic(tmp_path):
-    """benchmarks/long_context.py: the line through two traces and its longest length with the
+    """python -m benchmarks.long_context: the line through two traces and its longest length with the
     planner's margin and context, by hand; the 512K step's attention FLOPs as the census's
-    flash kernel counts them (benchmarks/fake_step.py), forward, recompute and 2.5x backward."""
+    flash kernel counts them (benchmarks/instruments/fake_step.py), forward, recompute and 2.5x backward."""
     import json
-    import sys
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_scripts import load_benchmark
+    from benchmarks import long_context as lc
 
-    lc = load_benchmark("long_context")
     for seq, peak in ((1024, 10.0), (3072, 14.0)):
         (tmp_path / f"{seq}.json").write_text(json.dumps({"peer": {"seq": seq, "peak_gib": peak}}))
     b0, b1, _ = lc.line([tmp_path / "3072.json", tmp_path / "1024.json"], "peer")
     assert (b0, b1 * 1024) == pytest.approx((8.0, 2.0))
     # (23 GiB - 1 GiB context) / 1.1 = 20 GiB usable: (20 - 8) / 2 GiB per 1K = 6K tokens
     assert lc.longest_on_line(b0, b1, 23.0) == 6 * 1024
-    import fake_step
+    from benchmarks.instruments import fake_step
 
     paper = lc.on_paper(4096)
     one = fake_step.attention_flops(torch.Size([1, 32, 4096, 128]), torch.Size([1, 8, 4096, 128]),

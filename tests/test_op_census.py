@@ -4,18 +4,16 @@ FLOP and byte time per place and op instead of per call, and counted causal atte
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import op_census
+from benchmarks.instruments import fake_step
 
-import fake_step  # noqa: E402
-import op_census  # noqa: E402
+ROOT = Path(__file__).parents[1]
 
 PEAK, FP8_PEAK, BW = 989e12, 1979e12, 3.35e12  # an H100's, as the census's docstring states
 BF16, FP8, F32 = 2, 1, 4  # bytes per element

@@ -256,7 +256,7 @@ def test_a_cpu_run_on_a_machine_with_a_gpu_pins_nothing_and_never_touches_cuda(m
     cfg = SimpleNamespace(model=section, device="cpu", parallelism=None, precision="fp32",
                           activation_checkpointing=ActivationCheckpointingConfig(cpu_offload=True),
                           compile=CompileConfig(enabled=False), cpu_matmul=None, float8=None)
-    assert builders.run_device(cfg) == torch.device("cpu")
+    assert builders.pick_device(cfg.device) == torch.device("cpu")  # the one picker
     torch.manual_seed(0)
     model = builders.build_parallelism(cfg, builders.build_model(cfg, None))
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear) and m.offload is not None]

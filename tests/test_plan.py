@@ -204,7 +204,7 @@ def test_train_stops_before_building_when_the_run_cannot_fit(quickstart_data, mo
     small = fixed + int(0.9 * (need.per_device_bytes - fixed))  # 90% of what it needs
     expected = plan_loaded(loaded, 1, "h100", "cuda", None, small).suggestions
     assert expected
-    monkeypatch.setattr(train, "pick_device", lambda requested: "gpu")
+    monkeypatch.setattr(train, "pick_device", lambda requested, **k: torch.device("cuda"))
     monkeypatch.setattr(prelaunch, "gpu_facts", lambda: ("NVIDIA H100 80GB HBM3", small, "cuda"))
 
     def never(*args, **kwargs):

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from foundryx.cli import main
@@ -241,9 +242,8 @@ def test_prelaunch_refuses_a_run_the_node_cannot_hold(tmp_path, monkeypatch, cap
     plan = make_plan(path, gpus=2, gpu="h100")
     small = HostSpec(plan.host.per_node - 1, "this machine", 1e9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    if hasattr(train, "run_problems"):  # a GPU machine, as far as train's checks go
-        monkeypatch.setattr(train, "run_problems", lambda *args: [])
-    monkeypatch.setattr(train, "pick_device", lambda requested: "gpu")
+    monkeypatch.setattr(train, "machine_problems", lambda *args: [])  # a GPU machine, as far
+    monkeypatch.setattr(train, "pick_device", lambda requested, **k: torch.device("cuda"))  # as asked
     monkeypatch.setattr(prelaunch, "gpu_facts", lambda: ("NVIDIA H100 80GB HBM3", 80 * GiB, "cuda"))
     monkeypatch.setattr(prelaunch, "this_machine", lambda: small)
 

@@ -25,24 +25,16 @@ from pathlib import Path
 
 import launcher
 import pytest
-import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-SHAPES = ROOT / "yamls" / "shapes"
+from benchmarks.instruments.recipe_sizes import (
+    RECIPES,
+    overrides,
+    tiny_llama,
+    tiny_mpt_export,
+)
 
-# Tiny sizes: the model is the only thing scaled down (with the batch and sequence sizes). A
-# hidden size of 128 leaves k_proj 64 outputs: wide enough for the 405B recipe's LoRA r=64.
-TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-              "vocab_size": 1024}  # the quickstart tokenizer's 1024 tokens
-TINY_MPT = ["model.d_model=32", "model.n_heads=4", "model.n_layers=2", "model.vocab_size=1024"]
-SIZES = ["max_duration=4ba", "eval_interval=4ba", "eval_subset_num_batches=1",
-         "global_train_batch_size=4", "device_train_microbatch_size=1",
-         "device_eval_batch_size=2", "save_interval=4ba", "device=cpu",
-         # the learning rate and warmup of a 4-batch run of a tiny model: the recipes' (2e-4 after
-         # 50 warmup batches) move 4 batches by nothing bf16 logits can show
-         "optimizer.lr=5.0e-3", "scheduler.t_warmup=0ba"]
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 # what a frozen base of each format stores its values as, and its bytes per weight (with the
 # row scales, or NF4's block scalers) on all ranks together
@@ -50,27 +42,6 @@ STORED = {"fp8": "float8_e4m3fn", "int8": "int8", "nf4": "uint8", "bf16": "bfloa
 BYTES_PER_WEIGHT = {"fp8": (1.0, 1.1), "int8": (1.0, 1.1), "nf4": (0.5, 0.6), "bf16": (2.0, 2.1)}
 HELD = re.compile(r"rank(\d+): INFO: foundryx: frozen_base on this rank: (\{.*\})")
 
-# recipe -> (model family, extra size overrides). "llama-3.1-8b" etc: a tiny Llama built from
-# that release's config.json (yamls/shapes/) with its sizes swapped; "mpt": a foundryx MPT
-# export; "scratch": an MPT built from the recipe's own model section (sizes swapped).
-RECIPES: dict[str, tuple[str, list[str]]] = {
-    "finetune/llama-3.1-70b-lora.yaml": ("llama-3.1-70b", []),
-    "finetune/llama-3.1-405b-lora-fp8.yaml": ("llama-3.1-405b", []),
-    "finetune/llama-3.1-405b-lora-mi300x.yaml": ("llama-3.1-405b", []),
-    "finetune/llama-8b-lora-fp8.yaml": ("llama-3.1-8b", []),
-    "finetune/llama-lora.yaml": ("llama-3.1-8b", []),
-    "finetune/llama-3.1-8b-lora-long-cp.yaml": ("llama-3.1-8b", ["parallelism.cp=2"]),
-    "finetune/hf-causal-lm.yaml": ("llama-3.1-8b", []),
-    "finetune/mpt-lora.yaml": ("mpt", []),
-    "pretrain/llama-style-1b.yaml": ("scratch", ["model.attn_config.kv_n_heads=2",
-                                                 "model.ffn_config.ffn_hidden_size=64"]),
-    "mpt-125m.yaml": ("scratch", []),
-    "mpt-350m.yaml": ("scratch", []),
-    "mpt-760m.yaml": ("scratch", []),
-    "mpt-1b.yaml": ("scratch", []),
-    "mpt-3b.yaml": ("scratch", []),
-    "mpt-7b.yaml": ("scratch", []),
-}
 # Recipes run on 2 ranks, in their own configuration, by another test.
 ELSEWHERE = {"quickstart.yaml": "tests/test_concurrent_datasets.py (composer -n 2, 6 batches)",
              # a one-GPU recipe (no sharding to run on 2 ranks): trained as it ships on one
@@ -90,42 +61,6 @@ def test_every_recipe_is_covered():
     assert not gone, gone
 
 
-def tiny_llama(shape: str, out: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random Llama of ``shape``'s release (its config.json with the sizes swapped),
-    saved in bf16 safetensors with the quickstart tokenizer."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    config = json.loads((SHAPES / shape / "config.json").read_text())
-    config = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg = LlamaConfig(**{**config, **TINY_LLAMA, "bos_token_id": tok.bos_token_id,
-                         "eos_token_id": tok.eos_token_id})
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
-    saved = json.loads((out / "config.json").read_text())
-    assert saved.get("torch_dtype", saved.get("dtype")) == "bfloat16"
-    return out
-
-
-def tiny_mpt_export(out: Path, tokenizer_dir: Path) -> Path:
-    """A tiny foundryx MPT (Llama-style) saved in bf16 safetensors, as `foundryx export` does."""
-    from transformers import AutoTokenizer
-
-    from foundryx.models.mpt.configuration import MPTConfig
-    from foundryx.models.mpt.modeling import MPTForCausalLM
-
-    torch.manual_seed(0)
-    model = MPTForCausalLM(MPTConfig(
-        d_model=32, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=1024, no_bias=True,
-        attn_config={"rope": True, "kv_n_heads": 2}, norm_type="rmsnorm",
-        ffn_config={"ffn_type": "swiglu"})).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def models(quickstart_data, tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("recipe_models")
@@ -134,17 +69,6 @@ def models(quickstart_data, tmp_path_factory) -> dict[str, Path]:
                                                    "llama-3.1-405b")}
     out["mpt"] = tiny_mpt_export(tmp / "mpt", tok)
     return out
-
-
-def overrides(recipe: str, models: dict[str, Path], data: Path) -> list[str]:
-    family, extra = RECIPES[recipe]
-    if family == "scratch":
-        model = [f"variables.data_local={data}/mds", f"variables.tokenizer_name={data}/tokenizer",
-                 "variables.max_seq_len=128", "eval_loader.dataset.split=val", *TINY_MPT]
-    else:
-        model = [f"variables.model_path={models[family]}", f"variables.data_root={data}",
-                 "variables.max_seq_len=128"]
-    return [*model, *extra, *SIZES]
 
 
 def launch(recipe: str, args: list[str], out: Path) -> tuple[int, str]:

@@ -12,13 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import flagship_estimate, op_census
+from benchmarks.instruments import fake_step
+from benchmarks.instruments.step_memory import CATEGORIES, CategoryTracker
 
-import fake_step  # noqa: E402
-import flagship_estimate  # noqa: E402
-import op_census  # noqa: E402
-from step_memory import CATEGORIES, CategoryTracker  # noqa: E402
+ROOT = Path(__file__).parents[1]
 
 TINY = ROOT / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
 
@@ -219,8 +217,8 @@ def test_the_commands_docs_planning_shows_run_as_written_at_a_tiny_size(tmp_path
     section = text.split("### A step's device memory and time, predicted on a CPU", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
-    assert [c[1] for c in commands] == ["benchmarks/flagship_estimate.py",
-                                        "benchmarks/op_census.py", "benchmarks/op_census.py"]
+    assert [c[1:3] for c in commands] == [["-m", "benchmarks.flagship_estimate"],
+                                          ["-m", "benchmarks.op_census"], ["-m", "benchmarks.op_census"]]
     for argv in commands:
         argv = [sys.executable if a == "python" else a for a in argv]
         argv = [str(TINY) if a == "yamls/shapes/llama-3.1-8b" else a for a in argv]

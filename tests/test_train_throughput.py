@@ -7,14 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from bench_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tp():
-    return load_benchmark("train_throughput")
+    from benchmarks import train_throughput  # imports Composer and foundryx's training
+
+    return train_throughput
 
 
 def test_the_mfu_table_cases_are_valid_run_configs(tp, monkeypatch, tmp_path):

@@ -1,7 +1,7 @@
 """One ICL eval on the GPU and on the CPU, in one process: the same scores (issue 36).
 
-    python benchmarks/gpu_runbook/icl.py --out icl.md                # CPU, then the GPU
-    python benchmarks/gpu_runbook/icl.py --devices cpu cpu --out x.md  # no GPU: the check itself
+    python -m benchmarks.gpu_runbook.icl --out icl.md                # CPU, then the GPU
+    python -m benchmarks.gpu_runbook.icl --devices cpu cpu --out x.md  # no GPU: the check itself
 
 The model: a tiny random Llama (hidden 64, 2 layers, initializer_range 0.2 so that its choices'
 losses are far apart: a random model's near-ties would make the comparison a coin toss on

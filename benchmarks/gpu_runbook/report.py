@@ -1,12 +1,12 @@
 """Helpers of benchmarks/gpu_runbook.sh: dependency probe, environment and result tables.
 
-    python benchmarks/gpu_runbook/report.py probe               # exit 1, naming what is missing
+    python -m benchmarks.gpu_runbook.report probe               # exit 1, naming what is missing
                                                                 # or of a version foundryx refuses
-    python benchmarks/gpu_runbook/report.py sites               # this Python's site-packages
-    VENV/bin/python benchmarks/gpu_runbook/report.py machine-pth DIR...  # VENV sees DIR's packages
-    python benchmarks/gpu_runbook/report.py env                 # the environment, markdown
-    python benchmarks/gpu_runbook/report.py junit FILE          # pytest pass/fail counts, markdown
-    python benchmarks/gpu_runbook/report.py throughput FILE...  # train_throughput.py JSON, table
+    python -m benchmarks.gpu_runbook.report sites               # this Python's site-packages
+    VENV/bin/python -m benchmarks.gpu_runbook.report machine-pth DIR...  # VENV sees DIR's packages
+    python -m benchmarks.gpu_runbook.report env                 # the environment, markdown
+    python -m benchmarks.gpu_runbook.report junit FILE          # pytest pass/fail counts, markdown
+    python -m benchmarks.gpu_runbook.report throughput FILE...  # train_throughput.py JSON, table
 
 Standard library only (torch for the GPU's description; ``packaging``, which transformers
 brings, for the version checks when it imports): it runs before the dependencies are installed.
@@ -18,12 +18,14 @@ import argparse
 import importlib
 import importlib.metadata as md
 import importlib.util
+import json
 import math
 import platform
 import re
 import site
 import subprocess
 import sys
+import urllib.parse
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -80,13 +82,26 @@ def missing() -> list[str]:
                 f" (does not import: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
             out.append(name + why)
     out += version_problems()
-    spec = importlib.util.find_spec("foundryx")  # sys.path has no checkout: the installed one
     names = {ep.name for ep in md.entry_points(group="foundryx_models")}
-    if spec is None or "mpt_causal_lm" not in names:
+    where = installed_from()  # not the import's: `python -m` puts the checkout first
+    if where is None or "mpt_causal_lm" not in names:
         out.append("foundryx (not pip-installed)")
-    elif not Path(spec.origin).resolve().is_relative_to(ROOT):
-        out.append(f"foundryx (installed from {Path(spec.origin).parent}, not this checkout)")
+    elif not where.resolve().is_relative_to(ROOT):
+        out.append(f"foundryx (installed from {where}, not this checkout)")
     return out
+
+
+def installed_from() -> Path | None:
+    """Where the installed foundryx distribution's code is: the folder an editable install
+    points to, else its installed package; None when it is not installed."""
+    try:
+        dist = md.distribution("foundryx")
+    except md.PackageNotFoundError:
+        return None
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable") and direct.get("url", "").startswith("file://"):
+        return Path(urllib.parse.unquote(urllib.parse.urlparse(direct["url"]).path))
+    return Path(dist.locate_file("foundryx"))
 
 
 PTH = "_foundryx_gpu_runbook_machine.pth"

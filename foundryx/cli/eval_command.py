@@ -5,17 +5,18 @@ from __future__ import annotations
 import argparse
 
 from foundryx.cli.common import is_rank_zero
+from foundryx.config.hardware import machine_problems
 from foundryx.errors import ConfigError
 from foundryx.eval.config import load_eval_config
 from foundryx.eval.task_config import SCORINGS
-from foundryx.runtime.devices import run_problems
+from foundryx.runtime.devices import this_machine
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Exit 0, or 1 when --compare-to finds a result short of the reference."""
     loaded = load_eval_config(args.config, args.overrides,  # before torch: mistakes answer fast
                               scoring=args.scoring)
-    cannot = run_problems({"device": loaded.cfg.device})  # (eval on a CPU runs in fp32)
+    cannot = machine_problems(this_machine(), loaded.cfg.device)  # (eval on a CPU runs in fp32)
     if cannot:
         raise ConfigError(cannot, source=str(args.config))
     from foundryx.eval.run import run_eval  # torch + Composer: only for an eval

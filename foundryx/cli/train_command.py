@@ -10,7 +10,7 @@ from foundryx.config.load import precheck
 from foundryx.errors import ConfigError, FoundryxError
 from foundryx.eval.config import run_config_icl_problems
 from foundryx.runtime import preempt
-from foundryx.runtime.devices import run_problems
+from foundryx.runtime.devices import this_machine
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -22,7 +22,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # Before torch: the config's mistakes in a fraction of a second. A dry run lists what this
     # machine cannot run after its plan (a GPU recipe checked on a laptop still shows one).
     precheck(args.config, args.overrides,
-             checks=(run_config_icl_problems,) + (() if args.dry_run else (run_problems, path_problems)))
+             checks=(run_config_icl_problems,) + (() if args.dry_run else (path_problems,)),
+             machine=None if args.dry_run else this_machine())
     if not args.dry_run:  # a signal from here: one line and exit 75 (foundryx.runtime.preempt)
         preempt.take_over()
     with preempt.kept():  # Composer's import sets its own SIGTERM handler (exit 143 at once)

@@ -14,7 +14,7 @@ from typing import Any
 from foundryx import registry
 from foundryx.config.components import options_parameter
 from foundryx.config.schema import COMPONENT_SECTIONS, NAMED_SECTIONS, TrainConfig
-from foundryx.config.types import describe
+from foundryx.config.types import describe, shown_fields
 from foundryx.errors import RegistryError
 
 
@@ -67,7 +67,7 @@ def config_help() -> str:
 def _dataclass_lines(cls: type, prefix: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     lines = []
-    for f in dataclasses.fields(cls):
+    for f in shown_fields(cls):
         tp = hints[f.name]
         nested = _nested(tp)
         doc = f.metadata.get("doc", "")

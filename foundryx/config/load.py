@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from foundryx.config.components import component_name_problems, component_problems
 from foundryx.config.deprecations import upgrade as upgrade_deprecated
 from foundryx.config.derived import Derived, derive, world_size_from_env
+from foundryx.config.hardware import MachineFacts, combination_problems, machine_problems
 from foundryx.config.schema import TrainConfig
 from foundryx.config.types import dataclass_problems, join
 from foundryx.config.yaml_errors import describe as describe_yaml_error
@@ -136,12 +137,16 @@ def read_resolved(path: Path, overrides: list[str] | None) -> tuple[dict[str, An
 
 def precheck(path: str | Path, overrides: list[str] | None = None,
              world_size: int | None = None, checks: Sequence[Check] = (),
-             component_sections: Collection[str] | None = None) -> dict[str, Any]:
+             component_sections: Collection[str] | None = None,
+             machine: MachineFacts | None = None) -> dict[str, Any]:
     """The checks of :func:`load_config` that need no component's code: the YAML, overrides,
-    variables, schema, registry names (not the components' options) and derived numbers, then
-    ``checks`` (e.g. the device and precision against this machine). Raise ConfigError with
-    every problem found; return the resolved data. A config that passes imports nothing
-    heavy, so it answers in a fraction of a second, and can still fail :func:`load_config`.
+    variables, schema, registry names (not the components' options), derived numbers and the
+    hardware settings' combinations, then ``checks`` (e.g. the data folders) and, with a
+    ``machine`` (:class:`foundryx.runtime.devices.Machine`), whether it can run the config's
+    ``device``, ``precision`` and ``float8`` (:mod:`foundryx.config.hardware`). Raise
+    ConfigError with every problem found; return the resolved data. A config that passes
+    imports nothing heavy, so it answers in a fraction of a second, and can still fail
+    :func:`load_config`.
 
     A config with mistakes of its own (keys, types, values, names) is also checked against
     each component's options (:func:`component_problems`, which loads the components' code:
@@ -151,15 +156,20 @@ def precheck(path: str | Path, overrides: list[str] | None = None,
     data, problems = read_resolved(path, overrides)
     problems += dataclass_problems(TrainConfig, data)
     problems += component_name_problems(data, component_sections)
+    cannot: list[str] = []  # what the machine cannot run: said without loading components
     if not problems:
         cfg = TrainConfig(**{k: v for k, v in data.items() if k != "variables"})
         problems += derive(cfg, world_size or world_size_from_env())[1]
+        problems += combination_problems(cfg)
+        if machine is not None:
+            cannot = machine_problems(machine, cfg.device, cfg.precision, cfg.float8.enabled)
     if problems:  # the components' options too (the names found unknown are said once)
         problems += [p for p in component_problems(data, component_sections)
                      if p not in problems]
     said = {p.split(":", 1)[0] for p in problems}
     for check in checks:  # a key the options check found wrong already is said once
         problems += [p for p in check(data) if p.split(":", 1)[0] not in said and p not in problems]
+    problems += [p for p in cannot if p not in problems]
     if problems:
         raise ConfigError(problems, source=str(path))
     return data
@@ -202,6 +212,7 @@ def load_config(
     data.pop("variables", None)
     cfg = TrainConfig(**data)
     derived, more = derive(cfg, world_size or world_size_from_env())
+    more += combination_problems(cfg)
     if more:
         raise ConfigError(more, source=str(path))
     return LoadedConfig(cfg=cfg, derived=derived, resolved=data, source=str(path))

@@ -160,13 +160,21 @@ def unsupported_problem(value: Any, meta: Mapping[str, Any], path: str) -> str |
     return None if reason is None else f"{path}: {value!r} is not supported: {reason}"
 
 
+def shown_fields(cls: type) -> list[dataclasses.Field]:
+    """The fields of the dataclass ``cls`` in the order a person reads them: its own, then
+    those it inherits (e.g. a model section's shared LoRA fields after its own options)."""
+    own = vars(cls).get("__annotations__", {})
+    every = dataclasses.fields(cls)
+    return [f for f in every if f.name in own] + [f for f in every if f.name not in own]
+
+
 def dataclass_problems(cls: type, data: Mapping[str, Any], path: str = "",
                        owner: str | None = None) -> list[str]:
     """Every problem of ``data`` against the dataclass ``cls``: unknown, missing, mistyped
     and out-of-range keys, then the rules of ``cls.problems()`` when the fields are valid.
     ``owner`` names the component in unknown-key messages (e.g. ``the 'text' dataloader``)."""
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in shown_fields(cls)}
     problems: list[str] = []
     for key, value in data.items():
         where = join(path, key)

@@ -18,7 +18,7 @@ from foundryx.eval.models import EvalModels
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model, read_tasks
-from foundryx.runtime.device_choice import pick_device
+from foundryx.runtime.device_choice import composer_name, pick_device
 from foundryx.runtime.log_setup import setup_logging
 from foundryx.runtime.process_groups import with_host_collectives
 
@@ -109,7 +109,8 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     setup_logging(cfg.python_log_level)
     for line in loaded.notes:
         log.info("%s", line)
-    device = with_host_collectives(get_device(pick_device(cfg.device)), dist.get_world_size())
+    device = with_host_collectives(get_device(composer_name(pick_device(cfg.device, say=True))),
+                                   dist.get_world_size())
     note = precision_note(device.name, cfg.precision)
     if note:
         log.info(note)

@@ -10,7 +10,7 @@ set (``--full``: and fp16 too, i.e. every dtype and feature set of ``targets.py 
 prints, per (target, kernel, head dim), the best one that fits them all. It ranks with the Triton
 it runs on: the table must fit on both CI legs (3.3 and 3.8), so check the winner with the other
 venv too (``python -m foundryx.kernels.targets --set full``). A GPU benchmark
-(``benchmarks/attention.py --tune``) has the last word; this ranking only rules out what cannot
+(``python -m benchmarks.attention --tune``) has the last word; this ranking only rules out what cannot
 run well on the target at all.
 """
 

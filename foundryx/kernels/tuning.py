@@ -5,14 +5,14 @@ A configuration is a tile shape plus Triton launch options. Each kernel (``fwd``
 power of 2: <= 64, <= 128, <= 256). The starting points came from the Triton tutorial (NVIDIA)
 and ROCm's perf-kernels (AMD); each row was then checked, and where needed replaced, by
 compiling it ahead of time for its target (``python -m foundryx.kernels.targets``, ``python -m
-foundryx.kernels.search``). ``python benchmarks/attention.py --tune`` times :data:`CANDIDATES`
+foundryx.kernels.search``). ``python -m benchmarks.attention --tune`` times :data:`CANDIDATES`
 on the GPU at hand and prints the rows to paste here.
 
 :data:`BWD` chooses the backward per family and bucket: ``"split"`` runs ``bwd_dkdv`` and then
 ``bwd_dq`` (7 matmuls per tile pair, no atomics, deterministic), ``"atomic"`` runs
 ``bwd_atomic`` alone (FlashAttention-2's 5 matmuls, dQ added in float32 with atomics, in an
 order that varies run to run). Every row says ``"split"``, the backward measured so far, until
-a GPU measures both (``python benchmarks/attention.py --bwd split atomic``); with
+a GPU measures both (``python -m benchmarks.attention --bwd split atomic``); with
 ``torch.use_deterministic_algorithms(True)`` the backward is ``"split"`` whatever the row says.
 """
 
@@ -61,7 +61,7 @@ _AMD1 = {"waves_per_eu": 1}  # ... for 1 wave: up to 512 VGPRs, for the largest 
 # docs/attention.md). The bwd_atomic rows (issue 47) were chosen on paper only, as the tiles of
 # the largest arithmetic intensity that compile without spills with every feature on in bf16
 # (Triton 3.3; its extra dQ product leaves less room than bwd_dkdv: sm90's 32x32 tiles at head
-# dim 128 spill 188-292 B there); `benchmarks/attention.py --tune` has the last word on a GPU.
+# dim 128 spill 188-292 B there); `python -m benchmarks.attention --tune` has the last word on a GPU.
 TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
     # H100 / H200 (and other big-shared-memory NVIDIA GPUs: sm90, sm100)
     "sm90": {
@@ -109,7 +109,7 @@ TABLE: dict[str, dict[str, tuple[KernelConfig, KernelConfig, KernelConfig]]] = {
 
 # family -> backward per head-dim bucket (<= 64, <= 128, <= 256): "split" (bwd_dkdv + bwd_dq)
 # or "atomic" (bwd_atomic). "split" everywhere: it is what every GPU figure so far measured, and
-# "atomic" has not run on a GPU yet; a row changes only when `python benchmarks/attention.py
+# "atomic" has not run on a GPU yet; a row changes only when `python -m benchmarks.attention
 # --bwd split atomic` has timed both on that family (issue 47), so users see no change before.
 BWD: dict[str, tuple[str, str, str]] = {
     "sm90": ("split", "split", "split"),
@@ -120,7 +120,7 @@ BWD: dict[str, tuple[str, str, str]] = {
     "interpreter": ("split", "split", "split"),
 }
 
-# What `benchmarks/attention.py --tune` tries, per kernel (tiles that do not fit are skipped).
+# What `python -m benchmarks.attention --tune` tries, per kernel (tiles that do not fit are skipped).
 CANDIDATES: dict[str, list[KernelConfig]] = {
     "fwd": [
         C(bm, bn, w, s)

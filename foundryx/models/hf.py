@@ -38,9 +38,8 @@ from foundryx.models.hf_attention import (
 )
 from foundryx.models.hf_source import apply_overrides, config_from_dict, override_problems
 from foundryx.models.hf_tp import hf_cp_plan, hf_tp_plan
-from foundryx.models.layers.loss import linear_cross_entropy
-from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
-from foundryx.models.peft.options import LoraOptions
+from foundryx.models.layers.loss import DEFAULT_CHUNKS, linear_cross_entropy
+from foundryx.models.peft.lora_fields import LoraFields
 from foundryx.runtime.hf_compat import newer_transformers_hint
 from foundryx.runtime.hub import looks_like_path, nearest_folder, resolve_source
 
@@ -53,7 +52,7 @@ FUSABLE = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"})
 
 
 @dataclass
-class HFCausalLMOptions:
+class HFCausalLMOptions(LoraFields):
     """The ``hf_causal_lm`` model section."""
 
     pretrained_model_name_or_path: str | None = option(
@@ -76,16 +75,6 @@ class HFCausalLMOptions:
         "meta", default="cpu")
     allow_embedding_resizing: bool = option("grow the embeddings when the tokenizer is larger",
                                             default=False)
-    peft_config: LoraOptions | None = option(
-        "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
-        "the built model from outside", default=None)
-    pretrained_lora_id_or_path: str | None = option(
-        "a PEFT LoRA adapter folder to start from (adapter_config.json + "
-        "adapter_model.safetensors); checked against peft_config, or peft_config is taken "
-        "from it when absent (docs/finetuning.md)", default=None)
-    frozen_base: FrozenBaseOptions | None = option(
-        "with peft_config: store the frozen linear weights as nf4, fp8, int8 or bf16 and "
-        "offload a share of them to host memory (docs/finetuning.md)", default=None)
     fused_loss: bool | None = option(
         "a training step takes the loss chunk by chunk from the last hidden states and the "
         "output projection, never holding the tokens x vocab logits (null: on for the model "
@@ -95,7 +84,7 @@ class HFCausalLMOptions:
     def problems(self) -> list[str]:
         """Combinations, and the config of a local folder or dict (no weights are read)."""
         path, config = self.pretrained_model_name_or_path, self.config
-        p = frozen_base_problems(self.peft_config, self.frozen_base)
+        p = self.lora_problems()
         if (path is None) == (config is None):
             p.append("pretrained_model_name_or_path: give exactly one of "
                      "pretrained_model_name_or_path (a folder or hub name) and config (a dict "
@@ -359,13 +348,15 @@ def block_classes(model: nn.Module) -> tuple[type, ...]:
 def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tensor,
                  shifted: bool = False) -> torch.Tensor:
     """The next-token loss of a Hugging Face causal LM from its decoder's last hidden states,
-    fused with the output projection (``linear_cross_entropy``): no logits are made.
-    ``shifted``: ``labels`` are already each position's target (a context-parallel shard's)."""
+    fused with the output projection (``linear_cross_entropy``, in the model's
+    ``foundryx_loss_chunks``): no logits are made. ``shifted``: ``labels`` are already each
+    position's target (a context-parallel shard's)."""
     hidden = model.get_decoder()(**inputs).last_hidden_state
     weight = model.get_output_embeddings().weight
     if shifted:
-        return linear_cross_entropy(hidden, weight, labels)
-    return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:])
+        return linear_cross_entropy(hidden, weight, labels, chunks=model.foundryx_loss_chunks)
+    return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:],
+                                chunks=model.foundryx_loss_chunks)
 
 
 def attach_parallel_hooks(model: nn.Module) -> None:
@@ -387,6 +378,7 @@ def attach_parallel_hooks(model: nn.Module) -> None:
     # the fused loss reads the head's weight outside the head's forward: a forward method of
     # the model, which FSDP2 gathers the model's own (top-level) weights for, as for forward
     model.foundryx_decoder_loss = partial(decoder_loss, model)
+    model.foundryx_loss_chunks = DEFAULT_CHUNKS  # its chunk sizes (layers.loss.LossChunks)
     model.foundryx_forward_methods = ("foundryx_decoder_loss",)
 
 

@@ -6,8 +6,9 @@ backward ones) run in float8 (e4m3) on the GPU's FP8 tensor cores with dynamic s
 tensor (``tensorwise``) or per row (``rowwise``: finer scales, closer to bf16, a little slower);
 the weights, gradients and optimizer state stay in their usual dtypes. Layers whose dimensions
 are not multiples of 16 (float8 GEMMs need them) and the layers named in ``float8.skip``
-(default: the output head) keep their precision. Whether the GPU has FP8 tensor cores is checked
-with the rest of the config, before anything is built (:func:`foundryx.runtime.devices.float8_problems`).
+(default: the output head) keep their precision. Whether the GPU has FP8 tensor cores, and
+what float8 cannot go with (amp_fp8, LoRA, tensor parallelism), is checked with the rest of the
+config, before anything is built (:mod:`foundryx.config.hardware`).
 """
 
 from __future__ import annotations

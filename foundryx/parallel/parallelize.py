@@ -64,14 +64,9 @@ from foundryx.parallel.wrappers import (
     compile_problem,
     route_linear,
 )
+from foundryx.runtime.device_choice import pick_device
 
 log = logging.getLogger(__name__)
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def resolve_compile(compile: CompileConfig, device: torch.device, has_blocks: bool) -> bool:
@@ -124,7 +119,7 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
     """Tiled MLPs (``tiling``, None: off; ``auto`` decided for ``microbatch_tokens``),
     activation checkpointing, activation offload and compile; returns summary phrases."""
     block_list = blocks(model)
-    device = device or default_device()
+    device = device or pick_device()
     compile_on = resolve_compile(compile, device, bool(block_list))
     summary = []
     if tiling is not None:
@@ -228,7 +223,7 @@ def parallelize(
     there is more than one process (an initialised process group). Meta-device parameters are
     materialised afterwards, on ``device`` (default: the current CUDA device, else CPU).
     """
-    device = device or default_device()
+    device = device or pick_device()
     world = dist.world_size()
     mode = mat.init_mode(model)
     full = mat.full_state_on_rank0(model) if mode == "rank0" else {}

@@ -5,7 +5,7 @@ plan's ``vocab["readers"]``, and tensor parallelism replaces them on the model w
 below. The model's own code stays single-device; the collectives are here.
 
 - :func:`split_loss`: a fused loss called as ``fn(h, weight, labels, scale, chunk=None,
-  vocab=None)`` gets this rank's rows of the weight and a :class:`RowReductions` (which rows
+  vocab=None, **options)`` (options such as ``chunks`` passed on as given) gets this rank's rows of the weight and a :class:`RowReductions` (which rows
   they are, and the all-reduces that combine the ranks' partial maxima and sums). No rank holds
   whole logits.
 - :func:`gathered_logits`: logits ``fn(h, weight, scale)`` projected on each rank's rows and
@@ -57,12 +57,12 @@ def split_loss(fn: Any) -> Any:
     """``fn`` (see the module's docstring) run vocabulary-parallel on a row-split weight."""
 
     def loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-             scale: float | None = None, chunk: int | None = None) -> torch.Tensor:
+             scale: float | None = None, chunk: int | None = None, **options: Any) -> torch.Tensor:
         split = row_split(weight)
         if split is None:
-            return fn(h, weight, labels, scale, chunk)
+            return fn(h, weight, labels, scale, chunk, **options)
         # to_local is differentiable: the rows' gradient becomes the DTensor's again
-        return fn(h, weight.to_local(), labels, scale, chunk, vocab=split)
+        return fn(h, weight.to_local(), labels, scale, chunk, vocab=split, **options)
 
     return loss
 

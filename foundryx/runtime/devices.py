@@ -1,6 +1,10 @@
 """What a device can do: peak dense FLOP/s of accelerators (the one table foundryx reads: the
-speed monitor's MFU, the planner), and whether this machine can run a config's ``device`` and
-``precision`` (:func:`run_problems`, checked up front with the rest of the config).
+speed monitor's MFU, the planner), this machine's GPUs and what they can do (:class:`Machine`:
+bf16, FP8 tensor cores, TransformerEngine), and which float8 dtype a GPU multiplies
+(:func:`fp8_gemm_dtype`). Capability only: which config settings a machine can run (``device``,
+``precision``, ``float8``) are config rules, :mod:`foundryx.config.hardware`, which the entry
+points hand a :class:`Machine`; the device a run uses is picked in
+:mod:`foundryx.runtime.device_choice`.
 
     >>> peak_flops("NVIDIA H100 80GB HBM3", "bf16")
     989000000000000.0
@@ -136,7 +140,7 @@ def why_no_peak(device_name: str, dtype: str) -> str:
     return f"peak FLOP/s of {device_name!r}: {device.key} has no {key} peak in its datasheet; {fix}"
 
 
-# -- can this machine run a config's device and precision? -------------------------------------
+# -- this machine's GPUs and what they can do ------------------------------------------------
 @dataclass(frozen=True)
 class Machine:
     """This machine's GPUs as far as they are known: ``gpus`` 0 (none, ``why_none`` says how
@@ -150,6 +154,30 @@ class Machine:
     capability: tuple[int, int] | None = None
     arch: str | None = None
     hip: str | None = None
+
+    def bf16(self) -> bool | None:
+        """Whether the GPU multiplies bf16 on tensor cores (NVIDIA compute capability 8.0,
+        Ampere, or newer); None when not known (no torch yet, or ROCm: torch decides)."""
+        return None if self.capability is None else tuple(self.capability) >= (8, 0)
+
+    def fp8_tensor_cores(self) -> bool | None:
+        """Whether the GPU has FP8 tensor cores (:func:`fp8_gemm_dtype`, the one rule); None
+        when not known (no torch yet)."""
+        if self.capability is None and self.arch is None:
+            return None
+        return fp8_gemm_dtype(self.capability, self.arch, self.hip) is not None
+
+    def transformer_engine(self) -> bool:
+        """Whether NVIDIA TransformerEngine (Composer's ``amp_fp8``) is installed."""
+        return importlib.util.find_spec("transformer_engine") is not None
+
+    def words(self) -> str:
+        """The GPU's generation in words: "compute capability 8.0", "gfx90a, ROCm 6.4.1"."""
+        if self.capability is not None:
+            return f"compute capability {self.capability[0]}.{self.capability[1]}"
+        if self.arch is not None:
+            return f"{self.arch.split(':')[0]}, ROCm {self.hip}"
+        return "not known without torch"
 
 
 def machine_without_torch() -> Machine:
@@ -194,89 +222,6 @@ def this_machine() -> Machine:
     return machine_from_torch() if "torch" in sys.modules else machine_without_torch()
 
 
-# What a CPU run computes in: fp32, and amp_bf16 as foundryx runs it there (Composer 0.32 refuses
-# every precision but fp32 on a CPU; foundryx gives it fp32 and autocasts to bf16 itself:
-# foundryx.callbacks.cpu_autocast). fp16 and fp8 compute need a GPU.
-CPU_PRECISIONS = ("fp32", "amp_bf16")
-
-
-def run_problems(data: dict[str, Any], machine: Machine | None = None) -> list[str]:
-    """One line per setting of a resolved run config (``device``, ``precision``) that
-    ``machine`` (default: :func:`this_machine`) cannot run, naming what it has and what to set
-    instead. A setting it may be able to run, as far as is known, is no problem."""
-    device, precision = data.get("device"), data.get("precision", "fp32")
-    if device not in (None, "cpu", "gpu") or not isinstance(precision, str):
-        return []  # a schema problem, reported as such
-    m = machine or this_machine()
-    if device == "gpu" and m.gpus == 0:
-        also = ("" if precision in CPU_PRECISIONS
-                else f" and precision=amp_bf16 or fp32 ({precision} needs a GPU)")
-        return [f"device: 'gpu' cannot run here: this machine has no GPU that torch can use "
-                f"({m.why_none}). Fix: set device=cpu{also}, or run on a machine with a GPU"]
-    on_cpu = device == "cpu" or (device is None and m.gpus == 0)
-    if on_cpu and precision not in CPU_PRECISIONS:
-        where = ("the config sets device: cpu" if device == "cpu"
-                 else f"this run is on the CPU: no device is set and this machine has no GPU "
-                      f"({m.why_none})")
-        return [f"precision: {precision!r} cannot run here: a CPU computes in fp32 or, under "
-                f"autocast, bf16 (amp_bf16), and {where}. Fix: set precision=amp_bf16 or fp32"
-                + (", or device=gpu on a machine with a GPU" if device == "cpu" else "")]
-    if precision == "amp_fp8":
-        return fp8_problems(m) or float8_problems(data, m)
-    if precision == "amp_bf16" and m.capability is not None and m.capability < (8, 0):
-        return [f"precision: 'amp_bf16' cannot run here: bf16 needs an NVIDIA GPU of compute "
-                f"capability 8.0 (Ampere) or newer, and this machine's {m.name} is "
-                f"{m.capability[0]}.{m.capability[1]}. Fix: set precision=amp_fp16"]
-    return float8_problems(data, m)
-
-
-FLOAT8_GPUS = ("NVIDIA compute capability 8.9 or newer (Ada, Hopper, Blackwell) or AMD MI300 "
-               "(gfx942) or newer")
-
-
-def float8_problems(data: dict[str, Any], m: Machine) -> list[str]:
-    """``float8.enabled`` (torchao's float8 training) where ``m`` cannot run it: on the CPU, on
-    a GPU without FP8 tensor cores (:func:`fp8_gemm_dtype`), or beside ``amp_fp8``. A GPU not
-    yet known (no torch imported) is no problem here; the run checks again with torch."""
-    section = data.get("float8")
-    enabled = (section.get("enabled") if isinstance(section, dict)
-               else getattr(section, "enabled", False))
-    if enabled is not True:
-        return []
-    if data.get("precision") == "amp_fp8":
-        return ["float8.enabled: true with precision: 'amp_fp8': two float8 trainings "
-                "(torchao's and TransformerEngine's). Fix: set precision=amp_bf16 (float8 then "
-                "runs the linear layers' matmuls in float8)"]
-    model = data.get("model") if isinstance(data.get("model"), dict) else {}
-    if model.get("peft_config") or model.get("frozen_base"):
-        return ["float8.enabled: true with LoRA (model.peft_config / frozen_base): float8 "
-                "training is for pretraining every linear layer. Fix: drop float8 (a "
-                "low-precision frozen base is model.frozen_base.dtype: fp8)"]
-    parallelism = data.get("parallelism")
-    tp = getattr(parallelism, "tp", None) or (parallelism.get("tp") if isinstance(parallelism, dict) else None)
-    if isinstance(tp, int) and tp > 1:
-        return [f"float8.enabled: true with parallelism.tp: {tp}: foundryx applies float8 to "
-                "data-parallel (FSDP2) runs only. Fix: set parallelism.tp=1, or drop float8"]
-    device = data.get("device")
-    if device == "cpu" or (device is None and m.gpus == 0):
-        where = ("the config sets device: cpu" if device == "cpu"
-                 else f"this machine has no GPU ({m.why_none})")
-        return [f"float8.enabled: true cannot run on the CPU: torchao's float8 training multiplies "
-                f"on FP8 tensor cores ({FLOAT8_GPUS}), and {where}. Fix: set float8.enabled=false, "
-                "or run on such a GPU"]
-    if m.capability is not None:
-        has, what = fp8_gemm_dtype(m.capability), f"compute capability {m.capability[0]}.{m.capability[1]}"
-    elif m.arch is not None:
-        has, what = fp8_gemm_dtype(arch=m.arch, hip=m.hip), f"{m.arch.split(':')[0]}, ROCm {m.hip}"
-    else:
-        return []
-    if has is None:
-        return [f"float8.enabled: true cannot run here: this machine's GPU, {m.name} ({what}), "
-                f"has no FP8 tensor cores; float8 training needs {FLOAT8_GPUS}. Fix: set "
-                "float8.enabled=false (train in bf16: precision=amp_bf16)"]
-    return []
-
-
 # -- FP8 tensor cores: the one rule -------------------------------------------------------------
 # NVIDIA: compute capability 8.9 (Ada) and newer (Hopper 9.0, Blackwell 10.x/12.x) multiply
 # float8 e4m3 (OCP); Ampere (A100, 8.0) has no FP8. AMD: gfx942 (MI300X/MI325X, CDNA3) multiplies
@@ -293,7 +238,7 @@ def fp8_gemm_dtype(capability: tuple[int, int] | None = None, arch: str | None =
     """The float8 dtype (torch's name) the FP8 tensor cores of a GPU multiply, or None when it
     has none: an NVIDIA GPU of compute ``capability`` (major, minor), or an AMD GPU whose
     ``gcnArchName`` is ``arch`` under ROCm version ``hip`` ("6.4.1"). The one rule for FP8
-    GEMMs (``frozen_base: fp8``'s, and ``amp_fp8``'s capability check).
+    GEMMs (``frozen_base: fp8``'s, ``float8``'s and ``amp_fp8``'s capability checks).
 
         >>> fp8_gemm_dtype((9, 0)), fp8_gemm_dtype((8, 0))
         ('float8_e4m3fn', None)
@@ -326,16 +271,3 @@ def device_fp8_gemm(device: Any) -> tuple[str | None, str]:
                 f"{props.name} ({arch.split(':')[0]}, ROCm {torch.version.hip})")
     capability = (props.major, props.minor)
     return fp8_gemm_dtype(capability), f"{props.name} (sm{props.major}{props.minor})"
-
-
-def fp8_problems(m: Machine) -> list[str]:
-    """Composer's ``amp_fp8`` runs through NVIDIA TransformerEngine on compute capability 8.9+."""
-    if importlib.util.find_spec("transformer_engine") is None:
-        return ["precision: 'amp_fp8' cannot run here: Composer's fp8 needs NVIDIA "
-                "TransformerEngine, which is not installed. Fix: set precision=amp_bf16, or "
-                "install transformer-engine on a GPU of compute capability 8.9 or newer"]
-    if m.capability is not None and fp8_gemm_dtype(m.capability) is None:
-        return [f"precision: 'amp_fp8' cannot run here: fp8 needs an NVIDIA GPU of compute "
-                f"capability 8.9 (Ada, Hopper) or newer, and this machine's {m.name} is "
-                f"{m.capability[0]}.{m.capability[1]}. Fix: set precision=amp_bf16"]
-    return []

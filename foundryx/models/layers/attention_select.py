@@ -228,8 +228,8 @@ def table_choice(case: Case, device: str, rows: list[dict[str, Any]],
         return unmeasured_choice(runs, dense)
     if not mine:
         return "torch", (f"the attention table (foundryx/models/layers/attention_table.py) has no "
-                         f"row for this device ({device}); SDPA, without measuring (benchmarks/"
-                         f"attention.py --table measures rows for it)")
+                         f"row for this device ({device}); SDPA, without measuring (python -m "
+                         f"benchmarks.attention --table measures rows for it)")
     same = [r for r in mine if r["mask"] == case.mask and r["causal"] == case.causal]
     if not same:
         return "torch", (f"the attention table has rows for {device} but none for {case.words()}; "

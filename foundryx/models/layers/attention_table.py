@@ -9,8 +9,8 @@ measured at, and TFLOP/s of each implementation, forward + backward (``train``) 
 alone (``fwd``), counted as benchmarks/attention.py counts them (attended pairs only). ``source``
 says where the figures came from.
 
-``python benchmarks/attention.py --table rows.json`` measures the rows of the GPU at hand;
-``python benchmarks/attention.py --apply-table rows.json`` replaces that device's rows below
+``python -m benchmarks.attention --table rows.json`` measures the rows of the GPU at hand;
+``python -m benchmarks.attention --apply-table rows.json`` replaces that device's rows below
 (between the BEGIN/END lines, which the script rewrites; no GPU needed for that).
 """
 

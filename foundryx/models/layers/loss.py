@@ -21,6 +21,7 @@ and the input's gradient once at the end. Each rank holds one chunk of its 1/N o
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -36,8 +37,18 @@ IGNORE_INDEX = -100
 # CPU small enough to stay in its caches through the
 # in-place passes over them (16 MB measured 1.5% faster per training step than 64 MB for
 # vocabulary 8192 on the 2-core benchmark VM, benchmarks/RESULTS.md)
-CHUNK_LOGIT_BYTES = 256 * 2**20
-CPU_CHUNK_LOGIT_BYTES = 16 * 2**20
+@dataclass(frozen=True)
+class LossChunks:
+    """Bytes of one chunk's fp32 logits, on a GPU and on a CPU (the reasons above): an option
+    of the model that calls the fused loss (``MPTForCausalLM.loss_chunks``, a Hugging Face
+    model's ``foundryx_loss_chunks``), default :data:`DEFAULT_CHUNKS`. The CPU instruments
+    give a CPU model the GPU's (benchmarks/instruments/fake_step.py)."""
+
+    gpu: int = 256 * 2**20
+    cpu: int = 16 * 2**20
+
+
+DEFAULT_CHUNKS = LossChunks()
 
 
 class VocabShard(Protocol):
@@ -59,10 +70,11 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def chunk_tokens(vocab_size: int, device: str = "cuda") -> int:
-    """Tokens per chunk so that a chunk's fp32 logits take about ``CHUNK_LOGIT_BYTES``
-    (``CPU_CHUNK_LOGIT_BYTES`` on ``device`` "cpu")."""
-    budget = CPU_CHUNK_LOGIT_BYTES if device == "cpu" else CHUNK_LOGIT_BYTES
+def chunk_tokens(vocab_size: int, device: str = "cuda",
+                 chunks: LossChunks = DEFAULT_CHUNKS) -> int:
+    """Tokens per chunk so that a chunk's fp32 logits take about ``chunks.gpu`` bytes
+    (``chunks.cpu`` on ``device`` "cpu")."""
+    budget = chunks.cpu if device == "cpu" else chunks.gpu
     return max(64, budget // (4 * vocab_size))
 
 
@@ -73,14 +85,16 @@ def linear_cross_entropy(
     scale: float | None = None,
     chunk: int | None = None,
     vocab: VocabShard | None = None,
+    chunks: LossChunks = DEFAULT_CHUNKS,
 ) -> torch.Tensor:
     """Token-mean cross entropy of ``(h @ weight.T) * scale`` against ``labels`` (-100:
     ignored), ``h`` (..., d) and ``labels`` (...) already aligned (shift before calling).
     Under autocast the projection runs in the autocast dtype and the softmax in fp32, as the
     unfused ``F.linear`` + ``F.cross_entropy`` would. With ``vocab``, ``weight`` is this
     rank's rows of a vocabulary split (see the module's docstring); ``h`` and ``labels`` are
-    then whole on every rank, and so is the loss."""
-    chunk = chunk or chunk_tokens(weight.shape[0], h.device.type)
+    then whole on every rank, and so is the loss. ``chunk``: tokens per chunk; default from
+    ``chunks`` (:func:`chunk_tokens`)."""
+    chunk = chunk or chunk_tokens(weight.shape[0], h.device.type, chunks)
     return _LinearCrossEntropy.apply(h, weight, labels, scale, chunk, vocab)
 
 

@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from foundryx import registry
 from foundryx.models.layers.head import output_logits
-from foundryx.models.layers.loss import causal_lm_loss, linear_cross_entropy
+from foundryx.models.layers.loss import DEFAULT_CHUNKS, causal_lm_loss, linear_cross_entropy
 from foundryx.models.layers.positions import alibi_slopes, apply_rope, rope_cos_sin, token_positions
 from foundryx.models.mpt.configuration import MPTConfig
 
@@ -329,6 +329,7 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
             )
         scale = config.logit_scale
         self.logit_scale = 1 / math.sqrt(config.d_model) if scale == "inv_sqrt_d_model" else scale
+        self.loss_chunks = DEFAULT_CHUNKS  # the fused loss's chunk sizes (layers.loss.LossChunks)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -374,7 +375,8 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
             loss = self.fused_loss(h, weight, shift_labels, self.logit_scale)
             return CausalLMOutputWithPast(loss=loss, logits=None)
         if labels is not None and not return_logits:
-            loss = self.fused_loss(h[:, :-1], weight, labels[:, 1:], self.logit_scale)
+            loss = self.fused_loss(h[:, :-1], weight, labels[:, 1:], self.logit_scale,
+                                   chunks=self.loss_chunks)
             return CausalLMOutputWithPast(loss=loss, logits=None)
         logits = self.project_logits(h, weight, self.logit_scale)
         loss = causal_lm_loss(logits, labels) if labels is not None else None

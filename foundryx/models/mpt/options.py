@@ -13,8 +13,7 @@ from typing import Literal
 import torch
 
 from foundryx.config.types import is_int, option
-from foundryx.models.peft.frozen_options import FrozenBaseOptions, frozen_base_problems
-from foundryx.models.peft.options import LoraOptions
+from foundryx.models.peft.lora_fields import LORA_FIELDS, LoraFields
 
 INIT_SCHEMES = ("kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_")
 InitScheme = Literal["kaiming_normal_", "kaiming_uniform_", "baseline_", "small_init_", "neox_init_"]
@@ -80,7 +79,7 @@ class InitConfig:
 
 
 @dataclass
-class MPTOptions:
+class MPTOptions(LoraFields):
     """The ``mpt_causal_lm`` model section (and the fields of an MPT ``config.json``)."""
 
     d_model: int = option("hidden size", default=2048, gt=0)
@@ -107,16 +106,6 @@ class MPTOptions:
     init_device: str = option("where to build the weights: cpu, meta (materialised after "
                               "sharding), ...", default="cpu",
                               check=(_is_device, "a torch device such as 'cpu' or 'meta'"))
-    peft_config: LoraOptions | None = option(
-        "LoRA adapters (PEFT's field names; docs/finetuning.md): only they train. Applied to "
-        "the built model from outside; not part of the MPT config.json", default=None)
-    pretrained_lora_id_or_path: str | None = option(
-        "a PEFT LoRA adapter folder to start from (adapter_config.json + "
-        "adapter_model.safetensors); checked against peft_config, or peft_config is taken "
-        "from it when absent (docs/finetuning.md)", default=None)
-    frozen_base: FrozenBaseOptions | None = option(
-        "with peft_config: store the frozen linear weights as nf4, fp8, int8 or bf16 and "
-        "offload a share of them to host memory (docs/finetuning.md)", default=None)
 
     @property
     def uses_sequence_id(self) -> bool:
@@ -145,10 +134,10 @@ class MPTOptions:
                      "set attn_pdrop: 0, or attn_impl torch or flash")
         if self.init_config.name == "baseline_" and self.init_config.init_std is None:
             p.append("init_config.init_std: baseline_ needs init_std; set it, e.g. 0.02")
-        return p + frozen_base_problems(self.peft_config, self.frozen_base)
+        return p + self.lora_problems()
 
 
 # Run options in the model section that are not MPT hyperparameters (not in MPTConfig).
-RUN_FIELDS = ("peft_config", "pretrained_lora_id_or_path", "frozen_base")
+RUN_FIELDS = LORA_FIELDS
 
 SUB_CONFIGS = {"attn_config": AttnConfig, "ffn_config": FFNConfig, "init_config": InitConfig}

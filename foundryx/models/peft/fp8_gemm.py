@@ -55,6 +55,7 @@ import torch
 
 from foundryx.kernels.fp8_rows_op import quantize_rows_eager, triton_missing
 from foundryx.models.peft.rowwise import MIN_SCALE
+from foundryx.runtime.device_choice import pick_device
 from foundryx.runtime.devices import device_fp8_gemm
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,7 @@ def choose(device: torch.device | None, layers: list[Any], tp: int = 1, gemm: st
     fp8 = [m for m in layers if m.storage == "fp8"]
     if not fp8:
         return None
-    if device is None:
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if torch.cuda.is_available() else torch.device("cpu"))
-    device = torch.device(device)
+    device = torch.device(device) if device is not None else pick_device()
     fits = [m for m in fp8 if supports(m.in_features, m.out_features)]
     dtype, why_not, where = None, None, device.type
     if gemm == "cast":

@@ -32,6 +32,7 @@ model's state dict (a LoRA checkpoint holds only the adapters).
 from __future__ import annotations
 
 import logging
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -62,18 +63,20 @@ def _nf4_tensor_type() -> type:
     return NF4Tensor
 
 
-def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, dtype: torch.dtype,
+               nf4_chunk: int | None = None) -> torch.Tensor:
     """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages,
-    allocating little more than that copy. A tensor-parallel weight (a DTensor) is dequantized
-    in its local part and stays a DTensor with the same placement."""
+    allocating little more than that copy (NF4: ``nf4_chunk`` blocks at a time, None: the
+    weight's device's, :data:`NF4_CHUNK_BLOCKS`). A tensor-parallel weight (a DTensor) is
+    dequantized in its local part and stays a DTensor with the same placement."""
     if isinstance(weight, DTensor):
-        return DTensor.from_local(dequantize(weight.to_local(), dtype), weight.device_mesh,
-                                  weight.placements, run_check=False, shape=weight.shape,
-                                  stride=weight.stride())
+        return DTensor.from_local(dequantize(weight.to_local(), dtype, nf4_chunk),
+                                  weight.device_mesh, weight.placements, run_check=False,
+                                  shape=weight.shape, stride=weight.stride())
     if isinstance(weight, RowScaledTensor):
         return weight.dequantize(dtype)
     if hasattr(weight, "quantized_scalers") and weight.is_contiguous():  # torchao's NF4Tensor
-        return nf4_dense(weight, dtype)
+        return nf4_dense(weight, dtype, nf4_chunk)
     return weight.to(dtype)  # NF4Tensor dequantizes on .to(dtype); bf16 casts
 
 
@@ -82,17 +85,20 @@ def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # the transient at a few MB. On a GPU each launch costs microseconds: with the CPU's chunks an
 # 8B model's NF4 step ran 12 s instead of 1.4 s (the first H100 run, benchmarks/RESULTS.md),
 # so there a chunk is 2^24 weights (at most 4 per layer of an 8B model; about 140 MB).
-NF4_CHUNK_BLOCKS = {"cpu": 4096, "gpu": (1 << 24) // 64}
+# A constant (read-only); a layer that decodes in other chunks says so itself
+# (LowPrecisionLinear.nf4_chunk, e.g. the CPU instruments' GPU chunks on a CPU).
+NF4_CHUNK_BLOCKS = MappingProxyType({"cpu": 4096, "gpu": (1 << 24) // 64})
 
 
-def nf4_dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def nf4_dense(weight: torch.Tensor, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
     """torchao's NF4 dequantization (``NF4Tensor.get_original_weight().to(dtype)``, the same
     values bit for bit) written into one preallocated ``dtype`` tensor a chunk of blocks at a
-    time (NF4_CHUNK_BLOCKS). torchao's decodes the whole weight at once through int64 indices
-    and several full-size float intermediates: about 5x a float32 copy of the weight at its
-    peak, the transient peak of every NF4 layer, forward and backward."""
+    time (``chunk`` blocks; None: NF4_CHUNK_BLOCKS of the weight's device). torchao's
+    decodes the whole weight at once through int64 indices and several full-size float
+    intermediates: about 5x a float32 copy of the weight at its peak, the transient peak of
+    every NF4 layer, forward and backward."""
     blocks = weight.numel() // weight.block_size
-    step = NF4_CHUNK_BLOCKS["cpu" if weight.device.type == "cpu" else "gpu"]
+    step = chunk or NF4_CHUNK_BLOCKS["cpu" if weight.device.type == "cpu" else "gpu"]
     scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
                                         weight.scaler_block_size)  # one per block (small)
     packed = weight.quantized_data.view(blocks, weight.block_size // 2)  # two codes a byte
@@ -177,7 +183,7 @@ class _FrozenLinearFn(torch.autograd.Function):
             # cast again to bf16 by autocast (two weight-sized copies a call; the op census)
             dtype = _compute_dtype(x)
             bias = None if layer.bias is None else layer.bias.to(dtype)
-            return F.linear(x, dequantize(w, dtype), bias)
+            return F.linear(x, dequantize(w, dtype, layer.nf4_chunk), bias)
         y = fp8_gemm.linear(x, w.qdata, w.scale, layer.fp8_gemm, _compute_dtype(x),
                             op=layer.fp8_quantize_op)
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
@@ -190,7 +196,7 @@ class _FrozenLinearFn(torch.autograd.Function):
         if ctx.fp8:
             return fp8_gemm.input_grad(grad, w.qdata, w.scale, ctx.layer.fp8_gemm,
                                        ctx.x_dtype, op=ctx.layer.fp8_quantize_op), None
-        return grad @ dequantize(w, grad.dtype), None
+        return grad @ dequantize(w, grad.dtype, ctx.layer.nf4_chunk), None
 
 
 class WeightSource(Protocol):
@@ -219,6 +225,7 @@ class LowPrecisionLinear(nn.Module):
         # the float8 dtype of this layer's FP8 GEMMs, None: dequantized (fp8_gemm.choose)
         self.fp8_gemm: torch.dtype | None = None
         self.fp8_quantize_op = False  # its rows quantized by one kernel (fp8_gemm.quantize)
+        self.nf4_chunk: int | None = None  # NF4 blocks decoded at a time; None: the device's
         if hasattr(linear, "_fused"):  # a fused layer's part sizes (LoRA slices, TP's row order)
             self._fused = linear._fused
 
@@ -231,7 +238,7 @@ class LowPrecisionLinear(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype, device: torch.device,
                      backward: bool = False) -> torch.Tensor:
-        return dequantize(self.stored_weight(device, backward), dtype)
+        return dequantize(self.stored_weight(device, backward), dtype, self.nf4_chunk)
 
     def tp_part(self, dim: int, start: int, stop: int) -> torch.Tensor:
         """Tensor parallelism's cut of the weight in its storage: rows ``[start, stop)``

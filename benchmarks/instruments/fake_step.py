@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "yamls/finetune/llama-8b-lora-fp8.yaml"
 SIDES = ("peer", "bf16", "fp8", "nf4", "fp8-offload0.5")
 # the FP8 base with its GEMMs on FP8 tensor cores (row-wise torch._scaled_mm), as an H100 runs
@@ -117,23 +117,32 @@ def flash_like_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 
 @contextlib.contextmanager
 def gpu_kernels() -> Iterator[None]:
-    """F.scaled_dot_product_attention served as a flash kernel (see the module doc), and NF4
-    weights and the fused loss's logits in the chunks a GPU takes them in."""
-    from foundryx.models.layers import loss
-    from foundryx.models.peft import frozen_base
-
+    """F.scaled_dot_product_attention served as a flash kernel (see the module doc); the
+    chunks of a model's NF4 decoding and fused loss are the model's options
+    (:func:`gpu_chunks`, which the builders here apply)."""
     real = torch.nn.functional.scaled_dot_product_attention
-    chunks = dict(frozen_base.NF4_CHUNK_BLOCKS)
-    cpu_logits = loss.CPU_CHUNK_LOGIT_BYTES
     torch.nn.functional.scaled_dot_product_attention = flash_like_sdpa
-    frozen_base.NF4_CHUNK_BLOCKS["cpu"] = chunks["gpu"]  # NF4 decoded in the GPU's chunks
-    loss.CPU_CHUNK_LOGIT_BYTES = loss.CHUNK_LOGIT_BYTES  # the fused loss in the GPU's chunks
     try:
         yield
     finally:
         torch.nn.functional.scaled_dot_product_attention = real
-        frozen_base.NF4_CHUNK_BLOCKS.update(chunks)
-        loss.CPU_CHUNK_LOGIT_BYTES = cpu_logits
+
+
+def gpu_chunks(model: nn.Module) -> None:
+    """``model``'s NF4 weights and fused loss in the chunks a GPU takes them in, though its
+    tensors are CPU tensors: each frozen layer's ``nf4_chunk`` and the loss's ``LossChunks``
+    (options of the model; foundryx's defaults size them by the tensors' device)."""
+    from foundryx.models.layers.loss import DEFAULT_CHUNKS, LossChunks
+    from foundryx.models.peft.frozen_base import NF4_CHUNK_BLOCKS, LowPrecisionLinear
+
+    as_gpu = LossChunks(gpu=DEFAULT_CHUNKS.gpu, cpu=DEFAULT_CHUNKS.gpu)
+    for m in model.modules():
+        if isinstance(m, LowPrecisionLinear):
+            m.nf4_chunk = NF4_CHUNK_BLOCKS["gpu"]
+        if hasattr(m, "loss_chunks"):  # foundryx's MPT
+            m.loss_chunks = as_gpu
+        if hasattr(m, "foundryx_loss_chunks"):  # a Hugging Face model's decoder loss
+            m.foundryx_loss_chunks = as_gpu
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,6 +227,7 @@ def build_foundryx(shape: Path, side: str, batch: int, seq: int,
         keep_dtype(model, lambda places: torch.bfloat16, cfg.parallelism, cfg.precision)
     model = builders.build_parallelism(cfg, model)  # materialised here: fake tensors
     fill_frozen(model)
+    gpu_chunks(model)
     opt = builders.build_optimizer(cfg, model)
     layers = [m for m in model.modules() if isinstance(m, LowPrecisionLinear)]
     frozen = {id(m.weight) for m in layers if m.weight is not None}
@@ -251,7 +261,7 @@ def fill_frozen(model: nn.Module) -> None:
 
 
 def _on_meta(t: torch.Tensor) -> bool:
-    from step_memory import inner_tensors
+    from benchmarks.instruments.step_memory import inner_tensors
 
     return t.device.type == "meta" or any(x.device.type == "meta" for x in inner_tensors(t)) \
         or any(getattr(t, n).device.type == "meta" for n in ("nf4",) if hasattr(t, n))
@@ -279,6 +289,7 @@ def build_mpt(recipe: Path, batch: int, seq: int) -> FakeStep:
     with unfaked():
         model = builders.build_model(cfg, tokenizer=None)
     model = builders.build_parallelism(cfg, model)
+    gpu_chunks(model)
     opt = builders.build_optimizer(cfg, model)
     vocab = model.model.config.vocab_size
 
