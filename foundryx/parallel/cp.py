@@ -61,6 +61,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from foundryx.errors import ConfigError
+from foundryx.parallel import tp_plan
 from foundryx.parallel.fsdp import mesh_shape
 
 log = logging.getLogger(__name__)
@@ -245,13 +246,7 @@ def register_hf_attention() -> None:
 def find_plan(model: nn.Module) -> tuple[str, nn.Module, dict[str, Any]] | None:
     """``(prefix, owner, plan)`` of the first owner (the model, then its direct children) that
     declares a context-parallel plan; None when none does."""
-    for name, owner in (("", model), *model.named_children()):
-        fn = getattr(owner, PLAN_HOOK, None)
-        if callable(fn):
-            plan = fn()
-            if plan is not None:
-                return (f"{name}." if name else ""), owner, plan
-    return None
+    return tp_plan.find_plan(model, hook=PLAN_HOOK)
 
 
 def plan_problems(model: nn.Module, cp: int, tp: int = 1) -> list[str]:

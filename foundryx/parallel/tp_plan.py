@@ -20,11 +20,13 @@ MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
                      "model")
 
 
-def find_plan(model: nn.Module) -> tuple[str, nn.Module, dict[str, Any]] | None:
+def find_plan(model: nn.Module,
+              hook: str = PLAN_HOOK) -> tuple[str, nn.Module, dict[str, Any]] | None:
     """``(prefix, owner, plan)`` of the first owner (the model, then its direct children)
-    that declares a plan; None when none does (or its plan is None)."""
+    that declares a plan through ``hook`` (the tensor-parallel plan's by default); None when
+    none does (or its plan is None)."""
     for name, owner in (("", model), *model.named_children()):
-        fn = getattr(owner, PLAN_HOOK, None)
+        fn = getattr(owner, hook, None)
         if callable(fn):
             plan = fn()
             if plan is not None:
