@@ -54,6 +54,7 @@ MODERN_LEG_SLOW_FILES = {
     "test_lora_second_run.py",
     "test_export_standard_use.py",
     "test_tp_docs.py",
+    "test_cp.py",
 }
 BOTH_LEGS_SLOW_FILES = {"test_hf_families.py"}
 PINNED_LEG_FILES = {"test_gpu_runbook.py"}
