@@ -244,7 +244,7 @@ def test_a_cpu_run_on_a_machine_with_a_gpu_pins_nothing_and_never_touches_cuda(m
     from types import SimpleNamespace
 
     from foundryx import builders
-    from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig
+    from foundryx.config.schema import ActivationCheckpointingConfig, CompileConfig, TilingConfig
 
     refused = NoCuda()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node, as far as asked
@@ -255,7 +255,8 @@ def test_a_cpu_run_on_a_machine_with_a_gpu_pins_nothing_and_never_touches_cuda(m
                "frozen_base": {"dtype": "int8", "offload_fraction": 1.0}}
     cfg = SimpleNamespace(model=section, device="cpu", parallelism=None, precision="fp32",
                           activation_checkpointing=ActivationCheckpointingConfig(cpu_offload=True),
-                          compile=CompileConfig(enabled=False), cpu_matmul=None, float8=None)
+                          compile=CompileConfig(enabled=False), cpu_matmul=None, float8=None,
+                          tiling=TilingConfig(), device_train_microbatch_size=1, max_seq_len=None)
     assert builders.pick_device(cfg.device) == torch.device("cpu")  # the one picker
     torch.manual_seed(0)
     model = builders.build_parallelism(cfg, builders.build_model(cfg, None))

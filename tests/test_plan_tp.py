@@ -86,10 +86,11 @@ def test_activations_with_and_without_sequence_parallel(census):
         return terms(census, _setup(**kw))["activations"]
 
     b, q, layers = 1, 64, 2
-    # transformers 5's Llama keeps no separate rotated q and k (d + kv) for the backward
-    rotated, rotated2 = (0, 0) if TRANSFORMERS_5 else (96, 32 + 16)
-    tp1 = 384 + 128 + rotated + 64 + 512  # 1184 (1088 on transformers 5)
-    inner2 = (32 + 2 * 16) + rotated2 + 32 + 256  # 400 (352): k, v are 16 wide per rank
+    # the rotated q and k (d + kv) on either transformers: 5 names RoPE's base in
+    # rope_parameters, which the census once missed (it counted a Llama without RoPE there)
+    rotated, rotated2 = 96, 32 + 16
+    tp1 = 384 + 128 + rotated + 64 + 512  # 1184
+    inner2 = (32 + 2 * 16) + rotated2 + 32 + 256  # 400: k, v are 16 wide per rank
     no_sp2 = 384 + inner2  # residual whole
     sp2 = 384 / 2 + 2 * 64 + inner2  # residual halved, the gathered norm outputs kept whole
     outside = 4 * 64 * 4  # embedding output and the final norm's three tensors

@@ -103,7 +103,9 @@ def _hf_model(opts: HFCausalLMOptions) -> tuple[nn.Module, Shape]:
     kv_heads = getattr(c, "num_key_value_heads", None) or n_heads
     ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * d_model
     gated = any("gate" in n for n in linear_modules(model))
-    rotary = getattr(c, "rope_theta", None) is not None or getattr(c, "rotary_dim", None) is not None
+    # RoPE: transformers 4 names rope_theta, transformers 5 holds it in rope_parameters
+    rotary = any(getattr(c, name, None) is not None
+                 for name in ("rope_theta", "rope_parameters", "rotary_dim"))
     impl = opts.attn_implementation or "sdpa"  # transformers' default where a model has it
     scores = "always" if impl == "eager" else "cpu" if impl == "sdpa" and kv_heads < n_heads else ""
     shape = Shape(n_layers, d_model, n_heads, kv_heads, ffn, gated, c.vocab_size,
