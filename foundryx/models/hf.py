@@ -353,10 +353,9 @@ def decoder_loss(model: nn.Module, inputs: Mapping[str, Any], labels: torch.Tens
     position's target (a context-parallel shard's)."""
     hidden = model.get_decoder()(**inputs).last_hidden_state
     weight = model.get_output_embeddings().weight
-    if shifted:
-        return linear_cross_entropy(hidden, weight, labels, chunks=model.foundryx_loss_chunks)
-    return linear_cross_entropy(hidden[:, :-1], weight, labels[:, 1:],
-                                chunks=model.foundryx_loss_chunks)
+    if not shifted:  # position i predicts label i + 1
+        hidden, labels = hidden[:, :-1], labels[:, 1:]
+    return linear_cross_entropy(hidden, weight, labels, chunks=model.foundryx_loss_chunks)
 
 
 def attach_parallel_hooks(model: nn.Module) -> None:
