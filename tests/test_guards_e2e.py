@@ -1,4 +1,4 @@
-"""Guards and loggers in real 2-process runs (composer launcher, gloo, the quickstart MPT):
+"""Guards and loggers in real 2-process runs (``foundryx launch``, gloo, the quickstart MPT):
 
 - preemption: SIGTERM sent to each training process (as Slurm signals every task; rank 1
   first, rank 0 a moment later), a checkpoint at the next batch, exit 75, and the autoresumed
@@ -38,7 +38,7 @@ TINY = [
 def command(data: Path, out: Path, *extra: str) -> list[str]:
     args = [f"variables.data_root={data}", f"save_folder={out}/ckpt",
             f"loggers.jsonl.path={out}/metrics.jsonl", *TINY, *extra]
-    return [str(BIN / "composer"), "-n", "2", "--stderr", str(out / "rank{rank}.err"),
+    return [str(BIN / "foundryx"), "launch", "-n", "2", "--stderr", str(out / "rank{rank}.err"),
             "--stdout", str(out / "rank{rank}.out"), str(Path(__file__).resolve()), *args]
 
 
