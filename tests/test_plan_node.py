@@ -96,3 +96,19 @@ def test_dry_run_whose_plan_does_not_fit_exits_2_with_the_fixes(quickstart_data)
     assert "DOES NOT FIT" in r.stdout
     assert "plan_check: the run needs an estimated" in r.stderr and "see the plan's suggestions" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_context_parallel_recipe_is_planned_for_its_node_and_fits_at_4m(capsys):
+    """``foundryx plan`` of the long-cp recipe, no flags: its cp of 8 is checked against its
+    node's 8 GPUs (not this machine's one process), its model from the release's shape; each
+    GPU holds 4,194,304 / 8 tokens and fits 80 GB (issue 52: >= 4M tokens on one node)."""
+    from foundryx.cli import main
+
+    rc = main(["plan", "yamls/finetune/llama-3.1-8b-lora-long-cp.yaml"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "8 x h100, FSDP2 over 8, microbatch 1 x 524288 tokens" in out, out
+    assert "each holds 524,288 of every sequence's 4,194,304 tokens" in out
+    total = float(next(line.split()[1] for line in out.splitlines()
+                       if line.strip().startswith("total ")))
+    assert total <= 76, out  # the issue's budget on an 80 GB GPU, margin left

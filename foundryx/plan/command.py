@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
-from foundryx.config.load import precheck
+from foundryx.config.load import precheck, read_resolved
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GPUS, GiB
+from foundryx.plan.node import machine, shape_override
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,9 +51,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     if (args.nodes or 1) >= 1 and (args.gpus is None or args.gpus >= 1):  # else make_plan says so
-        # before torch: the config's mistakes in a fraction of a second (as make_plan loads it)
-        world = (args.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * (args.nodes or 1)
-        precheck(args.config, args.overrides, world_size=world,
+        # before torch: the config's mistakes in a fraction of a second, for the machine and
+        # the model shape make_plan will plan (the recipe's node, its release's shape)
+        data, _ = read_resolved(Path(args.config), args.overrides)
+        target = machine(data.get("node"), args.gpu, args.gpus, args.nodes, args.host_memory)
+        shape, _ = shape_override(args.config, data.get("model"))
+        world = (target.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * target.nodes
+        precheck(args.config, [*args.overrides, *shape], world_size=world,
                  component_sections=("model", "optimizer"))
     from foundryx.plan import planner, render  # torch + transformers: only for a plan
 
