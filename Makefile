@@ -107,7 +107,9 @@ test-all: install
 
 # the long form of checks make test makes in short (make test runs none of these): SIGTERM at 20
 # random moments of a 2-process run (~6 min), 10 seeded kills then a bit-exact resume (~2 min),
-# the rank changes of tests/test_elastic_resume.py that make test leaves out (~4 min); pinned torch
+# the rank changes of tests/test_elastic_resume.py that make test leaves out (~4 min), every
+# combination of the Triton attention's mask features (128 interpreter runs; make test: a
+# pairwise-covering 7); pinned torch
 test-long: install
 	$(PY) -m pytest -q -m long --durations=10
 

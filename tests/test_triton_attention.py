@@ -8,6 +8,7 @@ bound derived from its roundings (test_bf16_on_a_cpu_within_its_roundings).
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -396,14 +397,48 @@ def test_bf16_on_a_cpu_within_its_roundings(case, gpu_like_bf16):
         assert err.max() > 0  # bf16 rounded something: the kernel ran in bf16
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("bwd", tuning.BWD_MODES)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "mqa"])  # GQA: fast cases
-@pytest.mark.parametrize("packed", [False, True], ids=["", "packed"])
-@pytest.mark.parametrize("alibi", [False, True], ids=["", "alibi"])
-@pytest.mark.parametrize("window", [None, 7], ids=["", "window"])
-@pytest.mark.parametrize("padding", [False, True], ids=["", "padding"])
+# The masks' features, each on or off: (name, off, on, ids). Every combination (128 with both
+# backwards) runs under `make test-long`; make test runs a set covering every pair of settings
+# of any two features (7 rows: a combination's bug that needs two features on at once shows).
+FEATURES = (("bwd", *tuning.BWD_MODES[:2], ("split", "atomic")), ("causal", True, False, ("causal", "full")),
+            ("kv_heads", 2, 1, ("mha", "mqa")), ("packed", False, True, ("", "packed")),
+            ("alibi", False, True, ("", "alibi")), ("window", None, 7, ("", "window")),
+            ("padding", False, True, ("", "padding")))
+
+
+def pairwise(k: int) -> set[tuple[int, ...]]:
+    """Rows of 0/1 over ``k`` features covering every pair of features in each of its four
+    settings (greedy: the row covering most pairs not yet covered, first in product order)."""
+    rows = list(itertools.product((0, 1), repeat=k))
+    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
+    need = {(i, j, a, b) for i, j in pairs for a in (0, 1) for b in (0, 1)}
+    chosen: set[tuple[int, ...]] = set()
+    while need:
+        row = max(rows, key=lambda r: sum((i, j, r[i], r[j]) in need for i, j in pairs))
+        chosen.add(row)
+        need -= {(i, j, row[i], row[j]) for i, j in pairs}
+    return chosen
+
+
+def combinations() -> list:
+    covering = pairwise(len(FEATURES))
+    out = []
+    for row in itertools.product((0, 1), repeat=len(FEATURES)):
+        values = [f[1 + bit] for f, bit in zip(FEATURES, row)]
+        name = "-".join(f[3][bit] for f, bit in zip(FEATURES, row) if f[3][bit])
+        marks = [pytest.mark.slow] + ([] if row in covering else [pytest.mark.long])
+        out.append(pytest.param(*values, id=name, marks=marks))
+    return out
+
+
+def test_the_short_set_covers_every_pair_of_features():
+    rows = pairwise(len(FEATURES))
+    assert len(rows) <= 8
+    for i, j in itertools.combinations(range(len(FEATURES)), 2):
+        assert {(r[i], r[j]) for r in rows} == {(0, 0), (0, 1), (1, 0), (1, 1)}, (i, j)
+
+
+@pytest.mark.parametrize(",".join(f[0] for f in FEATURES), combinations())
 def test_every_combination(bwd, causal, kv_heads, packed, alibi, window, padding):
     # 2 heads: the interpreter's time grows with heads; the masks are what vary here
     with tuning.forced(bwd=bwd):  # both backwards: the split kernels and the atomic one
