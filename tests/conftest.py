@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch  # first: this process's OpenMP threads are set as it loads (see below)
 
 # No test may reach a hub: fail fast instead of retrying for a minute.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,8 +18,6 @@ os.environ.setdefault("FOUNDRYX_COMPILE", "0")
 
 
 def _no_gpu() -> bool:
-    import torch
-
     return not torch.cuda.is_available()
 
 
@@ -27,6 +26,14 @@ def _no_gpu() -> bool:
 # it is set here before any test runs. With a GPU the kernels are compiled and tested for real.
 if "TRITON_INTERPRET" not in os.environ and _no_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
+
+# The processes tests start (ranks, CLI runs) get one OpenMP thread each unless the caller set
+# OMP_NUM_THREADS: two or four ranks on a 2-core machine, each with torch's default of a thread
+# per core, oversubscribe the cores and OpenMP's threads spin at every barrier (a 2-rank
+# quickstart of 12 batches took 1.3-2.2x as long without it on the loaded 2-core VM, 2026-11-29;
+# torchrun sets the same). This process keeps its own: its OpenMP runtime read the variable
+# when torch loaded, at the top of this file.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).parents[1]
 SHARED = ROOT.parent / "shared"
@@ -112,8 +119,6 @@ def one_thread():
     """torch on one thread for the test (small tensors: threads cost more than they give, and
     results do not depend on the machine's core count); a module opts in with
     ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
-    import torch
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
