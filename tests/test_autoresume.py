@@ -225,6 +225,7 @@ def test_resume_on_two_processes_from_one_with_torchrun(reference, quickstart_da
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test: tests/test_elastic_resume.py's 4 -> 2 (CI time, 2026-11-29)
 def test_four_processes_then_resume_on_two(reference, quickstart_data, tmp_path):
     """4 ranks train batches 1-4 (same losses as the 2-rank reference: the loader's order does
     not depend on the world size), are killed at batch 5, and 2 ranks go on from ep0-ba4."""

@@ -101,6 +101,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_mistake_is_one_message_naming_the_fix(case, empty):
     args, env, needles = CASES[case]
@@ -156,6 +157,7 @@ def test_a_dry_run_with_a_model_build_problem_exits_2_as_a_command(quickstart_da
     assert "# resolved config" in r.stdout  # what it could show, before the problems
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
 def test_train_py_at_the_root_is_the_same_command(empty):
     """``composer train.py CFG ...`` runs train.py once per process: the same parsing."""
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), QUICKSTART, "--dry-run",

@@ -183,6 +183,8 @@ def _host_readings() -> dict[str, float]:
     return host_per_rank()
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
+@pytest.mark.modern_leg
 def test_memory_monitor_logs_every_ranks_host_memory():
     """Each rank's host RSS and peak reach rank 0's loggers, and the largest peak (what the
     planner's host-memory-per-rank figure is compared with)."""

@@ -189,6 +189,7 @@ def test_a_dataloader_worker_that_does_not_fork_is_bounded_too(tmp_path):
     assert bounded["spawn"] < 8 and bounded["forkserver"] < 8, bounded
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
 @pytest.mark.parametrize("mode,said", [
     ("bounded", "mmap threshold fixed at 128 KiB on every rank (host_heap: bounded)"),
     ("auto", "glibc's allocator left as it starts (host_heap: auto on a CPU device")])

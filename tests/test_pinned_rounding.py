@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import pinned_rounding
 
 ROOT = Path(__file__).parents[1]
@@ -20,6 +22,8 @@ def test_power_of_two_rounding_and_the_stored_tensors():
     assert pinned_rounding.tensors(64, 256, "nf4") == [64 * 128, 256, 4]
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
+@pytest.mark.modern_leg
 def test_the_405b_recipe_figure_is_the_one_recorded():
     row = pinned_rounding.recipe_row(ROOT / "yamls" / "finetune" / "llama-3.1-405b-lora-fp8.yaml")
     assert (row["layers"], row["ranks"], row["dtype"]) == ("485 of 882", 8, "fp8")

@@ -373,6 +373,7 @@ def _parts(t: Any) -> list[bytes]:
 UNTIED = dict(tie_word_embeddings=False, logit_scale="inv_sqrt_d_model", vocab_size=66)
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
 def test_fp8_and_bf16_bases_and_an_untied_head_under_tp_give_the_losses_of_fsdp():
     """The other row-scaled storages on 2 processes (MPT: its fused Wqkv reordered with its
     FP8 rows and scales): tp 2 gives the losses of shard 2. And what a checkpoint holds at tp

@@ -56,6 +56,7 @@ def test_help_config_lists_the_sections_that_are_not_registries():
     assert "--help-config frozen_base" in r.stdout
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
 def test_help_config_parallelism_as_the_docs_print_it():
     argv = shlex.split(_inline("foundryx train --help-config parallelism"))
     r = _cli(argv)

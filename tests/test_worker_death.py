@@ -84,6 +84,7 @@ def check_message(text: str, out: Path) -> None:
     assert f"autoresume continues from the newest checkpoint in {out}/ckpt" in msg, msg
 
 
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
 def test_killed_worker_is_one_message(quickstart_data, tmp_path):
     start = time.monotonic()
     r = train(quickstart_data, tmp_path)

@@ -170,6 +170,8 @@ def test_export(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
 
 
 # -- foundryx eval: results, comparisons and examples as one set --------------------------------
+@pytest.mark.slow  # over 5 s: one leg (CI time, 2026-11-29)
+@pytest.mark.modern_leg
 @pytest.mark.parametrize("where", ["2nd-file", "chart", "examples"])
 def test_eval_outputs(eval_setup, capsys, monkeypatch, where):  # noqa: F811
     path, out = eval_setup
