@@ -286,3 +286,13 @@ def test_a_tiled_mlp_runs_the_fused_product_and_fused_norms_are_not_tiled(caplog
     assert seen.count("swiglu") == 3  # 48 tokens in tiles of 16
     want = mlp.down_proj(nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_section_is_checked_with_its_path_and_a_suggestion():
+    from foundryx.config.types import dataclass_problems
+
+    got = dataclass_problems(FusedOpsConfig, {"rms_norm": "maybe", "swiglue": True}, "fused_ops")
+    assert sorted(got) == ["fused_ops.rms_norm: expected true/false or one of 'auto', got 'maybe'",
+                           "fused_ops.swiglue: unknown key (did you mean 'swiglu'?)"]
+    assert dataclass_problems(FusedOpsConfig, {"rms_norm": False, "swiglu": "auto"},
+                              "fused_ops") == []

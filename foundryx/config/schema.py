@@ -136,7 +136,7 @@ class TilingConfig:
 @dataclass
 class FusedOpsConfig:
     """``fused_ops``: a Hugging Face Llama-family block's elementwise work as one Triton kernel
-    each way (docs/kernels.md), applied from outside the model: the RMS norms (Llama,
+    each way (docs/hf.md), applied from outside the model: the RMS norms (Llama,
     Mistral, Qwen2/3, Phi-3) and the MLP's ``silu(gate) * up`` (Llama, Mistral, Qwen2/3). A
     family whose modules differ keeps the unfused path, said in one line."""
 
