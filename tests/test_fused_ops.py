@@ -296,3 +296,30 @@ def test_the_section_is_checked_with_its_path_and_a_suggestion():
                            "fused_ops.swiglue: unknown key (did you mean 'swiglu'?)"]
     assert dataclass_problems(FusedOpsConfig, {"rms_norm": False, "swiglu": "auto"},
                               "fused_ops") == []
+
+
+def test_the_flagship_census_runs_the_fused_ops_as_a_gpu_run_would():
+    """benchmarks.op_census's foundryx side (the flagship recipe through the builders, on the
+    tiny Llama shape): ``fused_ops`` reaches the model; one rms_norm a norm and one swiglu a
+    MLP per forward and recompute, one backward op each; no silu or float32 norm arithmetic
+    left; ``--set fused_ops...=false`` gives the unfused step back."""
+    from pathlib import Path
+
+    tiny = Path(__file__).parents[1] / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
+    got = op_census.census("bf16", tiny, batch=1, seq=32)
+    ops: dict[str, int] = {}
+    for key, (n, _, _) in got["places"].items():
+        op = key.split(" | ")[1]
+        ops[op] = ops.get(op, 0) + n
+    layers = 2
+    assert ops["rms_norm"] == (2 * layers + 1) + 2 * layers  # forward (+ final norm), recompute
+    # backward: not the first norm's (its input, the frozen embedding's output, and its weight
+    # want no gradient)
+    assert ops["rms_norm_backward"] == 2 * layers
+    assert ops["swiglu"] == 2 * layers and ops["swiglu_backward"] == layers
+    assert "silu" not in ops and "rsqrt" not in ops
+    off = op_census.census("bf16", tiny, batch=1, seq=32,
+                           overrides=["fused_ops.rms_norm=false", "fused_ops.swiglu=false"])
+    names = {key.split(" | ")[1] for key in off["places"]}
+    assert "rms_norm" not in names and {"silu", "rsqrt"} <= names
+    assert off["kernels"] > got["kernels"] and off["other_bytes"] > got["other_bytes"]
