@@ -323,3 +323,28 @@ def test_the_flagship_census_runs_the_fused_ops_as_a_gpu_run_would():
     names = {key.split(" | ")[1] for key in off["places"]}
     assert "rms_norm" not in names and {"silu", "rsqrt"} <= names
     assert off["kernels"] > got["kernels"] and off["other_bytes"] > got["other_bytes"]
+
+
+def test_tensor_parallel_modules_keep_the_unfused_path_said_in_one_line(caplog):
+    """A model whose parameters are DTensors (tensor parallelism's plan applied first): the
+    fused operators take whole tensors, so nothing is swapped."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    model, _ = _build(False)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        norm = model.model.model.norm
+        norm.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), mesh),
+                                   requires_grad=False)
+        with caplog.at_level(logging.INFO, logger="foundryx"):
+            said = apply_fused_ops(model, [m for _, m in blocks(model)],
+                                   FusedOpsConfig(rms_norm=True, swiglu=True), CPU)
+    finally:
+        dist.destroy_process_group()
+    assert said == [] and not any(getattr(m, FUSED, None) for m in model.modules())
+    lines = [r.getMessage() for r in caplog.records if "fused_ops" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("fused_ops: off under tensor parallelism")

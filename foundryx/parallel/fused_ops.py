@@ -115,6 +115,12 @@ def apply_fused_ops(model: nn.Module, block_list: list[nn.Module], cfg: FusedOps
     unfused path is said in one line (an unsupported family, tensor parallelism, or a kernel
     that failed its first check on this device)."""
     said = []
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        if wanted(cfg.rms_norm, device) or wanted(cfg.swiglu, device):
+            log.info("fused_ops: off under tensor parallelism (its plan splits the norms and "
+                     "MLPs, and the fused operators take whole tensors); the RMS norms and "
+                     "SwiGLU MLPs keep the unfused path")
+        return said
     jobs = (("rms_norm", "RMS norms", cfg.rms_norm, norm_candidates(model), fuse_rms_norm),
             ("swiglu", "SwiGLU MLPs", cfg.swiglu, mlp_candidates(block_list), fuse_swiglu))
     for key, what, choice, (fit, other), fuse in jobs:
@@ -129,11 +135,6 @@ def apply_fused_ops(model: nn.Module, block_list: list[nn.Module], cfg: FusedOps
                                f"foundryx fuses ({', '.join(sorted(_kinds(key)))}); set "
                                f"fused_ops.{key}: auto or false"])
         if not fit:
-            continue
-        if any(isinstance(p, DTensor) for m in fit
-               for p in m.parameters(recurse=False)):
-            log.info("fused_ops.%s: off (tensor parallelism splits these modules: the fused "
-                     "operator takes whole tensors); the %s keep the unfused path", key, what)
             continue
         problem = kernel_problem(key, device)
         if problem:
