@@ -1,4 +1,4 @@
-"""The fused RMS norm and SwiGLU operators (issue 51, ``fused_ops``): their Triton kernels
+"""The fused RMS norm, SwiGLU and RoPE operators (issue 51, ``fused_ops``): their Triton kernels
 against a float64 reference (Triton's interpreter on a CPU: tests/conftest.py sets
 TRITON_INTERPRET=1), the operators' torch references against Hugging Face's modules, one op a
 call under fake tensors (the census's count and bytes), training steps of a LoRA Llama fused
@@ -19,6 +19,7 @@ from foundryx import builders
 from foundryx.config.schema import FusedOpsConfig, TilingConfig
 from foundryx.errors import ConfigError
 from foundryx.kernels.rms_norm_op import rms_norm
+from foundryx.kernels.rope_op import rope
 from foundryx.kernels.swiglu_op import swiglu
 from foundryx.parallel.fused_ops import FUSED, apply_fused_ops
 from foundryx.parallel.parallelize import apply_tiling
@@ -93,6 +94,41 @@ def test_the_swiglu_kernels_match_float64(dtype):
     close(du.cpu(), du64, dtype, "dup")
 
 
+def rope_inputs(dtype, b=2, s=5, hq=4, hk=2, d=24):
+    """q and k as the attention makes them (``[b, s, h, d]`` memory seen as ``[b, h, s, d]``),
+    cos and sin of one sequence (``[1, s, d]``), and upstream gradients."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, s, hq, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    k = torch.randn(b, s, hk, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    cos, sin = (torch.randn(1, s, d, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    gq = torch.randn(b, s, hq, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    gk = torch.randn(b, s, hk, d, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+    return q, k, cos, sin, gq, gk
+
+
+def rope_64(x, cos, sin):
+    x = x.double().requires_grad_()
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x, x * cos.double().unsqueeze(1) + rot * sin.double().unsqueeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_kernel_matches_float64_and_keeps_the_strides(dtype):
+    pytest.importorskip("triton")
+    from foundryx.kernels import rope as kernel
+
+    q, k, cos, sin, gq, gk = rope_inputs(dtype)
+    qo, ko = kernel.rotate(q, k, cos, sin)
+    dq, dk = kernel.rotate(gq, gk, cos, sin, backward=True)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
+    for x, out, g, grad, what in ((q, qo, gq, dq, "q"), (k, ko, gk, dk, "k")):
+        x64, y64 = rope_64(x.cpu(), cos.cpu(), sin.cpu())
+        (dx64,) = torch.autograd.grad(y64, x64, g.cpu().double())
+        close(out.cpu(), y64, dtype, what)
+        close(grad.cpu(), dx64, dtype, "d" + what)
+
+
 # ---------------------------------------------------------------------------------------
 # the operators' CPU form against Hugging Face's modules
 # ---------------------------------------------------------------------------------------
@@ -120,6 +156,39 @@ def test_the_operators_give_hugging_face_s_numbers(dtype):
     for a, b, what in zip(torch.autograd.grad(got, (g, u), dy),
                           torch.autograd.grad(want, (g, u), dy), ("dgate", "dup")):
         close(a, b, dtype, what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_operator_gives_hugging_face_s_numbers(dtype):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k, cos, sin, gq, gk = (t.cpu() for t in rope_inputs(dtype))
+    q.requires_grad_(), k.requires_grad_()
+    want = apply_rotary_pos_emb(q, k, cos, sin)
+    got = rope(q, k, cos, sin)
+    assert [t.stride() for t in got] == [t.stride() for t in want]
+    for a, b, what in zip(got + torch.autograd.grad(got, (q, k), (gq, gk)),
+                          want + torch.autograd.grad(want, (q, k), (gq, gk)),
+                          ("q", "k", "dq", "dk")):
+        close(a, b, dtype, what)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_fused_llama_attention_gives_the_module_s_output(impl):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("llama", **HF_CONFIGS["llama"])
+    config._attn_implementation = impl
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    x = torch.randint(0, 100, (2, 12))
+    want = model(x).logits
+    said = apply_fused_ops(model, list(model.model.layers),
+                           FusedOpsConfig(rms_norm=False, swiglu=False, rope=True), CPU)
+    assert said == ["2 attentions' RoPE fused"]
+    torch.testing.assert_close(model(x).logits, want, rtol=1e-5, atol=1e-5)
+    out = model.generate(x[:1, :4], max_new_tokens=3, do_sample=False)  # the cache: HF's forward
+    assert out.shape == (1, 7)
 
 
 def test_a_frozen_weight_gets_no_gradient_and_no_kernel_for_it():
@@ -152,12 +221,18 @@ def test_the_census_counts_one_op_a_call_with_its_bytes():
         w = torch.empty(d, dtype=torch.bfloat16)  # frozen
         gate = torch.empty(b, s, f, dtype=torch.bfloat16, requires_grad=True)
         up = torch.empty(b, s, f, dtype=torch.bfloat16, requires_grad=True)
+        q = torch.empty(b, s, 8, 32, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+        k = torch.empty(b, s, 2, 32, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+        cos, sin = torch.empty(1, s, 32, dtype=torch.bfloat16), torch.empty(1, s, 32,
+                                                                            dtype=torch.bfloat16)
         census = op_census.OpCensus({})
         with census:
             y = rms_norm(x, w, 1e-5)
             h = swiglu(gate, up)
+            qo, ko = rope(q, k, cos, sin)
             with census.in_phase("backward"):
-                torch.autograd.backward((y, h), (torch.ones_like(y), torch.ones_like(h)))
+                torch.autograd.backward((y, h, qo, ko), tuple(torch.ones_like(t)
+                                                              for t in (y, h, qo, ko)))
     rows = {(place.split(":")[0], op): r for (place, op), r in census.rows.items()}
     tokens = b * s
     norm_fwd = 2 * tokens * d * 2 + 2 * d + 4 * tokens  # x, w read; y, rstd (float32) written
@@ -168,9 +243,13 @@ def test_the_census_counts_one_op_a_call_with_its_bytes():
     assert rows[("backward", "rms_norm_backward")][:2] == [1, norm_bwd]
     assert rows[("forward", "swiglu")][:2] == [1, glu_fwd]
     assert rows[("backward", "swiglu_backward")][:2] == [1, glu_bwd]
+    qk, cs = tokens * (8 + 2) * 32 * 2, 2 * s * 32 * 2  # q and k; cos and sin
+    assert rows[("forward", "rope")][:2] == [1, 2 * qk + cs]  # q, k, cos, sin read; 2 written
+    assert rows[("backward", "rope_backward")][:2] == [1, 2 * qk + cs]
     assert not any(op == "zeros" for _, op in rows)  # rstd's gradient is not materialised
     assert op_census.kind_of("layers.N.input_layernorm", "rms_norm") == "norms"
     assert op_census.kind_of("layers.N.mlp", "swiglu") == "activation (SwiGLU)"
+    assert op_census.kind_of("layers.N.self_attn", "rope") == "RoPE"
 
 
 # ---------------------------------------------------------------------------------------
@@ -190,8 +269,8 @@ def _build(fused: bool, section: dict = SECTION):
     model = builders.build_model(cfg, None)
     block_list = [m for _, m in blocks(model)]
     if fused:
-        said = apply_fused_ops(model, block_list, FusedOpsConfig(rms_norm=True, swiglu=True), CPU)
-        assert said == ["5 RMS norms fused", "2 SwiGLU MLPs fused"]
+        said = apply_fused_ops(model, block_list, FusedOpsConfig(True, True, True), CPU)
+        assert said == ["5 RMS norms fused", "2 SwiGLU MLPs fused", "2 attentions' RoPE fused"]
     for m in block_list:  # recomputed in backward, as the recipes run
         checkpoint_activations(m)
     return model, builders.build_optimizer(cfg, model)
@@ -247,14 +326,15 @@ def test_an_unsupported_family_keeps_its_modules_and_says_so_in_one_line(caplog)
     x = torch.randint(0, 100, (1, 8))
     before = model(x).logits
     with caplog.at_level(logging.INFO, logger="foundryx"):
-        said = apply_fused_ops(model, list(model.model.layers),
-                               FusedOpsConfig(rms_norm=True, swiglu=True), CPU)
+        said = apply_fused_ops(model, list(model.model.layers), FusedOpsConfig(True, True, True),
+                               CPU)
     assert said == []
     lines = [r.getMessage() for r in caplog.records]
     assert [line for line in lines if "GemmaRMSNorm" in line] == [
         "fused_ops.rms_norm: GemmaRMSNorm keeps the unfused path (foundryx fuses only the "
         "modules it has checked)"]
     assert sum("GemmaMLP" in line for line in lines) == 1
+    assert sum("GemmaAttention" in line for line in lines) == 1
     assert all(m.forward == forwards[id(m)] for m in model.modules())
     assert torch.equal(model(x).logits, before)
     with pytest.raises(ConfigError, match="fused_ops.swiglu: true, but the model has no module"):
@@ -317,11 +397,13 @@ def test_the_flagship_census_runs_the_fused_ops_as_a_gpu_run_would():
     # want no gradient)
     assert ops["rms_norm_backward"] == 2 * layers
     assert ops["swiglu"] == 2 * layers and ops["swiglu_backward"] == layers
-    assert "silu" not in ops and "rsqrt" not in ops
+    assert ops["rope"] == 2 * layers and ops["rope_backward"] == layers
+    assert not {"silu", "rsqrt", "neg"} & set(ops)
     off = op_census.census("bf16", tiny, batch=1, seq=32,
-                           overrides=["fused_ops.rms_norm=false", "fused_ops.swiglu=false"])
+                           overrides=["fused_ops.rms_norm=false", "fused_ops.swiglu=false",
+                                      "fused_ops.rope=false"])
     names = {key.split(" | ")[1] for key in off["places"]}
-    assert "rms_norm" not in names and {"silu", "rsqrt"} <= names
+    assert not {"rms_norm", "swiglu", "rope"} & names and {"silu", "rsqrt", "neg"} <= names
     assert off["kernels"] > got["kernels"] and off["other_bytes"] > got["other_bytes"]
 
 

@@ -137,7 +137,8 @@ class TilingConfig:
 class FusedOpsConfig:
     """``fused_ops``: a Hugging Face Llama-family block's elementwise work as one Triton kernel
     each way (docs/hf.md), applied from outside the model: the RMS norms (Llama,
-    Mistral, Qwen2/3, Phi-3) and the MLP's ``silu(gate) * up`` (Llama, Mistral, Qwen2/3). A
+    Mistral, Qwen2/3, Phi-3), the MLP's ``silu(gate) * up`` (Llama, Mistral, Qwen2/3) and the
+    attention's RoPE (Llama). A
     family whose modules differ keeps the unfused path, said in one line."""
 
     rms_norm: bool | Literal["auto"] = doc(
@@ -147,6 +148,9 @@ class FusedOpsConfig:
     swiglu: bool | Literal["auto"] = doc(
         "the MLP's silu(gate) * up as one operator each way, keeping gate and up for backward "
         "(silu recomputed); auto: as rms_norm", default="auto")
+    rope: bool | Literal["auto"] = doc(
+        "the attention's rotary embedding of q and k (Llama) as one operator each way, "
+        "keeping only cos and sin for backward; auto: as rms_norm", default="auto")
 
 
 @dataclass
@@ -270,7 +274,7 @@ class TrainConfig:
         default_factory=TilingConfig,
     )
     fused_ops: FusedOpsConfig = doc(
-        "RMS norms and SwiGLU as fused kernels (Hugging Face Llama-family models on GPUs)",
+        "RMS norms, SwiGLU and RoPE as fused kernels (Hugging Face Llama-family models on GPUs)",
         default_factory=FusedOpsConfig,
     )
     float8: Float8Config = doc(

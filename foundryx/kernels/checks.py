@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from foundryx.kernels import rms_norm_op, swiglu_op
+from foundryx.kernels import rms_norm_op, rope_op, swiglu_op
 
 
 def _far(got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
@@ -44,7 +44,22 @@ def _swiglu(device: torch.device) -> str | None:
             or _far(du, rdu, "dup"))
 
 
-CHECKS = {"rms_norm": _rms_norm, "swiglu": _swiglu}
+def _rope(device: torch.device) -> str | None:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, dq = (torch.randn(2, 5, 4, 64, generator=gen).to(device, torch.bfloat16).transpose(1, 2)
+             for _ in range(2))
+    k, dk = (torch.randn(2, 5, 2, 64, generator=gen).to(device, torch.bfloat16).transpose(1, 2)
+             for _ in range(2))
+    cos, sin = (torch.randn(1, 5, 64, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    qo, ko = torch.ops.foundryx.rope(q, k, cos, sin)
+    rq, rk = rope_op.rope_eager(q, k, cos, sin)
+    gq, gk = torch.ops.foundryx.rope_backward(dq, dk, cos, sin)
+    rgq, rgk = rope_op.rope_backward_eager(dq, dk, cos, sin)
+    return (_far(qo, rq, "q") or _far(ko, rk, "k") or _far(gq, rgq, "dq")
+            or _far(gk, rgk, "dk"))
+
+
+CHECKS = {"rms_norm": _rms_norm, "swiglu": _swiglu, "rope": _rope}
 
 
 @functools.cache

@@ -6,9 +6,9 @@
 preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
 family uses, for the feature combinations users hit, the FP8 row quantization kernel
 (``kernels/fp8_rows.py``) on the targets with FP8 tensor cores (sm90, gfx942), and the fused
-RMS norm and SwiGLU kernels (``kernels/rms_norm.py``, ``kernels/swiglu.py``) on every target,
-ahead of time (``triton.compile`` with a ``GPUTarget``): NVIDIA to PTX and a cubin with the ``ptxas`` inside the triton wheel, AMD to
-AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
+RMS norm, SwiGLU and RoPE kernels (``kernels/rms_norm.py``, ``swiglu.py``, ``rope.py``) on
+every target, ahead of time (``triton.compile`` with a ``GPUTarget``): NVIDIA to PTX and a
+cubin with the ``ptxas`` inside the triton wheel, AMD to AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
 shared memory (LDS on AMD) against the target's limit, registers, spills and the occupancy
 those allow, and exits 1 when anything fails to compile, exceeds the limit or spills.
 """
@@ -57,7 +57,9 @@ FP8_ROWS = (1024, 4096)
 NORM_ROWS = (4096, 8192)
 NORM_KERNELS = {"rms_norm_fwd": ("-",), "rms_norm_bwd": ("dx", "dx+dw")}
 ELEMENTWISE = ("swiglu_fwd", "swiglu_bwd")
-KERNEL_NAMES = ("preprocess", *tuning.KERNELS, "fp8_rows", *NORM_KERNELS, *ELEMENTWISE)
+ROPE_KERNELS = ("rope_fwd", "rope_bwd")  # at each head dim
+KERNEL_NAMES = ("preprocess", *tuning.KERNELS, "fp8_rows", *NORM_KERNELS, *ELEMENTWISE,
+                *ROPE_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,8 @@ def jobs(targets: list[str], which: str) -> list[Job]:
             out += [Job(t, kernel, k, dtype, f, None) for kernel, feats in NORM_KERNELS.items()
                     for k in NORM_ROWS for f in feats]
             out += [Job(t, kernel, 0, dtype, "-", None) for kernel in ELEMENTWISE]
+            out += [Job(t, kernel, hd, dtype, "-", None) for kernel in ROPE_KERNELS
+                    for hd in HEAD_DIMS]
     return out
 
 
@@ -147,6 +151,7 @@ def compile_job(job: Job, lld: str | None) -> Result:
         flash_fwd,
         fp8_rows,
         rms_norm,
+        rope,
         swiglu,
     )
 
@@ -157,6 +162,13 @@ def compile_job(job: Job, lld: str | None) -> Result:
         return _compile(job, *_fp8_rows_source(job, fp8_rows), target, GPUTarget, ASTSource)
     if job.kernel in NORM_KERNELS or job.kernel in ELEMENTWISE:
         return _compile(job, *_fused_source(job, rms_norm, swiglu), target, GPUTarget, ASTSource)
+    if job.kernel in ROPE_KERNELS:
+        fn = rope.rope_kernel
+        block, warps = rope.launch_config(job.head_dim)
+        sig, attrs = _signature(fn, {n: f"*{job.dtype}" for n in ("Q", "K", "QO", "KO", "COS",
+                                                                  "SIN")})
+        return _compile(job, fn, sig, {"BACKWARD": job.kernel == "rope_bwd", "BLOCK": block},
+                        attrs, {"num_warps": warps}, target, GPUTarget, ASTSource)
     block_d = max(16, triton.next_power_of_2(job.head_dim))
     consts: dict = {"HEAD_DIM": job.head_dim, "BLOCK_D": block_d}
     if job.kernel == "preprocess":
@@ -296,6 +308,8 @@ def _cfg(job: Job) -> str:
         return f"rows of {job.head_dim}"
     if job.kernel in ELEMENTWISE:
         return "elementwise"
+    if job.kernel in ROPE_KERNELS:
+        return f"heads of {job.head_dim}"
     return str(job.config) if job.config else f"{PREPROCESS_ROWS} rows"
 
 

@@ -1,10 +1,13 @@
-"""The fused RMS norm and SwiGLU operators (``fused_ops``) put into a model from outside.
+"""The fused RMS norm, SwiGLU and RoPE operators (``fused_ops``) put into a model from outside.
 
 :func:`fuse_rms_norm` replaces one RMS norm module's forward (Hugging Face's LlamaRMSNorm and
 its exact copies, ``tiling.RMS_NORMS``) by ``torch.ops.foundryx.rms_norm``;
 :func:`fuse_swiglu` replaces one MLP's forward (LlamaMLP and its copies: ``down(act(gate(x)) *
 up(x))`` with a SiLU) by ``down(swiglu(gate(x), up(x)))``, its projections (LoRA-adapted or
-not) called as they were, in the same order (LoRA's dropout draws the same masks). Each is a
+not) called as they were, in the same order (LoRA's dropout draws the same masks);
+:func:`fuse_rope` replaces one LlamaAttention's forward by the same steps with
+``torch.ops.foundryx.rope`` for ``apply_rotary_pos_emb`` (a call with a cache, in generation,
+runs the module's own forward). Each is a
 change to one module instance: transformers' classes, the modules' names, parameters and state
 dict are untouched, and a module of any other kind keeps its forward (said in one line by
 :func:`apply_fused_ops`, which picks the modules).
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from foundryx.config.schema import FusedOpsConfig
 from foundryx.errors import ConfigError
 from foundryx.kernels.rms_norm_op import rms_norm
+from foundryx.kernels.rope_op import rope
 from foundryx.kernels.swiglu_op import swiglu
 from foundryx.parallel.tiling import RMS_NORMS
 
@@ -36,6 +41,11 @@ log = logging.getLogger(__name__)
 # here); the activation must also be a SiLU (hidden_act silu / swish)
 SWIGLU_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 SILU = frozenset({"SiLU", "SiLUActivation"})
+# Hugging Face attentions whose forward is q/k/v projections, ``apply_rotary_pos_emb``, the
+# cache, the attention interface with (dropout, scaling) and o_proj, nothing else (transformers
+# 4.57's and 5's LlamaAttention; Mistral and Qwen2 pass a sliding window, Qwen3 adds q/k norms)
+ROPE_ATTENTIONS = frozenset({"LlamaAttention"})
+CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "cache_position")
 FUSED = "_foundryx_fused"  # the attribute a fused module carries: "rms_norm" or "swiglu"
 
 
@@ -62,6 +72,72 @@ def fuse_swiglu(module: nn.Module) -> None:
 
     module.forward = forward
     setattr(module, FUSED, "swiglu")
+
+
+def fuse_rope(module: nn.Module) -> None:
+    """``module`` (one of ``ROPE_ATTENTIONS``) with its queries' and keys' rotation by
+    ``torch.ops.foundryx.rope``; a call with a cache (generation) runs the module's own
+    forward."""
+    import inspect  # the module's own eager attention: where its class is defined
+
+    inner = module.forward
+    eager = getattr(inspect.getmodule(type(module)), "eager_attention_forward", None)
+
+    @functools.wraps(inner)
+    def forward(hidden_states: torch.Tensor, position_embeddings: Any = None,
+                attention_mask: torch.Tensor | None = None, *args: Any, **kwargs: Any) -> Any:
+        if args or position_embeddings is None or any(
+                kwargs.get(k) is not None for k in CACHE_KWARGS[:3]):
+            return inner(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
+        shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+        q = module.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = module.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+        q, k = rope(q, k, *position_embeddings)
+        impl = module.config._attn_implementation
+        attend = eager if impl in (None, "eager") else _attention_functions()[impl]
+        out, weights = attend(module, q, k, v, attention_mask,
+                              dropout=module.attention_dropout if module.training else 0.0,
+                              scaling=module.scaling, **kwargs)
+        out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+        return module.o_proj(out), weights
+
+    module.forward = forward
+    setattr(module, FUSED, "rope")
+
+
+def _attention_functions() -> Any:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # heavy: HF models only
+
+    return ALL_ATTENTION_FUNCTIONS
+
+
+def rope_problem(module: nn.Module) -> str | None:
+    """Why ``module`` (an attention) cannot take :func:`fuse_rope`, or None."""
+    name = type(module).__name__
+    if name not in ROPE_ATTENTIONS:
+        return f"{name} is not one of {', '.join(sorted(ROPE_ATTENTIONS))}"
+    if not all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim",
+                                            "scaling", "config")):
+        return f"{name} lacks Llama's projections"
+    return None
+
+
+def attention_candidates(block_list: list[nn.Module]) -> tuple[list[nn.Module], set[str]]:
+    """The blocks' attentions (class names ending in ``Attention``) :func:`fuse_rope` takes,
+    and why the others cannot."""
+    fit, other = [], set()
+    for block in block_list:
+        for m in block.modules():
+            if not type(m).__name__.endswith("Attention") or getattr(m, FUSED, None):
+                continue
+            why = rope_problem(m)
+            if why is None:
+                fit.append(m)
+            else:
+                other.add(why)
+    return fit, other
 
 
 def swiglu_problem(module: nn.Module) -> str | None:
@@ -122,7 +198,8 @@ def apply_fused_ops(model: nn.Module, block_list: list[nn.Module], cfg: FusedOps
                      "SwiGLU MLPs keep the unfused path")
         return said
     jobs = (("rms_norm", "RMS norms", cfg.rms_norm, norm_candidates(model), fuse_rms_norm),
-            ("swiglu", "SwiGLU MLPs", cfg.swiglu, mlp_candidates(block_list), fuse_swiglu))
+            ("swiglu", "SwiGLU MLPs", cfg.swiglu, mlp_candidates(block_list), fuse_swiglu),
+            ("rope", "attentions' RoPE", cfg.rope, attention_candidates(block_list), fuse_rope))
     for key, what, choice, (fit, other), fuse in jobs:
         if not wanted(choice, device):
             continue
@@ -148,7 +225,7 @@ def apply_fused_ops(model: nn.Module, block_list: list[nn.Module], cfg: FusedOps
 
 
 def _kinds(key: str) -> frozenset[str]:
-    return RMS_NORMS if key == "rms_norm" else SWIGLU_MLPS
+    return {"rms_norm": RMS_NORMS, "swiglu": SWIGLU_MLPS, "rope": ROPE_ATTENTIONS}[key]
 
 
 def kernel_problem(key: str, device: torch.device) -> str | None:
