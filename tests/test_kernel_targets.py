@@ -74,7 +74,7 @@ def test_jobs_cover_the_table():
         ("rms_norm_fwd", 4096, "-"), ("rms_norm_fwd", 8192, "-"), ("swiglu_fwd", 0, "-"),
         ("swiglu_bwd", 0, "-")} | {("rms_norm_bwd", k, f) for k in (4096, 8192)
                                    for f in ("dx", "dx+dw")}
-    assert {(j.kernel, j.head_dim) for j in small if j.target == "sm80"
+    assert {(j.kernel, j.head_dim) for j in small if j.target == "sm90"
             and j.kernel.startswith("rope")} == {(k, hd) for k in ("rope_fwd", "rope_bwd")
                                                  for hd in HEAD_DIMS}
     flash = set(tuning.KERNELS) | {"preprocess"}

@@ -7,10 +7,10 @@ up(x))`` with a SiLU) by ``down(swiglu(gate(x), up(x)))``, its projections (LoRA
 not) called as they were, in the same order (LoRA's dropout draws the same masks);
 :func:`fuse_rope` replaces one LlamaAttention's forward by the same steps with
 ``torch.ops.foundryx.rope`` for ``apply_rotary_pos_emb`` (a call with a cache, in generation,
-runs the module's own forward). Each is a
-change to one module instance: transformers' classes, the modules' names, parameters and state
-dict are untouched, and a module of any other kind keeps its forward (said in one line by
-:func:`apply_fused_ops`, which picks the modules).
+runs the module's own forward). Each is a change to one module instance: transformers'
+classes, the modules' names, parameters and state dict are untouched, and a module of any
+other kind keeps its forward (said in one line by :func:`apply_fused_ops`, which picks the
+modules).
 
 Where ``tiling`` applies too: a tiled MLP runs the fused forward a tile at a time (they
 compose: the fusion comes first); a fused RMS norm is not tiled, as it already keeps only its
@@ -46,7 +46,7 @@ SILU = frozenset({"SiLU", "SiLUActivation"})
 # 4.57's and 5's LlamaAttention; Mistral and Qwen2 pass a sliding window, Qwen3 adds q/k norms)
 ROPE_ATTENTIONS = frozenset({"LlamaAttention"})
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "cache_position")
-FUSED = "_foundryx_fused"  # the attribute a fused module carries: "rms_norm" or "swiglu"
+FUSED = "_foundryx_fused"  # the attribute a fused module carries: "rms_norm", "swiglu", "rope"
 
 
 def fuse_rms_norm(module: nn.Module) -> None:
