@@ -430,3 +430,22 @@ def test_tensor_parallel_modules_keep_the_unfused_path_said_in_one_line(caplog):
     assert said == [] and not any(getattr(m, FUSED, None) for m in model.modules())
     lines = [r.getMessage() for r in caplog.records if "fused_ops" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("fused_ops: off under tensor parallelism")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CUDA device that cannot run")
+def test_a_kernel_that_fails_its_first_call_keeps_the_unfused_path_said_in_one_line(caplog):
+    """``auto`` for a CUDA device where none runs (this machine): each kernel's first-call
+    check fails, and each kind of module keeps its forward, said in one line."""
+    from foundryx.kernels import checks
+
+    checks.first_call_problem.cache_clear()
+    model, _ = _build(False)
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        said = apply_fused_ops(model, [m for _, m in blocks(model)], FusedOpsConfig(),
+                               torch.device("cuda"))
+    checks.first_call_problem.cache_clear()
+    assert said == [] and not any(getattr(m, FUSED, None) for m in model.modules())
+    lines = [r.getMessage() for r in caplog.records if "first check" in r.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["fused_ops.rms_norm", "fused_ops.swiglu",
+                                                      "fused_ops.rope"]
+    assert all("keep the unfused path" in line for line in lines)
