@@ -157,10 +157,12 @@ KINDS = (
       "logsumexp")),
     ("casts and copies", (), ("_to_copy", "copy_", "clone", "contiguous", "to", "copy",
                               "fp8_quantize_rows")),
-    ("norms", ("norm", "Norm", "Rsqrt", "Pow", "Mean"), ("rsqrt", "_fused_rms_norm")),
-    ("activation", ("act_fn", "Silu", "Gelu"), ("silu", "silu_backward", "gelu",
-                                               "gelu_backward")),
-    ("RoPE", ("rotary", "Rotary", "NegBackward", "CatBackward"), ("neg", "cat")),
+    ("norms", ("norm", "Norm", "Rsqrt", "Pow", "Mean"), ("rsqrt", "_fused_rms_norm",
+                                                         "rms_norm", "rms_norm_backward")),
+    ("activation (SwiGLU)", ("act_fn", "Silu", "Gelu", "foundryx_swiglu"),
+     ("silu", "silu_backward", "gelu", "gelu_backward", "swiglu", "swiglu_backward")),
+    ("RoPE", ("rotary", "Rotary", "NegBackward", "CatBackward", "foundryx_rope"),
+     ("neg", "cat", "rope", "rope_backward")),
 )
 # a block's own adds are its residual adds; an adapted projection's own multiplies and adds
 # are PEFT's scaling and its sum with the base output

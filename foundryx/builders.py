@@ -216,7 +216,8 @@ def build_parallelism(cfg: TrainConfig, model: Any) -> Any:
                                 compile=cfg.compile, precision=cfg.precision,
                                 cpu_matmul=cfg.cpu_matmul, device=pick_device(cfg.device),
                                 float8=cfg.float8, tiling=cfg.tiling,
-                                microbatch_tokens=microbatch_tokens(cfg))
+                                microbatch_tokens=microbatch_tokens(cfg),
+                                fused_ops=getattr(cfg, "fused_ops", None))
 
 
 def microbatch_tokens(cfg: TrainConfig) -> int | None:

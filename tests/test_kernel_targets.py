@@ -67,7 +67,19 @@ def test_jobs_cover_the_table():
     assert {(j.target, j.head_dim, j.features) for j in small if j.kernel == "fp8_rows"} == {
         (t, k, f) for t in ("sm90", "gfx942") for k in (1024, 4096) for f in ("x", "x*col")}
     assert not any(j.kernel == "fp8_rows" for j in jobs(["sm80", "gfx90a"], "full"))
-    assert len(jobs(["sm80"], "full")) > len(jobs(["sm80"], "small")) * 10
+    # the fused RMS norm (rows of 4096 and 8192; backward with and without dweight) and
+    # SwiGLU on every target
+    assert {(j.kernel, j.head_dim, j.features) for j in small if j.target == "gfx942"
+            and j.kernel.startswith(("rms_norm", "swiglu"))} == {
+        ("rms_norm_fwd", 4096, "-"), ("rms_norm_fwd", 8192, "-"), ("swiglu_fwd", 0, "-"),
+        ("swiglu_bwd", 0, "-")} | {("rms_norm_bwd", k, f) for k in (4096, 8192)
+                                   for f in ("dx", "dx+dw")}
+    assert {(j.kernel, j.head_dim) for j in small if j.target == "sm90"
+            and j.kernel.startswith("rope")} == {(k, hd) for k in ("rope_fwd", "rope_bwd")
+                                                 for hd in HEAD_DIMS}
+    flash = set(tuning.KERNELS) | {"preprocess"}
+    assert (sum(j.kernel in flash for j in jobs(["sm80"], "full"))
+            > sum(j.kernel in flash for j in jobs(["sm80"], "small")) * 10)
 
 
 def test_a_spill_is_reported_and_fails_the_command(capsys):

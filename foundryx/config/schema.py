@@ -134,6 +134,26 @@ class TilingConfig:
 
 
 @dataclass
+class FusedOpsConfig:
+    """``fused_ops``: a Hugging Face Llama-family block's elementwise work as one Triton kernel
+    each way (docs/hf.md), applied from outside the model: the RMS norms (Llama,
+    Mistral, Qwen2/3, Phi-3), the MLP's ``silu(gate) * up`` (Llama, Mistral, Qwen2/3) and the
+    attention's RoPE (Llama). A
+    family whose modules differ keeps the unfused path, said in one line."""
+
+    rms_norm: bool | Literal["auto"] = doc(
+        "each RMS norm as one operator each way (forward: y and a float32 statistic per "
+        "token; backward: dx, and dweight only where the weight trains); auto: on a GPU, off "
+        "on a CPU (true there runs the operator's torch reference)", default="auto")
+    swiglu: bool | Literal["auto"] = doc(
+        "the MLP's silu(gate) * up as one operator each way, keeping gate and up for backward "
+        "(silu recomputed); auto: as rms_norm", default="auto")
+    rope: bool | Literal["auto"] = doc(
+        "the attention's rotary embedding of q and k (Llama) as one operator each way, "
+        "keeping only cos and sin for backward; auto: as rms_norm", default="auto")
+
+
+@dataclass
 class CompileConfig:
     """``compile``: ``torch.compile`` each transformer block (regional compilation: the block
     is compiled once and reused, so compile time does not grow with depth); applies with or
@@ -253,6 +273,10 @@ class TrainConfig:
         "the MLP computed a tile of tokens at a time (long sequences)",
         default_factory=TilingConfig,
     )
+    fused_ops: FusedOpsConfig = doc(
+        "RMS norms, SwiGLU and RoPE as fused kernels (Hugging Face Llama-family models on GPUs)",
+        default_factory=FusedOpsConfig,
+    )
     float8: Float8Config = doc(
         "float8 training of the linear layers (torchao; GPUs with FP8 tensor cores)",
         default_factory=Float8Config,
@@ -297,6 +321,8 @@ class TrainConfig:
             self.compile = CompileConfig(**self.compile)
         if isinstance(self.tiling, dict):
             self.tiling = TilingConfig(**self.tiling)
+        if isinstance(self.fused_ops, dict):
+            self.fused_ops = FusedOpsConfig(**self.fused_ops)
         if isinstance(self.node, dict):
             self.node = NodeConfig(**self.node)
         if isinstance(self.float8, dict):

@@ -1,12 +1,14 @@
 """Compile every Triton kernel foundryx ships for real GPU targets, on any machine (no GPU).
 
 ``python -m foundryx.kernels.targets [--targets sm80,sm90,gfx90a,gfx942] [--set small|full]
-[--kernels bwd_atomic,...] [--head-dims 64,...] [--json]`` compiles the FlashAttention kernels (forward, backward dK/dV, backward dQ, the
-one-kernel backward with atomic dQ and the preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
-family uses, for the feature combinations users hit, and the FP8 row quantization kernel
-(``kernels/fp8_rows.py``) on the targets with FP8 tensor cores (sm90, gfx942), ahead of time (``triton.compile`` with a
-``GPUTarget``): NVIDIA to PTX and a cubin with the ``ptxas`` inside the triton wheel, AMD to
-AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
+[--kernels bwd_atomic,...] [--head-dims 64,...] [--json]`` compiles the FlashAttention kernels
+(forward, backward dK/dV, backward dQ, the one-kernel backward with atomic dQ and the
+preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
+family uses, for the feature combinations users hit, the FP8 row quantization kernel
+(``kernels/fp8_rows.py``) on the targets with FP8 tensor cores (sm90, gfx942), and the fused
+RMS norm, SwiGLU and RoPE kernels (``kernels/rms_norm.py``, ``swiglu.py``, ``rope.py``) on
+every target, ahead of time (``triton.compile`` with a ``GPUTarget``): NVIDIA to PTX and a
+cubin with the ``ptxas`` inside the triton wheel, AMD to AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
 shared memory (LDS on AMD) against the target's limit, registers, spills and the occupancy
 those allow, and exits 1 when anything fails to compile, exceeds the limit or spills.
 """
@@ -49,7 +51,15 @@ PREPROCESS_ROWS = 64  # the preprocess kernel's BLOCK_M (flash_attention._backwa
 # warps).
 FP8_TARGETS = {"sm90": ("fp8e4nv", "float8_e4m3fn"), "gfx942": ("fp8e4b8", "float8_e4m3fnuz")}
 FP8_ROWS = (1024, 4096)
-KERNEL_NAMES = ("preprocess", *tuning.KERNELS, "fp8_rows")
+# The fused RMS norm (forward; backward with dx, and with dx and dweight) for rows of 4096
+# (Llama-3.1-8B, 8 warps) and 8192 (70B, 16 warps), and SwiGLU's product (elementwise, one
+# configuration), on every target
+NORM_ROWS = (4096, 8192)
+NORM_KERNELS = {"rms_norm_fwd": ("-",), "rms_norm_bwd": ("dx", "dx+dw")}
+ELEMENTWISE = ("swiglu_fwd", "swiglu_bwd")
+ROPE_KERNELS = ("rope_fwd", "rope_bwd")  # at each head dim
+KERNEL_NAMES = ("preprocess", *tuning.KERNELS, "fp8_rows", *NORM_KERNELS, *ELEMENTWISE,
+                *ROPE_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,12 @@ def jobs(targets: list[str], which: str) -> list[Job]:
             for k in FP8_ROWS:
                 for dtype in dtypes:
                     out += [Job(t, "fp8_rows", k, dtype, f, None) for f in ("x", "x*col")]
+        for dtype in dtypes:  # head_dim: the norm's row length (0: elementwise)
+            out += [Job(t, kernel, k, dtype, f, None) for kernel, feats in NORM_KERNELS.items()
+                    for k in NORM_ROWS for f in feats]
+            out += [Job(t, kernel, 0, dtype, "-", None) for kernel in ELEMENTWISE]
+            out += [Job(t, kernel, hd, dtype, "-", None) for kernel in ROPE_KERNELS
+                    for hd in HEAD_DIMS]
     return out
 
 
@@ -130,13 +146,29 @@ def compile_job(job: Job, lld: str | None) -> Result:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from foundryx.kernels import flash_bwd, flash_fwd, fp8_rows  # Triton's @jit: after the env
+    from foundryx.kernels import (  # Triton's @jit: after the env
+        flash_bwd,
+        flash_fwd,
+        fp8_rows,
+        rms_norm,
+        rope,
+        swiglu,
+    )
 
     if lld:
         os.environ["TRITON_HIP_LLD_PATH"] = lld
     target = TARGETS[job.target]
     if job.kernel == "fp8_rows":
         return _compile(job, *_fp8_rows_source(job, fp8_rows), target, GPUTarget, ASTSource)
+    if job.kernel in NORM_KERNELS or job.kernel in ELEMENTWISE:
+        return _compile(job, *_fused_source(job, rms_norm, swiglu), target, GPUTarget, ASTSource)
+    if job.kernel in ROPE_KERNELS:
+        fn = rope.rope_kernel
+        block, warps = rope.launch_config(job.head_dim)
+        sig, attrs = _signature(fn, {n: f"*{job.dtype}" for n in ("Q", "K", "QO", "KO", "COS",
+                                                                  "SIN")})
+        return _compile(job, fn, sig, {"BACKWARD": job.kernel == "rope_bwd", "BLOCK": block},
+                        attrs, {"num_warps": warps}, target, GPUTarget, ASTSource)
     block_d = max(16, triton.next_power_of_2(job.head_dim))
     consts: dict = {"HEAD_DIM": job.head_dim, "BLOCK_D": block_d}
     if job.kernel == "preprocess":
@@ -166,6 +198,29 @@ def _fp8_rows_source(job: Job, fp8_rows) -> tuple:  # noqa: ANN001  (the module,
                                  "S": "*fp32"})
     consts = {"FMAX": fmax, "MIN_SCALE": 1e-12, "MIN_EXP": min_exp,
               "HAS_COL": job.features == "x*col", "BLOCK_K": block}
+    return fn, sig, consts, attrs, {"num_warps": warps}
+
+
+def _fused_source(job: Job, rms_norm, swiglu) -> tuple:  # noqa: ANN001  (the modules)
+    """A fused RMS norm or SwiGLU kernel, its signature, constants and launch options: data
+    in ``job.dtype``, statistics and dweight partials in float32, as the operators launch
+    them (an input of float32 weights: the same code)."""
+    data = f"*{job.dtype}"
+    if job.kernel in ELEMENTWISE:
+        fn = swiglu.swiglu_fwd_kernel if job.kernel == "swiglu_fwd" else swiglu.swiglu_bwd_kernel
+        sig, attrs = _signature(fn, {p.name: data for p in fn.params if not p.is_constexpr
+                                     and p.name != "n"})
+        return fn, sig, {"BLOCK": swiglu.BLOCK}, attrs, {"num_warps": swiglu.WARPS}
+    block, warps = rms_norm.launch_config(job.head_dim)
+    if job.kernel == "rms_norm_fwd":
+        fn = rms_norm.rms_norm_fwd_kernel
+        kinds = {"X": data, "W": data, "Y": data, "RSTD": "*fp32", "eps": "fp32"}
+        consts = {"BLOCK_N": block}
+    else:
+        fn = rms_norm.rms_norm_bwd_kernel
+        kinds = {"DY": data, "X": data, "W": data, "RSTD": "*fp32", "DX": data, "DW": "*fp32"}
+        consts = {"HAS_DX": True, "HAS_DW": job.features == "dx+dw", "BLOCK_N": block}
+    sig, attrs = _signature(fn, kinds)
     return fn, sig, consts, attrs, {"num_warps": warps}
 
 
@@ -249,8 +304,12 @@ def table(results: list[Result]) -> str:
 
 
 def _cfg(job: Job) -> str:
-    if job.kernel == "fp8_rows":
+    if job.kernel == "fp8_rows" or job.kernel in NORM_KERNELS:
         return f"rows of {job.head_dim}"
+    if job.kernel in ELEMENTWISE:
+        return "elementwise"
+    if job.kernel in ROPE_KERNELS:
+        return f"heads of {job.head_dim}"
     return str(job.config) if job.config else f"{PREPROCESS_ROWS} rows"
 
 

@@ -22,6 +22,7 @@ from foundryx.config.schema import (
     ActivationCheckpointingConfig,
     CompileConfig,
     Float8Config,
+    FusedOpsConfig,
     ParallelismConfig,
     TilingConfig,
 )
@@ -41,6 +42,7 @@ from foundryx.parallel.fsdp import (
     shard_model,
     sum_only_reductions,
 )
+from foundryx.parallel.fused_ops import FUSED, apply_fused_ops
 from foundryx.parallel.offload_activations import (
     MIN_BYTES,
     ActivationOffload,
@@ -115,13 +117,17 @@ def route_linears(model: nn.Module) -> int:
 def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
                          compile: CompileConfig, device: torch.device | None = None,
                          tiling: TilingConfig | None = None,
-                         microbatch_tokens: int | None = None) -> list[str]:
-    """Tiled MLPs (``tiling``, None: off; ``auto`` decided for ``microbatch_tokens``),
-    activation checkpointing, activation offload and compile; returns summary phrases."""
+                         microbatch_tokens: int | None = None,
+                         fused_ops: FusedOpsConfig | None = None) -> list[str]:
+    """Fused RMS norms and SwiGLU (``fused_ops``, None: off), tiled MLPs (``tiling``, None:
+    off; ``auto`` decided for ``microbatch_tokens``), activation checkpointing, activation
+    offload and compile; returns summary phrases."""
     block_list = blocks(model)
     device = device or pick_device()
     compile_on = resolve_compile(compile, device, bool(block_list))
     summary = []
+    if fused_ops is not None:  # before tiling: a tiled MLP runs the fused forward tile by tile
+        summary += apply_fused_ops(model, [m for _, m in block_list], fused_ops, device)
     if tiling is not None:
         summary += apply_tiling(model, [m for _, m in block_list], tiling, microbatch_tokens)
     if ac.enabled:
@@ -160,12 +166,17 @@ def apply_tiling(model: nn.Module, block_list: list[nn.Module], tiling: TilingCo
     long = microbatch_tokens is not None and microbatch_tokens >= tiling.auto_tokens
     mlps = mlp_modules(model, block_list, tiling.mlp_modules)
     norms = rms_norm_modules(model)
+    fused = [m for m in norms if getattr(m, FUSED, None)]
+    norms = [m for m in norms if not getattr(m, FUSED, None)]
+    if fused and (tiling.norm is True or (tiling.norm == "auto" and long)):
+        log.info("tiling.norm: the %d fused RMS norms are not tiled (fused_ops.rms_norm keeps "
+                 "only their input and a float32 statistic per token already)", len(fused))
     if tiling.mlp is True and not mlps:
         names = tiling.mlp_modules
         what = f"of class {', '.join(names)}" if names else "whose class name ends in MLP"
         raise ConfigError([f"tiling.mlp: the model's blocks have no module {what}; name "
                            "them in tiling.mlp_modules or set tiling.mlp: false"])
-    if tiling.norm is True and not norms:
+    if tiling.norm is True and not norms and not fused:
         raise ConfigError([f"tiling.norm: the model has no RMS norm of a kind foundryx tiles "
                            f"({', '.join(sorted(RMS_NORMS))}); set tiling.norm: false"])
     tile_mlps = bool(mlps) and (tiling.mlp is True or (tiling.mlp == "auto" and long))
@@ -212,6 +223,7 @@ def parallelize(
     float8: Float8Config | None = None,
     tiling: TilingConfig | None = None,
     microbatch_tokens: int | None = None,
+    fused_ops: FusedOpsConfig | None = None,
 ) -> nn.Module:
     """Apply the sections to ``model`` in place and return it.
 
@@ -269,7 +281,7 @@ def parallelize(
         summary.append(f"float8 ({float8.recipe}) in {apply_float8(model, float8)} linear layers")
     summary += apply_block_policies(model, activation_checkpointing or ActivationCheckpointingConfig(),
                                     compile or CompileConfig(enabled=False), device, tiling,
-                                    microbatch_tokens)
+                                    microbatch_tokens, fused_ops)
     if routed:
         summary.append(routed)
     if mesh is not None:
