@@ -80,9 +80,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         data = prepare_quickstart(args.data or Path(tmp) / "qs", progress=False)
         tok = data / "tokenizer"
-        models = {s: tiny_llama(s, Path(tmp) / s, tok) for s in ("llama-3.1-8b", "llama-3.1-70b",
-                                                               "llama-3.1-405b")}
-        models["mpt"] = tiny_mpt_export(Path(tmp) / "mpt", tok)
+        models = {}  # the tiny model of each family the recipes fine-tune
+        for family in sorted({RECIPES[r][0] for r in args.recipes}):
+            models[family] = (tiny_mpt_export(Path(tmp) / family, tok) if family == "mpt"
+                              else tiny_llama(family, Path(tmp) / family, tok))
         for recipe in args.recipes:
             ov = overrides(recipe, models, data)
             measured = measure(recipe, ov, Path(tmp) / recipe.replace("/", "_"))

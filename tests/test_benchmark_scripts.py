@@ -48,12 +48,10 @@ TINY = {
     "remote": (["--data", "{qs}", "--rounds", "1", "--batches", "2"], "| s3 cold |"),
     "remote_checkpoint": (["--mb", "1", "--rounds", "1", "--steps", "4"],
                           "process loss / sync upload time"),
-    "rss_steps": (["--steps", "11", "--configs", "fp8-offload0", "--hidden", "128", "--layers",
-                   "1", "--data", "{qs}", "--images", "{tmp}/images"], "| fp8-offload0 | 1 |"),
     "tp": (["--world", "2", "--models", "mpt", "--layouts", "2", "--act-seq", "0", "--steps",
             "2"], "| mpt | shard 1 x tp 2 |"),
-    "vs_llmfoundry": (["--rounds", "1", "--batches", "2", "--no-compile", "--venv", "{peer}",
-                       "--work", "{tmp}/w"], "| 1 | foundryx, llmfoundry |"),
+    "vs_llmfoundry": (["--rounds", "1", "--batches", "2", "--no-compile", "--corpus", "{corpus}",
+                       "--venv", "{peer}", "--work", "{tmp}/w"], "| 1 | foundryx, llmfoundry |"),
 }
 # Run here in-process (planner arithmetic only, no process of its own to start): arguments and
 # the line that says it planned; {tmp}/peer-8k.json and -16k.json: two traces of the peer.
@@ -81,11 +79,10 @@ ELSEWHERE = {
 }
 # Cases whose arguments need a fixture, and the cases make test runs on the modern leg (about
 # half of this file's time; tests/conftest.py).
-QUICKSTART = {"dataloader", "plan_vs_run", "remote", "rss_steps"}
-SHARED = {"eval_generate", "kv_cache", "eval_vs_llmfoundry", "eval_vs_lmeval",
-          "vs_llmfoundry"}  # read ../shared
-MODERN = {"cli_errors", "convert", "dataloader", "eval_vs_llmfoundry", "eval_vs_lmeval",
-          "rss_steps", "vs_llmfoundry"}
+QUICKSTART = {"dataloader", "plan_vs_run", "remote"}
+SHARED = {"eval_generate", "kv_cache", "eval_vs_llmfoundry", "eval_vs_lmeval"}  # ../shared
+MODERN = {"cli_errors", "convert", "dataloader", "eval_vs_llmfoundry", "eval_vs_lmeval", "tp",
+          "vs_llmfoundry"}
 PEER_STUBS = Path(__file__).parent / "peer_stubs"
 
 
@@ -159,7 +156,7 @@ def test_the_script_runs_at_a_tiny_size(name, tmp_path, request):
         from foundryx.data.synthetic import generate_corpus
 
         places["corpus"] = str(tmp_path / "corpus.txt")
-        Path(places["corpus"]).write_text("\n\n".join(generate_corpus(200, seed=1)))
+        Path(places["corpus"]).write_text("\n\n".join(generate_corpus(400, seed=1)))
     args = [a.format(**places) for a in args]
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=600,
