@@ -4,7 +4,7 @@ issue 54 a mistake in the config's keys or values also loads the components' cod
 their options' problems come in the same message: seconds more).
 
     python -m benchmarks.cli_errors [--rounds 5] [--baseline REF --baseline-rounds 3]
-                                    [--out benchmarks/RESULTS.md]
+                                    [--cases TEXT ...] [--out benchmarks/RESULTS.md]
 
 Each case runs ``python -m foundryx.cli ...`` as a new process in an empty folder, with this
 checkout first on PYTHONPATH; the time is the process's wall time to its exit, which is when
@@ -12,6 +12,8 @@ the message has been printed. ``--baseline REF`` also runs every case on the fou
 commit (``git archive`` into a temporary folder), alternating with this checkout within each
 round (which one goes first alternates too), so both see the same machine load. The table
 gives the median over rounds and the range, the exit codes, and the ratio of the medians.
+``--cases`` keeps the cases whose name contains one of the texts given (a quick look; the test
+of this script runs two).
 """
 
 from __future__ import annotations
@@ -88,8 +90,15 @@ def main() -> None:
     ap.add_argument("--baseline-rounds", type=int, default=3, help="rounds that also run the "
                     "baseline (its cases take 10-40 s each)")
     ap.add_argument("--data-root", help="the quickstart data (default: generated, ~30 s)")
+    ap.add_argument("--cases", nargs="+", metavar="TEXT",
+                    help="only the cases whose name contains one of these texts")
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
+    if args.cases:
+        known = cases("", "")
+        if not any(t in name for t in args.cases for name in known):
+            ap.error(f"--cases {' '.join(args.cases)}: no case matches; the cases: "
+                     + "; ".join(known))
 
     tmp = Path(tempfile.mkdtemp(prefix="cli_errors-"))
     data_root = args.data_root
@@ -102,7 +111,8 @@ def main() -> None:
     trees = {"now": ROOT}
     if args.baseline:
         trees["baseline"] = extract(args.baseline, tmp)
-    table = cases(data_root, str(bad))
+    table = {name: case for name, case in cases(data_root, str(bad)).items()
+             if not args.cases or any(t in name for t in args.cases)}
     times = {(c, t): [] for c in table for t in trees}
     codes = {(c, t): set() for c in table for t in trees}
     load_before = os.getloadavg()[0]
@@ -141,6 +151,7 @@ def main() -> None:
         "## Time to the message of a command-line mistake (issue 26, part A)", "",
         f"{datetime.date.today()}. {platform.machine()} Linux VM, {cpus} cores, no GPU; "
         f"{versions()}, omegaconf {version('omegaconf')}. Command: `python -m benchmarks.cli_errors --rounds {args.rounds}"
+        + "".join(f" --cases '{t}'" for t in args.cases or [])
         + (f" --baseline {args.baseline} --baseline-rounds {args.baseline_rounds}`"
            if args.baseline else "`")
         + f". Load average {load_before:.1f} before and {load_after:.1f} after (other jobs "

@@ -1,6 +1,7 @@
 """Dataloader speed against a CPU quickstart training step.
 
     python -m benchmarks.dataloader                 # uses (or builds) data/quickstart
+    python -m benchmarks.dataloader --data DIR --batches 2 --steps 1   # a quick look
 
 Rows: sequences/s of the ``text`` loader on the quickstart MDS (batch 16 x 128 tokens,
 shuffled), with ``emit_sequence_id``, with two streams mixed 0.7/0.3, and of the packed
@@ -67,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT / "data/quickstart"))
     ap.add_argument("--batches", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=5, help="timed training steps (the fastest counts)")
     args = ap.parse_args()
     data = prepare_quickstart(args.data)
     tok = build_hf_tokenizer(str(data / "tokenizer"))
@@ -79,7 +81,7 @@ def main() -> None:
     print(f"load average before: {os.getloadavg()}", flush=True)
     for name, ds in (("text", base), ("text + sequence_id", {**base, "emit_sequence_id": True}),
                      ("text, 2 streams 0.7/0.3", mix)):
-        rows[name] = rate(build_text_dataloader({"name": "text", "dataset": ds}, tok, BATCH),
+        rows[name] = rate(build_text_dataloader({"dataset": ds}, tok, BATCH),
                           args.batches)
         print(f"  {name}: {rows[name]:,.0f} sequences/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,7 +91,7 @@ def main() -> None:
                  for a, b in zip(docs[::2], docs[1::2])]
         src = Path(tmp) / "chat.jsonl"
         src.write_text("".join(json.dumps(c) + "\n" for c in chats))
-        ft = {"name": "finetuning", "dataset": {"path": str(src), "max_seq_len": 512,
+        ft = {"dataset": {"path": str(src), "max_seq_len": 512,
                                                 "packing_ratio": "auto"}}
         start = time.perf_counter()
         spec = build_finetuning_dataloader(ft, tok, BATCH)
@@ -97,7 +99,7 @@ def main() -> None:
         name = "finetuning, packed (512 tokens)"
         rows[name] = rate(spec, min(args.batches, len(spec.dataloader) - 2))
         print(f"  {name}: {rows[name]:,.0f} sequences/s (built in {build_s:.1f} s)", flush=True)
-    step = step_time(tok, 5)
+    step = step_time(tok, args.steps)
     print(f"\nload average after: {os.getloadavg()}\n")
     print(f"{datetime.date.today()}: batch {BATCH} x {SEQ}; quickstart training step "
           f"{step * 1000:.0f} ms ({BATCH / step:,.0f} sequences/s)\n")

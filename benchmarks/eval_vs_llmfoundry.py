@@ -39,6 +39,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -348,7 +349,8 @@ def main() -> None:
                          "have so far")
     ap.add_argument("--only", choices=["foundryx", "llmfoundry"], help="run one side only")
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-eval-vs-llmfoundry"))
+    ap.add_argument("--work", type=Path,
+                    default=Path(tempfile.gettempdir()) / "foundryx-eval-vs-llmfoundry")
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)

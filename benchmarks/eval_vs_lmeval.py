@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -120,7 +121,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--lm-eval-version", default="0.4.13")
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/lmeval")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-eval-vs-lmeval"))
+    ap.add_argument("--work", type=Path,
+                    default=Path(tempfile.gettempdir()) / "foundryx-eval-vs-lmeval")
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     ap.add_argument("--reuse", choices=["foundryx", "lm_eval"],
                     help="read this side's result from the last run in --work (same settings) "
@@ -130,7 +132,9 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     py = ensure_lmeval(args.venv, args.lm_eval_version)
-    model = build_model(Path("/tmp/foundryx-eval-vs-llmfoundry"), hidden=args.hidden)
+    # the model folder eval_vs_llmfoundry.py builds (and reuses) under its default --work
+    model = build_model(Path(tempfile.gettempdir()) / "foundryx-eval-vs-llmfoundry",
+                        hidden=args.hidden)
     tasks = [t for t in task_entries(args.tasks, args.data_root)
              if t["icl_task_type"] in ("multiple_choice", "schema") and not t.get("has_categories")]
     include = args.work / "lm_eval_tasks"

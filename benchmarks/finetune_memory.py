@@ -5,8 +5,10 @@ the ``fsdp2offload`` rows), on 1 and 2 processes (FSDP2 over gloo), each
 configuration in a fresh process (``torchrun``), the order alternated between rounds.
 
     .venv/bin/python -m benchmarks.finetune_memory [--rounds 1] [--steps 3] [--procs 1 2] [--ac]
+        [--configs full lora ...] [--model 130m|tiny]
 
-``--ac``: activation checkpointing of every block in every configuration, as the large-model
+``--model tiny`` (d_model 128, 2 layers, vocabulary 512) runs the same code in seconds, for a
+quick look and the script's test; its memory figures mean nothing. ``--ac``: activation checkpointing of every block in every configuration, as the large-model
 recipe (yamls/finetune/llama-8b-lora-fp8.yaml) runs; without it the blocks' activations
 (about 100 MB per rank here) sit in every row's peak alike.
 
@@ -64,6 +66,9 @@ CONFIGS = {  # name: (peft?, frozen_base dtype, offload_fraction; negative: by F
 MODEL = {"d_model": 1024, "n_heads": 16, "n_layers": 8, "max_seq_len": 256, "vocab_size": 8192,
          "attn_config": {"rope": True}, "norm_type": "rmsnorm", "no_bias": True,
          "ffn_config": {"ffn_type": "swiglu", "ffn_hidden_size": 3584}}
+MODELS = {"130m": MODEL, "tiny": {**MODEL, "d_model": 128, "n_heads": 2, "n_layers": 2,
+                                   "vocab_size": 512,
+                                   "ffn_config": {"ffn_type": "swiglu", "ffn_hidden_size": 448}}}
 WARMUP = {**MODEL, "d_model": 128, "n_heads": 2, "n_layers": 1, "vocab_size": 256,
           "ffn_config": {"ffn_type": "swiglu", "ffn_hidden_size": 256}}
 SEQ, BATCH = 128, 1  # per rank
@@ -126,7 +131,7 @@ def train_step(model, opt, batch):  # noqa: ANN001, ANN201
     return loss
 
 
-def worker(name: str, steps: int) -> None:
+def worker(name: str, steps: int, sizes: dict) -> None:
     import gc
 
     import torch
@@ -144,7 +149,7 @@ def worker(name: str, steps: int) -> None:
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc_trim(0)
     before = rss_mb("VmRSS")
-    model, opt, batch, n_params = build(name, MODEL, world)
+    model, opt, batch, n_params = build(name, sizes, world)
     libc.malloc_trim(0)
     state = rss_mb("VmRSS") - before  # what the built, sharded model and optimizer hold
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -172,11 +177,11 @@ def worker(name: str, steps: int) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_one(name: str, procs: int, steps: int) -> dict:
+def run_one(name: str, procs: int, steps: int, model: str = "130m") -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(max(1, 2 // procs))}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={procs}", "-m", "benchmarks.finetune_memory", "--worker", name,
-           "--steps", str(steps)]
+           "--steps", str(steps), "--model", model]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
@@ -190,19 +195,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--procs", type=int, nargs="+", default=[2, 1])
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--out", default=None, help="append each result as a JSON line here")
     ap.add_argument("--ac", action="store_true", help="activation checkpointing in every configuration")
+    ap.add_argument("--model", choices=list(MODELS), default="130m",
+                    help="the model's size (tiny: the script's test; its figures mean nothing)")
     args = ap.parse_args()
     if args.ac:
         os.environ["FINETUNE_MEMORY_AC"] = "1"  # the workers (torchrun) inherit it
     if args.worker:
-        return worker(args.worker, args.steps)
+        return worker(args.worker, args.steps, MODELS[args.model])
     for r in range(args.rounds):
         order = args.configs if r % 2 == 0 else args.configs[::-1]  # alternate the sides
         for procs in args.procs:
             for name in order:
-                result = run_one(name, procs, args.steps)
+                result = run_one(name, procs, args.steps, args.model)
                 result["round"] = r
                 print(json.dumps(result), flush=True)
                 if args.out:

@@ -1,7 +1,7 @@
 """The longest sequence per GPU size, foundryx's long recipe against the peer, on paper (issue 52).
 
     python -m benchmarks.long_context --peer /tmp/peer_8192.json /tmp/peer_16384.json \\
-        [--foundryx /tmp/long_16k.json /tmp/long_512k.json] [--json F]
+        [--foundryx /tmp/long_16k.json /tmp/long_512k.json] [--sizes "24 GB" ...] [--json F]
 
 foundryx: ``foundryx plan yamls/finetune/llama-3.1-8b-lora-long.yaml --search max_seq_len`` at
 each GPU size (its bf16 base, and over an FP8 and an NF4 base): the planner's terms, which
@@ -11,7 +11,8 @@ benchmarks/peer_lora.py): two traced steps of benchmarks/flagship_estimate.py (`
 --batch 1 --seq N --json``) at two lengths; its peak is linear in the length (flash-like
 attention, whole logits, every layer's input kept), so the line through them, with the same
 margin and context as the planner's, gives its longest length. ``--foundryx``: two traces of
-the long recipe, the same line for foundryx (a check of the planner's answer).
+the long recipe, the same line for foundryx (a check of the planner's answer). ``--sizes``: only
+these GPU sizes (each is three planner searches; the test of this script runs one).
 
 Then the step at 524,288 tokens on paper: FLOPs of the linear layers (forward, the
 checkpointed recompute, the input gradients; LoRA's weight gradients are rank 16 and left
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="two flagship_estimate.py --sides peer JSON files at two lengths")
     p.add_argument("--foundryx", type=Path, nargs=2, default=None,
                    help="two flagship_estimate.py --recipe (long) --sides bf16 JSON files")
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES),
+                   help="only these GPU sizes")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     b0, b1, points = line(a.peer, "peer")
@@ -108,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         out["foundryx_line"] = {"gib_at_zero": f0, "gib_per_1k_tokens": f1 * 1024,
                                 "traced": fpoints}
     rows = []
-    for size, (gpu, memory) in SIZES.items():
+    for size in a.sizes:
+        gpu, memory = SIZES[size]
         row = {"gpu": size}
         for base in BASES:
             ans = foundryx_longest(gpu, memory, base)

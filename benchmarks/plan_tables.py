@@ -4,7 +4,7 @@ fine-tuning without sharding, through ZeRO stages 1-3, LoRA, an FP8 base and the
 over the GPUs, to the whole plan with activations and buffers and the offload fraction that
 leaves headroom.
 
-    python -m benchmarks.plan_tables [--seq 4096] [--headroom 0.10]
+    python -m benchmarks.plan_tables [--seq 4096] [--headroom 0.10] [--models 405b 70b 8b]
 
 No hub access and no weights: each model's shape is a Hugging Face config.json this script
 writes (Llama 3.1 8B and 405B as in yamls/shapes/; Llama 3 70B is Llama 3.1 70B's shape with its
@@ -31,12 +31,12 @@ LORA = {"target_modules": "all-linear", "r": 16, "lora_alpha": 32}
 FP8 = {"dtype": "fp8"}
 BF16 = {"dtype": "bf16"}
 # (title, shape folder, changes to its config.json, --gpu, --gpu-memory, GPUs)
-NODES = (
-    ("Llama-3.1-405B on one node of 8 x H100-80GB", "llama-3.1-405b", {}, "h100", None, 8),
-    ("Llama-3-70B on 8 x A100-80GB", "llama-3.1-70b",
-     {"max_position_embeddings": 8192, "rope_scaling": None}, "a100-80gb", None, 8),
-    ("Llama-3.1-8B on one 24 GB GPU", "llama-3.1-8b", {}, "h100", "24GB", 1),
-)
+NODES = {  # --models name: the table
+    "405b": ("Llama-3.1-405B on one node of 8 x H100-80GB", "llama-3.1-405b", {}, "h100", None, 8),
+    "70b": ("Llama-3-70B on 8 x A100-80GB", "llama-3.1-70b",
+            {"max_position_embeddings": 8192, "rope_scaling": None}, "a100-80gb", None, 8),
+    "8b": ("Llama-3.1-8B on one 24 GB GPU", "llama-3.1-8b", {}, "h100", "24GB", 1),
+}
 
 
 def write_shape(folder: Path, shape: str, changes: dict) -> Path:
@@ -143,10 +143,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--headroom", type=float, default=0.10)
+    ap.add_argument("--models", nargs="+", choices=list(NODES), default=list(NODES),
+                    help="only these models' tables")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        for title, shape, changes, gpu, memory, gpus in NODES:
+        for name in args.models:
+            title, shape, changes, gpu, memory, gpus = NODES[name]
             if memory:
                 parse_memory(memory)
             table(title, write_shape(folder, shape, changes), gpu, memory, gpus, args.seq,

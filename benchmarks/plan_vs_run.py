@@ -4,12 +4,14 @@ a tiny model of the recipe's family saved as bf16 safetensors, its own precision
 LoRA, frozen base, offload and workers; 4 batches; CPU).
 
     python -m benchmarks.plan_vs_run [--recipes finetune/llama-lora.yaml ...] [--out FILE]
+            [--data DIR]
 
 Measured: ``memory/host_peak_gib_max`` from ``callbacks.memory_monitor`` (every rank's peak
 RSS since its process started, loading included; the largest rank's), the largest reading of
 the run. Planned: ``foundryx plan RECIPE OVERRIDES --gpus 2 --json``'s ``host.per_rank`` (on a
 CPU device every term is host memory), with the same overrides. Prints a table of both, the
-ratio and whether the plan is within 20% (issue 38's target).
+ratio and whether the plan is within 20% (issue 38's target). ``--data``: the quickstart data
+there (built when absent) instead of a fresh copy.
 """
 
 from __future__ import annotations
@@ -64,18 +66,24 @@ def main() -> None:
     ap.add_argument("--recipes", nargs="+",
                     default=sorted(r for r in RECIPES if r.startswith("finetune/")))
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--data", type=Path, help="the quickstart data (default: built afresh)")
     args = ap.parse_args()
+    unknown = sorted(set(args.recipes) - set(RECIPES))
+    if unknown:
+        ap.error(f"--recipes: not a recipe with test sizes: {', '.join(unknown)}; known: "
+                 + ", ".join(sorted(r for r in RECIPES if r.startswith("finetune/"))))
     import torch
 
     from foundryx.data.quickstart import prepare_quickstart
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        data = prepare_quickstart(Path(tmp) / "qs", progress=False)
+        data = prepare_quickstart(args.data or Path(tmp) / "qs", progress=False)
         tok = data / "tokenizer"
-        models = {s: tiny_llama(s, Path(tmp) / s, tok) for s in ("llama-3.1-8b", "llama-3.1-70b",
-                                                               "llama-3.1-405b")}
-        models["mpt"] = tiny_mpt_export(Path(tmp) / "mpt", tok)
+        models = {}  # the tiny model of each family the recipes fine-tune
+        for family in sorted({RECIPES[r][0] for r in args.recipes}):
+            models[family] = (tiny_mpt_export(Path(tmp) / family, tok) if family == "mpt"
+                              else tiny_llama(family, Path(tmp) / family, tok))
         for recipe in args.recipes:
             ov = overrides(recipe, models, data)
             measured = measure(recipe, ov, Path(tmp) / recipe.replace("/", "_"))

@@ -2,6 +2,7 @@
 
     python -m benchmarks.plot_results   # writes benchmarks/images/loading-grid.png and
                                         # benchmarks/images/planner-device.png
+    python -m benchmarks.plot_results --images DIR   # the same two files into DIR
 
 The shard-on-read grid (section "Loading"): per frozen-base dtype, the measured peak host
 memory per rank (VmHWM) and the planner's figure against the number of ranks, and the load's
@@ -12,6 +13,7 @@ the line of equality and the 15% band.
 
 from __future__ import annotations
 
+import argparse
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,6 +36,10 @@ def grid_rows(text: str, start: str = GRID_HEADER) -> list[dict[str, str]]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=Path, default=HERE / "images",
+                    help="the folder the plots are written to")
+    images = ap.parse_args().images
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,14 +74,14 @@ def main() -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"shard-on-read grid: {len(rows)} rows (0.75B Llama, bf16 safetensors, CPU ranks)")
     fig.tight_layout()
-    out = HERE / "images" / "loading-grid.png"
-    out.parent.mkdir(exist_ok=True)
+    out = images / "loading-grid.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out} ({len(rows)} rows)")
-    plot_planner_device(plt)
+    plot_planner_device(plt, images)
 
 
-def plot_planner_device(plt) -> None:  # noqa: ANN001
+def plot_planner_device(plt, images: Path) -> None:  # noqa: ANN001
     """Planned against measured device memory per case (the planner-accuracy table)."""
     rows = [r for r in grid_rows((HERE / "RESULTS.md").read_text(), DEVICE_HEADER)
             if r["processes"] in ("1", "2")]
@@ -95,7 +101,7 @@ def plot_planner_device(plt) -> None:  # noqa: ANN001
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    out = HERE / "images" / "planner-device.png"
+    out = images / "planner-device.png"
     fig.savefig(out, dpi=110)
     print(f"wrote {out} ({len(rows)} rows)")
 

@@ -4,7 +4,7 @@ with the planner's prediction beside each; and the activation memory per rank wi
 parallel at tp 1 and tp 2 at a sequence length where activations dominate.
 
     nice .venv/bin/python -m benchmarks.tp [--models mpt llama] [--layouts 1 2 4] [--steps 4]
-        [--seq 256] [--act-seq 2048] [--out results.jsonl]
+        [--seq 256] [--act-seq 2048] [--world 4] [--out results.jsonl]
 
 Each configuration is a run config (YAML) that both sides read, with ``parallelism: {tp: T}``
 (the FSDP shard degree is the rest: 4 / T): the worker builds it as ``foundryx train`` does
@@ -27,6 +27,9 @@ Measured per rank (the largest rank's is reported):
   the blocks';
 - ``tokens/s``: global tokens of the timed steps (the first step untimed) / their time.
 
+``--world 2`` runs every configuration on 2 processes instead of 4 (layouts 1 and 2 only; the
+activation comparison is the same tp 1 against tp 2): a quick look, and the script's test.
+
 This needs the TP runtime (``parallelism.tp``, issue 24); on a torch or a branch without it the
 worker stops with the config error.
 """
@@ -47,7 +50,7 @@ from benchmarks.plan_accuracy import rss_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORLD = 4
+WORLD = 4  # processes, unless --world
 GLOBAL_BATCH = 8  # sequences per step, every layout
 MODELS = {
     "mpt": {"name": "mpt_causal_lm", "d_model": 256, "n_heads": 8, "n_layers": 4,
@@ -71,10 +74,11 @@ def model_section(name: str, seq: int) -> dict:
     return m
 
 
-def write_config(folder: Path, model: str, tp: int, seq: int, batch: int) -> Path:
+def write_config(folder: Path, model: str, tp: int, seq: int, batch: int,
+                 world: int = WORLD) -> Path:
     import yaml
 
-    per_dp = batch // (WORLD // tp)
+    per_dp = batch // (world // tp)
     cfg = {
         "max_seq_len": seq, "seed": 0, "model": model_section(model, seq),
         "tokenizer": {"name": "hf", "path": "not/needed"},
@@ -86,7 +90,7 @@ def write_config(folder: Path, model: str, tp: int, seq: int, batch: int) -> Pat
         "precision": "fp32", "device": "cpu", "compile": False, "cpu_matmul": "blas",
         "parallelism": {"sharding_strategy": "FULL_SHARD", "tp": tp},
     }
-    path = folder / f"{model}-tp{tp}-s{seq}-b{batch}.yaml"
+    path = folder / f"{model}-tp{tp}-s{seq}-b{batch}-w{world}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -190,24 +194,24 @@ def worker(config: str, steps: int) -> None:
         print("RESULT " + json.dumps(out), flush=True)
 
 
-def measure(config: Path, steps: int) -> dict:
+def measure(config: Path, steps: int, world: int = WORLD) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1",
            "FOUNDRYX_COMPILE": "0"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={WORLD}", "-m", "benchmarks.tp", "--worker", str(config), "--steps",
+           f"--nproc_per_node={world}", "-m", "benchmarks.tp", "--worker", str(config), "--steps",
            str(steps)]
     out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise SystemExit(f"{config.name} on {WORLD} processes failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{config.name} on {world} processes failed:\n{out.stderr[-3000:]}")
     return json.loads(lines[-1].removeprefix("RESULT "))
 
 
-def planned(config: Path) -> dict:
+def planned(config: Path, world: int = WORLD) -> dict:
     from foundryx.plan.memory import block_activations
     from foundryx.plan.planner import make_plan
 
-    p = make_plan(config, gpus=WORLD, gpu="cpu")
+    p = make_plan(config, gpus=world, gpu="cpu")
     blocks = p.census.shape.n_layers * block_activations(p.census.shape, p.setup)
     return {"per_device_mb": round(p.per_device_bytes / MB, 1),
             "activations_mb": round(p.terms["activations"] / MB, 2),
@@ -230,17 +234,23 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--act-seq", type=int, default=2048,
                     help="sequence length of the activation comparison (tp 1 vs 2); 0: skip")
+    ap.add_argument("--world", type=int, choices=[2, 4], default=WORLD,
+                    help="processes per configuration (2: layouts 1 and 2 only)")
     ap.add_argument("--out", default=None, help="append each result as a JSON line here")
     args = ap.parse_args()
+    world = args.world
+    if any(world % tp for tp in args.layouts):
+        ap.error(f"--layouts {' '.join(map(str, args.layouts))}: each must divide --world {world}")
     if args.worker:
         return worker(args.worker, args.steps)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             for tp in args.layouts:
-                path = write_config(Path(tmp), model, tp, args.seq, GLOBAL_BATCH)
-                row = {"model": model, "tp": tp, "shard": WORLD // tp, "seq": args.seq,
-                       "measured": measure(path, args.steps), "planned": planned(path)}
+                path = write_config(Path(tmp), model, tp, args.seq, GLOBAL_BATCH, world)
+                row = {"model": model, "tp": tp, "shard": world // tp, "seq": args.seq,
+                       "measured": measure(path, args.steps, world),
+                       "planned": planned(path, world)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.out:
@@ -250,9 +260,9 @@ def main() -> None:
         if args.act_seq:
             for model in args.models:
                 for tp in (1, 2):  # one sequence per TP group: the same microbatch per rank
-                    path = write_config(Path(tmp), model, tp, args.act_seq, WORLD // tp)
+                    path = write_config(Path(tmp), model, tp, args.act_seq, world // tp, world)
                     row = {"model": model, "tp": tp, "seq": args.act_seq, "activations": True,
-                           "measured": measure(path, 2), "planned": planned(path)}
+                           "measured": measure(path, 2, world), "planned": planned(path, world)}
                     acts.append(row)
                     print(json.dumps(row), flush=True)
                     if args.out:

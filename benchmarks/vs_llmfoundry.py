@@ -2,7 +2,7 @@
 
     python -m benchmarks.vs_llmfoundry [--rounds 3] [--batches 200] [--no-compile]
             [--cpu-matmul auto|onednn|blas] [--warm-cache] [--foundryx-ref REF ...]
-            [--skip-checkout] [--profile] [--out benchmarks/RESULTS.md]
+            [--skip-checkout] [--profile] [--corpus FILE] [--out benchmarks/RESULTS.md]
 
 Installs LLM Foundry 0.22 with the same torch and Composer in its own venv (once, under
 ``--venv``, default ``~/.cache/foundryx-bench/llmfoundry``), trains a byte-level BPE (8192)
@@ -138,19 +138,20 @@ def ensure_llmfoundry(venv: Path) -> Path:
     return py
 
 
-def prepare_data(work: Path) -> Path:
-    """A BPE tokenizer and MDS shards of tinyshakespeare under ``work`` (reused when there)."""
+def prepare_data(work: Path, corpus: Path = CORPUS) -> Path:
+    """A BPE tokenizer and MDS shards of ``corpus`` (tinyshakespeare) under ``work`` (reused
+    when there)."""
     from foundryx.data.tokenizers import train_bpe_tokenizer
 
     tok, mds = work / "tokenizer", work / "mds"
     if (mds / "train" / "index.json").exists():
         return work
-    if not CORPUS.exists():
-        sys.exit(f"vs_llmfoundry: needs {CORPUS} (../shared beside the checkout)")
-    text = CORPUS.read_text(encoding="utf-8")
+    if not corpus.exists():
+        sys.exit(f"vs_llmfoundry: needs {corpus} (../shared beside the checkout)")
+    text = corpus.read_text(encoding="utf-8")
     train_bpe_tokenizer(text.split("\n\n"), vocab_size=VOCAB, out_dir=tok)
     cli = Path(sys.executable).parent / "foundryx"
-    subprocess.run([cli, "data", "convert", "--input", CORPUS, "--out", mds / "train",
+    subprocess.run([cli, "data", "convert", "--input", corpus, "--out", mds / "train",
                     "--tokenizer", tok, "--max-seq-len", str(SEQ), "--overwrite", "--no-progress"],
                    check=True)
     return work
@@ -278,7 +279,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batches", type=int, default=200)
     ap.add_argument("--venv", type=Path, default=Path.home() / ".cache/foundryx-bench/llmfoundry")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/foundryx-vs-llmfoundry"))
+    ap.add_argument("--work", type=Path,
+                    default=Path(tempfile.gettempdir()) / "foundryx-vs-llmfoundry")
+    ap.add_argument("--corpus", type=Path, default=CORPUS,
+                    help="the text the tokenizer and the data are made of (a quick look: any "
+                         "small text)")
     ap.add_argument("--warm-cache", action="store_true",
                     help="one Inductor cache for every run instead of an empty one per run")
     ap.add_argument("--no-compile", action="store_true",
@@ -297,7 +302,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="append the result section to this markdown file")
     args = ap.parse_args()
     lf_py = ensure_llmfoundry(args.venv)
-    work = prepare_data(args.work)
+    work = prepare_data(args.work, args.corpus)
     head = subprocess.run(["git", "-C", ROOT, "describe", "--always", "--dirty"], capture_output=True,
                           text=True).stdout.strip()
     roots: dict[str, Path | None] = {}  # side -> its foundryx checkout (None: LLM Foundry)

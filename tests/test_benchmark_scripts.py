@@ -15,17 +15,50 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
-# Run here, at a tiny size: arguments, and a line of the output that says it measured.
+# Run here, at a tiny size: arguments, and a line of the output that says it measured. In the
+# arguments, {tmp} is the test's folder, {qs} the quickstart data, {peer} a stand-in venv of the
+# peer (tests/peer_stubs: LLM Foundry, lm-eval-harness; tests never install one from PyPI),
+# {corpus} a small text file and {tasks} a one-task eval file on ../shared/eval_data.
 TINY = {
+    "cli_errors": (["--rounds", "1", "--cases", "eval: unknown key", "unknown flag",
+                    "--data-root", "{tmp}/no-data"], "| eval: unknown key | 2 |"),
+    "convert": (["--corpus", "{corpus}", "--copies", "2", "--rounds", "1", "--workers", "1",
+                 "--max-seq-len", "64", "--llmfoundry", "--venv", "{peer}", "--work", "{tmp}/w"],
+                "| LLM Foundry, 2 processes |"),
     "cpu_matmul": (["--rounds", "1"], "| loss weight grad |"),
+    "dataloader": (["--data", "{qs}", "--batches", "2", "--steps", "1"],
+                   "| finetuning, packed (512 tokens) |"),
     "eval_generate": (["--examples", "2", "--batch-size", "2", "--new-tokens", "4", "--rounds",
                        "1"], "Ratio: median"),
+    "eval_vs_llmfoundry": (["--tasks", "{tasks}", "--examples", "16", "--max-seq-len", "256",
+                            "--venv", "{peer}", "--work", "{tmp}/w"], "| arc_easy/0-shot |"),
+    "eval_vs_lmeval": (["--tasks", "{tasks}", "--examples", "4", "--venv", "{peer}", "--work",
+                        "{tmp}/w"], "| arc_easy/0-shot | 4 |"),
+    "finetune_memory": (["--model", "tiny", "--configs", "lora-int8", "--procs", "2", "--steps",
+                         "2"], '"config": "lora-int8", "procs": 2'),
     "hf_models": (["--sizes", "quickstart"], "| quickstart (1M params"),
     "kv_cache": (["--examples", "2", "--batch-size", "2", "--new-tokens", "4", "--rounds", "1"],
                  "DynamicCache / foundryx median"),
+    "plan_accuracy": (["--procs", "1", "--cases", "lora-int8", "--steps", "1"],
+                      "| lora-int8 | 1 |"),
     "plan_host": (["--repeats", "1", "--workers", "1"], "torch "),
+    "plan_vs_run": (["--recipes", "finetune/mpt-lora.yaml", "--data", "{qs}"],
+                    "| finetune/mpt-lora.yaml |"),
+    "plot_results": (["--images", "{tmp}/images"], "planner-device.png ("),
+    "remote": (["--data", "{qs}", "--rounds", "1", "--batches", "2"], "| s3 cold |"),
     "remote_checkpoint": (["--mb", "1", "--rounds", "1", "--steps", "4"],
                           "process loss / sync upload time"),
+    "tp": (["--world", "2", "--models", "mpt", "--layouts", "2", "--act-seq", "0", "--steps",
+            "2"], "| mpt | shard 1 x tp 2 |"),
+    "vs_llmfoundry": (["--rounds", "1", "--batches", "2", "--no-compile", "--corpus", "{corpus}",
+                       "--venv", "{peer}", "--work", "{tmp}/w"], "| 1 | foundryx, llmfoundry |"),
+}
+# Run here in-process (planner arithmetic only, no process of its own to start): arguments and
+# the line that says it planned; {tmp}/peer-8k.json and -16k.json: two traces of the peer.
+IN_PROCESS = {
+    "long_context": (["--peer", "{tmp}/peer-8k.json", "{tmp}/peer-16k.json", "--sizes", "24 GB"],
+                     '"gpu": "24 GB", "foundryx bf16": '),
+    "plan_tables": (["--models", "8b"], "| 8. + activations (checkpointed)"),
 }
 # Run by the run book (benchmarks/gpu_runbook.sh: its dry run checks each one's arguments) or
 # by another test at a tiny size.
@@ -44,29 +77,13 @@ ELSEWHERE = {
     "pinned_rounding": "tests/test_pinned_rounding.py",
     "train_throughput": "the run book, steps 6, 9 and 10; tests/test_train_throughput.py",
 }
-# Not run by any test or by the run book yet (issue 53 left them, each with what it needs):
-# each is to get a tiny case above or be deleted.
-NOT_RUN = {
-    "cli_errors": "times every command-line mistake; minutes at its smallest",
-    "convert": "reads ../shared/corpus",
-    "dataloader": "a quickstart training step beside its loaders",
-    "eval_vs_llmfoundry": "LLM Foundry 0.22 in its own venv (installed from PyPI)",
-    "eval_vs_lmeval": "lm-eval-harness in its own venv (installed from PyPI)",
-    "finetune_memory": "a 130M-parameter MPT on 1-2 processes",
-    "host_trace": "2 ranks of a LoRA recipe",
-    "legs": "both venvs (torch 2.7 and 2.15)",
-    "long_context": "the 8B traces it reads take minutes each; its arithmetic: "
-                    "tests/test_long_context.py",
-    "plan_accuracy": "training runs on 1-2 processes per case",
-    "plan_tables": "the planner's tables of the 405B, 70B and 8B models (about 3 minutes)",
-    "plan_vs_run": "every finetune recipe on 2 ranks",
-    "plot_results": "matplotlib; writes benchmarks/images/",
-    "remote": "an S3 API server on localhost",
-    "rss_steps": "2 ranks, more than 10 steps (3 minutes at its smallest); writes "
-                 "benchmarks/images/",
-    "tp": "4 processes per layout",
-    "vs_llmfoundry": "LLM Foundry 0.22 in its own venv (installed from PyPI)",
-}
+# Cases whose arguments need a fixture, and the cases make test runs on the modern leg (about
+# half of this file's time; tests/conftest.py).
+QUICKSTART = {"dataloader", "plan_vs_run", "remote"}
+SHARED = {"eval_generate", "kv_cache", "eval_vs_llmfoundry", "eval_vs_lmeval"}  # ../shared
+MODERN = {"cli_errors", "convert", "dataloader", "eval_vs_llmfoundry", "eval_vs_lmeval", "tp",
+          "vs_llmfoundry"}
+PEER_STUBS = Path(__file__).parent / "peer_stubs"
 
 
 def modules() -> set[str]:
@@ -82,7 +99,7 @@ def modules() -> set[str]:
 
 
 def test_every_script_is_accounted_for_and_none_reaches_for_sys_path():
-    listed = [*TINY, *ELSEWHERE, *NOT_RUN]
+    listed = [*TINY, *IN_PROCESS, *ELSEWHERE]
     assert len(listed) == len(set(listed)), "a script listed twice"
     assert set(listed) == modules(), (
         f"not listed: {sorted(modules() - set(listed))}; gone: {sorted(set(listed) - modules())}")
@@ -94,18 +111,71 @@ def test_every_script_is_accounted_for_and_none_reaches_for_sys_path():
         assert path.is_file(), path
 
 
-SHARED = {"eval_generate", "kv_cache"}  # read ../shared/eval_data
+def peer_venv(folder: Path) -> Path:
+    """A venv-shaped folder whose ``bin/python`` is this Python with the stand-in peers first on
+    its path: what a script's ``--venv`` of LLM Foundry or lm-eval points at."""
+    python = folder / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nPYTHONPATH="{PEER_STUBS}${{PYTHONPATH:+:$PYTHONPATH}}" '
+                      f'exec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    return folder
+
+
+def one_task_file(folder: Path, shared: Path) -> Path:
+    """eval/yamls/tasks.yaml's arc_easy at 0 shots, on ../shared/eval_data."""
+    import yaml
+
+    path = folder / "tasks.yaml"
+    path.write_text(yaml.safe_dump({"icl_tasks": [{
+        "label": "arc_easy", "dataset_uri": "world_knowledge/arc_easy.jsonl",
+        "icl_task_type": "multiple_choice", "num_fewshot": [0],
+        "continuation_delimiter": "\nAnswer: "}], "data_root": str(shared / "eval_data")}))
+    return path
+
+
+def _case(name: str):
+    marks = [pytest.mark.needs_shared] if name in SHARED else []
+    marks += [pytest.mark.modern_leg] if name in MODERN else []
+    return pytest.param(name, marks=marks)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.needs_shared) if n in SHARED
-                                  else n for n in sorted(TINY)])
+@pytest.mark.parametrize("name", [_case(n) for n in sorted(TINY)])
 def test_the_script_runs_at_a_tiny_size(name, tmp_path, request):
+    args, needle = TINY[name]
+    places = {"tmp": str(tmp_path)}
     if name in SHARED:
         request.getfixturevalue("shared_dir")  # skips when ../shared is absent
-    args, needle = TINY[name]
+        places["tasks"] = str(one_task_file(tmp_path, request.getfixturevalue("shared_dir")))
+    if name in QUICKSTART:
+        places["qs"] = str(request.getfixturevalue("quickstart_data"))
+    if any("{peer}" in a for a in args):
+        places["peer"] = str(peer_venv(tmp_path / "peer-venv"))
+    if any("{corpus}" in a for a in args):
+        from foundryx.data.synthetic import generate_corpus
+
+        places["corpus"] = str(tmp_path / "corpus.txt")
+        Path(places["corpus"]).write_text("\n\n".join(generate_corpus(400, seed=1)))
+    args = [a.format(**places) for a in args]
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT,
                        capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert needle in r.stdout, r.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(IN_PROCESS))
+def test_the_planner_script_runs(name, tmp_path, monkeypatch, capsys):
+    import importlib
+    import json
+
+    args, needle = IN_PROCESS[name]
+    for seq, peak in ((8192, 12.0), (16384, 20.0)):  # flagship_estimate.py --sides peer's form
+        (tmp_path / f"peer-{seq // 1024}k.json").write_text(
+            json.dumps({"peer": {"seq": seq, "peak_gib": peak}}))
+    args = [a.format(tmp=tmp_path) for a in args]
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{name}.py", *args])
+    assert importlib.import_module(f"benchmarks.{name}").main() in (None, 0)
+    assert needle in capsys.readouterr().out

@@ -152,7 +152,9 @@ def test_export(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
 
     if where == "2nd-code-file":  # format mpt: safetensors and tokenizer written, then code files
         fail_write_text(monkeypatch, tmp_path, 2)
-    else:  # the complete new folder cannot be renamed onto the old one
+    else:  # the complete new folder cannot be renamed (or exchanged) onto the old one
+        from foundryx.runtime import atomic_writes
+
         original = os.replace
 
         def replace(src, dst):
@@ -160,7 +162,12 @@ def test_export(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
                 raise enospc(dst)
             return original(src, dst)
 
+        def exchange(a, b):
+            assert Path(b) == out and Path(a).name.startswith(f".{out.name}.tmp-")
+            raise enospc(b)
+
         monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(atomic_writes, "_exchange", exchange)
     r = attempt(capsys, *args)
     monkeypatch.undo()
 
@@ -322,3 +329,70 @@ def test_a_kill_inside_an_atomic_replace_leaves_the_old_or_the_new_file_whole(
     assert path.read_text() == ("new " * 2000 if kill_before == "nothing" else "old " * 1000)
     assert steps == {"link": ["link"], "replace": ["link", "replace"],
                      "nothing": ["link", "replace"]}[kill_before]
+
+
+KILL_INSIDE = r"""
+import os, sys, types
+from pathlib import Path
+from foundryx.runtime import atomic_writes as aw
+kill_at, new, final, can_exchange = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4] == "1"
+steps = []
+
+def step(name, real):
+    def run(*args, **kwargs):
+        steps.append(name)
+        print(name, flush=True)
+        if len(steps) == kill_at:
+            os._exit(9)  # killed before this step: no except, no finally runs
+        return real(*args, **kwargs)
+    return run
+
+fake_os = types.SimpleNamespace(**{n: getattr(os, n) for n in dir(os) if not n.startswith("__")})
+fake_os.replace = step("replace", os.replace)
+aw.os = fake_os
+aw._exchange = step("exchange", aw._exchange if can_exchange else lambda a, b: False)
+aw._remove = step("remove", aw._remove)
+aw.replace_all([(new, final)])
+"""
+
+
+@pytest.mark.parametrize("can_exchange", [True, False], ids=["exchange", "no-exchange"])
+def test_a_kill_inside_a_folder_replace_leaves_the_old_or_the_new_folder_whole(
+        tmp_path, can_exchange):
+    """``replace_all`` of a folder onto an existing one (an export or a dataset with
+    --overwrite), the process killed (``os._exit``) before each of its file-system steps in
+    turn: the path then holds, whole, the old folder or the new one; never a mix and never
+    nothing. Where the system cannot exchange two names, a kill between its two renames leaves
+    the old folder aside, which the next replace onto the path puts back first."""
+    import sys
+
+    from foundryx.runtime.atomic_writes import restore_set_aside
+
+    def fill(folder: Path, tag: str) -> dict:
+        (folder / "sub").mkdir(parents=True)
+        (folder / "config.json").write_text(f'{{"tag": "{tag}"}}')
+        (folder / "sub" / "model.safetensors").write_bytes(tag.encode() * 50_000)
+        return tree(folder)
+
+    expected_steps = ["exchange", "remove"] if can_exchange else [
+        "exchange", "replace", "replace", "remove"]
+    for kill_at in range(1, len(expected_steps) + 2):  # the last: not killed
+        work = tmp_path / f"kill{kill_at}"
+        final, new = work / "out", work / ".out.tmp-1234"
+        old_tree, new_tree = fill(final, "old"), fill(new, "new")
+        r = subprocess.run([sys.executable, "-c", KILL_INSIDE, str(kill_at), str(new), str(final),
+                            "1" if can_exchange else "0"], capture_output=True, text=True,
+                           timeout=120)
+        killed = kill_at <= len(expected_steps)
+        assert r.returncode == (9 if killed else 0), r.stderr
+        assert r.stdout.split() == expected_steps[:kill_at], r.stdout
+        if not final.exists():  # the fallback's two renames, killed between them
+            assert not can_exchange and kill_at == 3, kill_at
+            restore_set_aside(final)
+        got = tree(final)
+        assert got in (old_tree, new_tree), f"killed at step {kill_at}: a mix"
+        # once the folder in place is the new one, the commit has happened
+        new_by_then = kill_at > expected_steps.index("remove")
+        assert got == (new_tree if new_by_then else old_tree), kill_at
+        if not killed:
+            assert sorted(p.name for p in work.iterdir()) == ["out"]

@@ -8,9 +8,10 @@ the loss's chunks), so after the first steps they all come from the heap, and a 
 heap keeps what they free: measured on 2 CPU ranks with a 0.65B Llama (the 405B recipe's
 LoRA over FP8 with offload, seq 256), 1.6-2.0 GiB per rank kept free by glibc after 12 steps,
 the rank's whole-run peak 2.5-3.4 GiB where the plan says 1.63; with the threshold fixed, the
-same run peaks at 1.57 GiB and is flat after step 2 (benchmarks/host_trace.py,
-benchmarks/RESULTS.md). Setting the threshold (``mallopt``) also stops glibc moving it. Trimming
-the heap after each step does not help: the peak is inside the step.
+same run peaks at 1.57 GiB and is flat after step 2 (benchmarks/RESULTS.md; the trace's
+script, benchmarks/host_trace.py, is in git history). Setting the threshold (``mallopt``) also
+stops glibc moving it. Trimming the heap after each step does not help: the peak is inside the
+step.
 
 The price is on a CPU device, where every step's large temporaries are then fresh mappings
 the kernel zeroes: 21 -> 30 s a step at 0.65B (+45%), and the quickstart's tokens/s about
