@@ -81,8 +81,13 @@ ELSEWHERE = {
 # half of this file's time; tests/conftest.py).
 QUICKSTART = {"dataloader", "plan_vs_run", "remote"}
 SHARED = {"eval_generate", "kv_cache", "eval_vs_llmfoundry", "eval_vs_lmeval"}  # ../shared
-MODERN = {"cli_errors", "convert", "dataloader", "eval_vs_llmfoundry", "eval_vs_lmeval", "tp",
+MODERN = {"cli_errors", "convert", "dataloader", "eval_vs_llmfoundry", "eval_vs_lmeval",
           "vs_llmfoundry"}
+# The costliest tiny runs (multi-process training per case, 30-60 CPU s each) run under make
+# test-long, not make test (CI time, 2026-11-29): plan_accuracy's and plan_vs_run's mechanism
+# (a run beside its plan) is also finetune_memory's, run here; tp's layouts are
+# tests/test_tp.py's.
+LONG = {"plan_accuracy", "plan_vs_run", "tp"}
 PEER_STUBS = Path(__file__).parent / "peer_stubs"
 
 
@@ -137,6 +142,7 @@ def one_task_file(folder: Path, shared: Path) -> Path:
 def _case(name: str):
     marks = [pytest.mark.needs_shared] if name in SHARED else []
     marks += [pytest.mark.modern_leg] if name in MODERN else []
+    marks += [pytest.mark.long] if name in LONG else []
     return pytest.param(name, marks=marks)
 
 
