@@ -38,7 +38,11 @@ def test_a_rank_holds_its_share_of_the_sequence(tmp_path):
     whole = (cats["frozen base"] + cats["parameters"] + cats["adapters + optimizer"]) * 2
     assert 0 < cats["FSDP2 all-gather"] < whole, cats
     # the checkpointed block inputs of the rank's 2048 tokens (2 layers, hidden 64, bf16) are
-    # kept; a rank holding the whole 4096 would keep twice them
+    # kept, and what grows with the sequence is about half of one process holding all 4096
+    # (the peak's moment may be the loss's: then the forward's last activations count too)
     config = json.loads((TINY / "config.json").read_text())
     inputs = config["num_hidden_layers"] * 2048 * config["hidden_size"] * 2 / 2**30
-    assert inputs <= cats["activations kept"] < 2 * inputs + cats["frozen base"], cats
+    assert cats["activations kept"] >= inputs, cats
+    whole = _estimate(tmp_path, 4096, 1)["categories"]
+    assert cats["activations kept"] < 0.6 * whole["activations kept"], (cats, whole)
+    assert cats["logits + loss"] < 0.55 * whole["logits + loss"], (cats, whole)
