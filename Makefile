@@ -95,11 +95,22 @@ test: install install-modern
 	$(MAKE) --no-print-directory test-modern || status=$$?; \
 	exit $$status
 
+# A leg is two runs: the fast set on 2 workers (pytest-xdist: its tests are single processes, so
+# a 2-core machine runs two at once; 235 s for the pinned fast set, 2026-11-29), then the leg's
+# share of the slow set on one (its tests start 2-4 processes each, which fill the cores). Both
+# run even when the first fails; the leg fails if either does.
+FAST = -m "not slow" -n 2
 test-pinned: install
-	$(PY) -m pytest -q --slow-leg=pinned --durations=25
+	status=0; \
+	$(PY) -m pytest -q $(FAST) --slow-leg=pinned --durations=15 || status=$$?; \
+	$(PY) -m pytest -q -m slow --slow-leg=pinned --durations=25 || status=$$?; \
+	exit $$status
 
 test-modern: install-modern
-	$(MODERN_PY) -m pytest -q --slow-leg=modern --durations=25
+	status=0; \
+	$(MODERN_PY) -m pytest -q $(FAST) --slow-leg=modern --durations=15 || status=$$?; \
+	$(MODERN_PY) -m pytest -q -m slow --slow-leg=modern --durations=25 || status=$$?; \
+	exit $$status
 
 # every test on the pinned torch (what make test splits between the legs)
 test-all: install
@@ -114,7 +125,7 @@ test-long: install
 	$(PY) -m pytest -q -m long --durations=10
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(FAST)
 
 lint: install
 	$(VENV)/bin/ruff check .

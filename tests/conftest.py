@@ -43,7 +43,8 @@ SHARED = ROOT.parent / "shared"
 # `make test` runs the fast set plus the pinned leg's share on torch 2.7, then the fast set plus
 # the modern leg's share on torch 2.15 (`--slow-leg`). A slow test file not named here runs on
 # the pinned leg, except its cases marked `modern_leg`; the files of BOTH_LEGS_SLOW_FILES run on
-# each (what one transformers major writes, the other reads). `--slow-leg all` (the default, and
+# each (what one transformers major writes, the other reads), but for their cases marked
+# `modern_leg`. `--slow-leg all` (the default, and
 # `make test-all`) runs every slow test. The `long` tests, the long form of a check that make
 # test makes in short (more random moments, more rank combinations), run on neither leg:
 # `make test-long` runs them, and `make test-all`. The files of PINNED_LEG_FILES run on the
@@ -88,10 +89,11 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in PINNED_LEG_FILES and leg != "pinned":
             drop.append(item)
             continue
-        if item.get_closest_marker("slow") is None or item.path.name in BOTH_LEGS_SLOW_FILES:
+        marked = item.get_closest_marker("modern_leg") is not None  # one case of a file
+        if item.get_closest_marker("slow") is None or (
+                item.path.name in BOTH_LEGS_SLOW_FILES and not marked):
             keep.append(item)
             continue
-        marked = item.get_closest_marker("modern_leg") is not None  # one case of a file
         item_leg = "modern" if marked or item.path.name in MODERN_LEG_SLOW_FILES else "pinned"
         (keep if item_leg == leg else drop).append(item)
     if drop:

@@ -117,6 +117,7 @@ def _tp_against_fsdp(families: list[str]) -> dict:
     return out
 
 
+@pytest.mark.modern_leg  # one leg: the plans are foundryx's, not what a version wrote (CI time)
 def test_tensor_parallel_plans_of_the_families_give_fsdps_losses_or_say_why_not():
     import test_tp
 
