@@ -108,7 +108,7 @@ def _compare(kind: str, world: int):
         for name, g in grads.items():
             torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
         torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
-    assert ref_losses[-1] < ref_losses[0]
+    assert ref_eval < ref_losses[0]  # trained: the first batch's loss fell (each step's batch differs)
 
 
 @pytest.mark.slow
