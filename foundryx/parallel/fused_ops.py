@@ -124,20 +124,27 @@ def rope_problem(module: nn.Module) -> str | None:
     return None
 
 
-def attention_candidates(block_list: list[nn.Module]) -> tuple[list[nn.Module], set[str]]:
-    """The blocks' attentions (class names ending in ``Attention``) :func:`fuse_rope` takes,
-    and why the others cannot."""
+def _candidates(block_list: list[nn.Module], suffix: str,
+                problem: Any) -> tuple[list[nn.Module], set[str]]:
+    """The blocks' modules whose class name ends in ``suffix``, not fused yet, that ``problem``
+    (a module -> why it cannot be fused, or None) accepts, and the reasons of the others."""
     fit, other = [], set()
     for block in block_list:
         for m in block.modules():
-            if not type(m).__name__.endswith("Attention") or getattr(m, FUSED, None):
+            if not type(m).__name__.endswith(suffix) or getattr(m, FUSED, None):
                 continue
-            why = rope_problem(m)
+            why = problem(m)
             if why is None:
                 fit.append(m)
             else:
                 other.add(why)
     return fit, other
+
+
+def attention_candidates(block_list: list[nn.Module]) -> tuple[list[nn.Module], set[str]]:
+    """The blocks' attentions (class names ending in ``Attention``) :func:`fuse_rope` takes,
+    and why the others cannot."""
+    return _candidates(block_list, "Attention", rope_problem)
 
 
 def swiglu_problem(module: nn.Module) -> str | None:
@@ -167,17 +174,7 @@ def norm_candidates(model: nn.Module) -> tuple[list[nn.Module], set[str]]:
 def mlp_candidates(block_list: list[nn.Module]) -> tuple[list[nn.Module], set[str]]:
     """The blocks' MLPs (class names ending in ``MLP``) :func:`fuse_swiglu` takes, and why
     the others cannot (one reason per class)."""
-    fit, other = [], set()
-    for block in block_list:
-        for m in block.modules():
-            if not type(m).__name__.endswith("MLP") or getattr(m, FUSED, None):
-                continue
-            why = swiglu_problem(m)
-            if why is None:
-                fit.append(m)
-            else:
-                other.add(why)
-    return fit, other
+    return _candidates(block_list, "MLP", swiglu_problem)
 
 
 def wanted(choice: bool | str, device: torch.device) -> bool:
