@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from foundryx.config.load import precheck, read_resolved
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GPUS, GiB
-from foundryx.plan.node import machine, shape_override
+from foundryx.plan.node import machine, processes_per_node, shape_override
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +55,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         data, _ = read_resolved(Path(args.config), args.overrides)
         target = machine(data.get("node"), args.gpu, args.gpus, args.nodes, args.host_memory)
         shape, _ = shape_override(args.config, data.get("model"))
-        world = (target.gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))) * target.nodes
+        world = processes_per_node(target.gpus) * target.nodes
         precheck(args.config, [*args.overrides, *shape], world_size=world,
                  component_sections=("model", "optimizer"))
     from foundryx.plan import planner, render  # torch + transformers: only for a plan

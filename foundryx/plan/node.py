@@ -50,6 +50,12 @@ def machine(node: Any, gpu: str | None, gpus: int | None, nodes: int | None,
                    "node.host_memory" if "host_memory" in used else "--host-memory")
 
 
+def processes_per_node(gpus: int | None) -> int:
+    """The processes a node runs: ``gpus`` (a flag or the recipe's ``node.gpus``), else this
+    launch's ``LOCAL_WORLD_SIZE``, else 1."""
+    return gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def shape_override(config: str | Path, model: Any) -> tuple[list[str], str | None]:
     """For a model whose ``pretrained_model_name_or_path`` is not a folder here: the override
     that plans it from the matching shape in ``yamls/shapes/`` (a folder named as the model's

@@ -19,7 +19,7 @@ from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, find_gpu, parse_mem
 from foundryx.plan.host import HostFix, HostPlan, HostSetup, host_fixes, host_plan
 from foundryx.plan.length import Longest, longest
 from foundryx.plan.memory import Setup, by_stage, terms
-from foundryx.plan.node import machine, shape_override
+from foundryx.plan.node import machine, processes_per_node, shape_override
 from foundryx.plan.settings import plan_setup
 from foundryx.plan.speed import Choice, Run, choose
 from foundryx.plan.tp import (
@@ -166,7 +166,7 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     notes += [target.note] if target.note else []
     shape, said = shape_override(config, data.get("model"))
     notes += [said] if said else []
-    per_node = gpus or int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    per_node = processes_per_node(gpus)
     world = per_node * nodes
     loaded = load_config(config, [*(overrides or []), *shape], world_size=world,
                          component_sections=("model", "optimizer"))
