@@ -135,7 +135,7 @@ def overrides_for(folder: Path, base: str, offload: float, a: argparse.Namespace
             "scheduler.t_warmup=0ba", f"compile.enabled={getattr(a, 'compile', 'false')}",
             "save_folder=null", "callbacks.speed_monitor.window_size=1",
             "console_log_interval=1ba", "progress_bar=false", f"loggers.jsonl.path={metrics}",
-            *profile_overrides(a, base, offload)]
+            *profile_overrides(a, base, offload), *getattr(a, "extra", ())]
 
 
 def profile_overrides(a: argparse.Namespace, base: str, offload: float) -> list[str]:

@@ -15,7 +15,10 @@ on a GPU (fp32 on a CPU). The sides (``--sides``):
 - ``peer``: benchmarks/peer_lora.py, plain transformers + peft as a user writes it;
 - ``foundryx``: benchmarks/flagship.py's single run (`foundryx train` of
   yamls/finetune/llama-8b-lora-fp8.yaml over a bf16 base, no offload) with compile off;
-- ``foundryx-compile``: the same with the recipe's own ``compile: auto``.
+- ``foundryx-compile``: the same with the recipe's own ``compile: auto``;
+- ``foundryx-unfused``: ``foundryx`` without issue 51's fused path (PEFT's own LoRA layer,
+  ``model.peft_config.one_pass: false``, and every ``fused_ops`` switch off): the before of
+  the fused path, measured beside it.
 
 ``--rounds`` rounds (default 2), each running every side once, the order reversed in every other
 round; each run is a fresh process. Everything runs on the Python and packages this script runs
@@ -46,8 +49,11 @@ from benchmarks import flagship  # the benchmarks' own module, beside this one
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SIDES = ("peer", "foundryx", "foundryx-compile")
-COMPILE = {"foundryx": "false", "foundryx-compile": "auto"}
+SIDES = ("peer", "foundryx", "foundryx-compile", "foundryx-unfused")
+COMPILE = {"foundryx": "false", "foundryx-compile": "auto", "foundryx-unfused": "false"}
+UNFUSED = ("model.peft_config.one_pass=false", "fused_ops.rms_norm=false",
+           "fused_ops.swiglu=false", "fused_ops.rope=false")
+EXTRA = {"foundryx-unfused": UNFUSED}  # overrides of a side beyond benchmarks/flagship.py's
 GOAL_TPS, GOAL_MEM = 1.5, 0.8  # issue 46: the bf16 base against the peer
 
 
@@ -87,7 +93,8 @@ def run_foundryx(folder: Path, side: str, a: argparse.Namespace, rnd: int, timeo
     profile = a.profile_step if rnd == 1 and a.profiles else 0
     ns = argparse.Namespace(device=a.device, seq=a.seq, microbatch=a.microbatch, steps=a.steps,
                             precision=None, nproc=1, compile=COMPILE[side], profile_step=profile,
-                            profile_dir=a.profiles, profile_side=side, log_tag=f"-{side}-r{rnd}")
+                            profile_dir=a.profiles, profile_side=side, log_tag=f"-{side}-r{rnd}",
+                            extra=list(EXTRA.get(side, ())))
     row = flagship.run_one(folder, "bf16", 0.0, ns, timeout, logs)
     row.update(side=side, round=rnd)
     return row

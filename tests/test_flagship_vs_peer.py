@@ -76,8 +76,9 @@ def test_state_counts_shards_and_subclasses_on_their_device():
 @pytest.mark.modern_leg  # the GPU run book's side-by-side runs on transformers 5.x
 def test_side_by_side_on_cpu(tmp_path):
     """The side-by-side end to end at a tiny Llama on CPU: the peer and foundryx with compile
-    off and auto (FOUNDRYX_COMPILE=0 keeps auto off here: the override's path, not inductor),
-    two rounds alternating, each side profiled once, the ratios."""
+    off and auto (FOUNDRYX_COMPILE=0 keeps auto off here: the override's path, not inductor)
+    and without issue 51's fused path, two rounds alternating, each side profiled once, the
+    ratios."""
     out, raw, prof = tmp_path / "vs.md", tmp_path / "vs.json", tmp_path / "prof"
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.flagship_vs_peer", "--device", "cpu", "--shape",
@@ -90,7 +91,8 @@ def test_side_by_side_on_cpu(tmp_path):
     data = json.loads(raw.read_text())
     order = [(row["round"], row["side"]) for row in data["rows"]]
     assert order == [(1, "peer"), (1, "foundryx"), (1, "foundryx-compile"),
-                     (2, "foundryx-compile"), (2, "foundryx"), (2, "peer")]
+                     (1, "foundryx-unfused"), (2, "foundryx-unfused"), (2, "foundryx-compile"),
+                     (2, "foundryx"), (2, "peer")]
     for row in data["rows"]:
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and len(row["losses"]) == 3
@@ -104,10 +106,15 @@ def test_side_by_side_on_cpu(tmp_path):
     assert {"peer-r1.log", "flagship-bf16-offload0-foundryx-compile-r2.log"} <= logs
     compiled = (tmp_path / "logs" / "flagship-bf16-offload0-foundryx-compile-r1.log").read_text()
     assert "compile.enabled=auto" in compiled and "compile: off (FOUNDRYX_COMPILE=0" in compiled
+    # issue 51's before: PEFT's own LoRA layer and no fused ops (the adapter path said per run)
+    fused = (tmp_path / "logs" / "flagship-bf16-offload0-foundryx-r1.log").read_text()
+    unfused = (tmp_path / "logs" / "flagship-bf16-offload0-foundryx-unfused-r1.log").read_text()
+    assert "model.peft_config.one_pass=false" in unfused and "fused_ops.rope=false" in unfused
+    assert "adapter path in one pass" in fused and "adapter path in one pass" not in unfused
     s = data["summary"]
     assert s["foundryx"]["tps_vs_peer"] == pytest.approx(
         s["foundryx"]["tokens_per_s"] / s["peer"]["tokens_per_s"])
-    for side in ("peer", "foundryx", "foundryx-compile"):
+    for side in ("peer", "foundryx", "foundryx-compile", "foundryx-unfused"):
         for part in ("kernels", "memory"):
             f = prof / f"{side}-{part}.md"
             assert f.is_file() and f.stat().st_size < 8000, f

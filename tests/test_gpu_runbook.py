@@ -300,13 +300,15 @@ def test_a_run_on_a_fake_gpu_records_every_step(tmp_path):
 def test_the_side_by_side_runs_on_the_machines_transformers(tmp_path):
     """Step 7 (`--only 1,7`) after step 1 made the run book's venv: the side-by-side runs with
     the machine Python's site-packages first on PYTHONPATH (its transformers 5.x, not the
-    venv's 4.57), and its profiles come back beside the report."""
+    venv's 4.57), the peer and foundryx with and without issue 51's fused path, and its
+    profiles come back beside the report."""
     r, out = fake_gpu_run(tmp_path, "1,7", PYTHONPATH="")
     assert r.returncode == 0, r.stderr
     calls = (tmp_path / "calls").read_text()
     (line,) = [c for c in calls.splitlines() if "benchmarks.flagship_vs_peer" in c]
     assert line.startswith("venv: -m benchmarks.flagship_vs_peer --device cuda --shape "
-                           "yamls/shapes/llama-3.1-8b --rounds 2 --steps 5 --time-limit 350 ")
+                           "yamls/shapes/llama-3.1-8b --rounds 2 --steps 5 --sides "
+                           "peer,foundryx,foundryx-unfused --time-limit 350 ")
     assert f"--profiles {tmp_path}/report-profiles " in line
     assert "PYTHONPATH=/machine/site-packages:/machine/user site\n" in calls
     text = out.read_text()
