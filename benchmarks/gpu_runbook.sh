@@ -27,7 +27,8 @@
 #   [4/10] the Triton kernels' tests compiled on the GPU: attention at its larger GPU sizes (the
 #         64-case combination sweep left out: run pytest tests/test_triton_attention.py for it),
 #         the FP8 row quantization's bits against torch's ops (tests/test_fp8_rows.py), and the
-#         fused RMS norm, SwiGLU and RoPE kernels against float64 (tests/test_fused_ops.py)  60 s: ~45 s
+#         fused RMS norm, SwiGLU and RoPE kernels against float64 (tests/test_fused_ops.py), the
+#         NF4 decoding kernel's bits against torchao's (tests/test_nf4_dequant.py)     60 s: ~45 s
 #   [5/10] attention TFLOP/s, Triton vs SDPA (and flash-attn when it imports), seq 4096, head dim
 #         128 (benchmarks/attention.py)                                                  40 s: 37 s
 #         RUNBOOK_BWD="split atomic" times the Triton kernel once per backward (attention.py --bwd;
@@ -151,7 +152,7 @@ TITLES=("environment" "flagship: Llama-3.1-8B shape, LoRA over bf16 / FP8 / NF4 
   "MFU table: MPT-125M and 350M, eager / compiled / AC / selective AC")
 TESTS=(tests/test_triton_attention.py tests/test_triton_attention_mpt.py tests/test_attention_select.py
   tests/test_attention_flex.py
-  tests/test_fp8_rows.py tests/test_fused_ops.py)
+  tests/test_fp8_rows.py tests/test_fused_ops.py tests/test_nf4_dequant.py)
 if [ "$QUICK" = 1 ]; then
   SHAPE=benchmarks/gpu_runbook/shapes/llama-tiny STEPS=2 MODEL=125m TP_ARGS=(--batches 8 --warmup 2)
   ATTN_ARGS=(--seqs 1024 --head-dims 64 --no-mpt)

@@ -157,6 +157,7 @@ KINDS = (
       "logsumexp")),
     ("casts and copies", (), ("_to_copy", "copy_", "clone", "contiguous", "to", "copy",
                               "fp8_quantize_rows")),
+    ("NF4 decode", (), ("nf4_dequantize",)),  # the fused operator (its torch ops: the rows above)
     ("norms", ("norm", "Norm", "Rsqrt", "Pow", "Mean"), ("rsqrt", "_fused_rms_norm",
                                                          "rms_norm", "rms_norm_backward")),
     ("activation (SwiGLU)", ("act_fn", "Silu", "Gelu", "foundryx_swiglu"),

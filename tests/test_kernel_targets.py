@@ -48,7 +48,7 @@ def test_every_kernel_fits_amd():
 @pytest.mark.slow
 @pytest.mark.skipif(LLD is None, reason=LLD_WHY or "")
 @pytest.mark.skipif(os.environ.get("FOUNDRYX_KERNELS_FULL") != "1",
-                    reason="712 compilations (~20 min on 2 cores): set FOUNDRYX_KERNELS_FULL=1, "
+                    reason="840 compilations (20+ min on 2 cores): set FOUNDRYX_KERNELS_FULL=1, "
                            "or run python -m foundryx.kernels.targets --set full")
 def test_every_feature_set_and_dtype_fits():
     check(list(TARGETS), "full")
@@ -77,6 +77,9 @@ def test_jobs_cover_the_table():
     assert {(j.kernel, j.head_dim) for j in small if j.target == "sm90"
             and j.kernel.startswith("rope")} == {(k, hd) for k in ("rope_fwd", "rope_bwd")
                                                  for hd in HEAD_DIMS}
+    # the NF4 decoding kernel on every target, from bf16 and float32 NF4 tensors
+    assert {(j.target, j.dtype, j.features) for j in small if j.kernel == "nf4_dequant"} == {
+        (t, "bf16", f) for t in ("sm90", "gfx942") for f in ("nf4 bf16", "nf4 fp32")}
     flash = set(tuning.KERNELS) | {"preprocess"}
     assert (sum(j.kernel in flash for j in jobs(["sm80"], "full"))
             > sum(j.kernel in flash for j in jobs(["sm80"], "small")) * 10)

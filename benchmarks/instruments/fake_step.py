@@ -16,8 +16,8 @@ autograd engine initialises the CUDA device for it), run as the GPU runs them:
   PyTorch's CPU SDPA, which serves grouped kv heads by its math path (the whole score matrix);
 - foundryx's run config as on one GPU (no FSDP2 on one process, activation checkpointing on
   every block, compile off as the measured runs had it, the fused RMS norm, SwiGLU and RoPE
-  operators on, as ``fused_ops: auto`` has them on a GPU); ``device: cpu`` only so that
-  nothing is pinned.
+  operators on, and an NF4 base decoded by its fused operator, as ``fused_ops: auto`` has them
+  on a GPU); ``device: cpu`` only so that nothing is pinned.
 
 A step is the trainer's: zero the gradients, forward and loss under autocast, backward with
 the forward's outputs still referenced where the trainer holds them (Composer keeps
@@ -204,6 +204,7 @@ def foundryx_overrides(shape: Path, side: str, batch: int, seq: int) -> list[str
             "device=cpu", "compile.enabled=false", "cpu_matmul=blas",
             # fused_ops: auto is on on a GPU; the fake tensors are CPU tensors (see above)
             "fused_ops.rms_norm=true", "fused_ops.swiglu=true", "fused_ops.rope=true",
+            *(["fused_ops.nf4_dequantize=true"] if base == "nf4" else []),
             "train_loader.name=fake_step", "eval_loader=null", "save_folder=null",
             f"device_train_microbatch_size={batch}", f"global_train_batch_size={batch}"]
 

@@ -138,7 +138,7 @@ class FusedOpsConfig:
     """``fused_ops``: a Hugging Face Llama-family block's elementwise work as one Triton kernel
     each way (docs/hf.md), applied from outside the model: the RMS norms (Llama,
     Mistral, Qwen2/3, Phi-3), the MLP's ``silu(gate) * up`` (Llama, Mistral, Qwen2/3) and the
-    attention's RoPE (Llama). A
+    attention's RoPE (Llama); and an NF4 frozen base's decoding (any model). A
     family whose modules differ keeps the unfused path, said in one line."""
 
     rms_norm: bool | Literal["auto"] = doc(
@@ -151,6 +151,11 @@ class FusedOpsConfig:
     rope: bool | Literal["auto"] = doc(
         "the attention's rotary embedding of q and k (Llama) as one operator each way, "
         "keeping only cos and sin for backward; auto: as rms_norm", default="auto")
+    nf4_dequantize: bool | Literal["auto"] = doc(
+        "an NF4 frozen base's weights (model.frozen_base.dtype: nf4) decoded to the compute "
+        "dtype by one operator a call (forward, recompute and backward), reading the packed "
+        "codes and scalers once, not by ten torch ops a chunk; auto: as rms_norm",
+        default="auto")
 
 
 @dataclass

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from foundryx.kernels import rms_norm_op, rope_op, swiglu_op
+from foundryx.kernels import nf4_dequant_op, rms_norm_op, rope_op, swiglu_op
 
 
 def _far(got: torch.Tensor, want: torch.Tensor, what: str) -> str | None:
@@ -59,7 +59,27 @@ def _rope(device: torch.device) -> str | None:
             or _far(gk, rgk, "dk"))
 
 
-CHECKS = {"rms_norm": _rms_norm, "swiglu": _swiglu, "rope": _rope}
+def _nf4_dequantize(device: torch.device) -> str | None:
+    """NF4 parts made up as torchao lays them out (70 blocks of 64, scaler groups of 7; the
+    NF4 dtype bfloat16, then float32), decoded into bfloat16: the torch ops' bits exactly."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for nf4_dtype in (torch.bfloat16, torch.float32):
+        data = torch.randint(0, 256, (70 * 32,), dtype=torch.uint8, generator=gen)
+        scalers = torch.randint(-128, 128, (70,), dtype=torch.int8, generator=gen)
+        factors = (torch.rand(10, generator=gen) * 100 + 1).to(nf4_dtype)
+        mean = torch.tensor(0.03, dtype=nf4_dtype)
+        levels = torch.linspace(-1, 1, 16).to(nf4_dtype)
+        args = [t.to(device) for t in (data, scalers, factors, mean, levels)] + [64, 7]
+        got = torch.ops.foundryx.nf4_dequantize(*args, torch.bfloat16, 0)
+        want = nf4_dequant_op.nf4_dequantize_eager(*args, torch.bfloat16)
+        differ = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
+        if differ:
+            return f"{differ} of {want.numel()} values differ from the torch ops ({nf4_dtype})"
+    return None
+
+
+CHECKS = {"rms_norm": _rms_norm, "swiglu": _swiglu, "rope": _rope,
+          "nf4_dequantize": _nf4_dequantize}
 
 
 @functools.cache

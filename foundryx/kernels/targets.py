@@ -6,8 +6,8 @@
 preprocess kernel) with each tuning configuration of ``kernels/tuning.py`` that the target's
 family uses, for the feature combinations users hit, the FP8 row quantization kernel
 (``kernels/fp8_rows.py``) on the targets with FP8 tensor cores (sm90, gfx942), and the fused
-RMS norm, SwiGLU and RoPE kernels (``kernels/rms_norm.py``, ``swiglu.py``, ``rope.py``) on
-every target, ahead of time (``triton.compile`` with a ``GPUTarget``): NVIDIA to PTX and a
+RMS norm, SwiGLU and RoPE kernels (``kernels/rms_norm.py``, ``swiglu.py``, ``rope.py``) and the
+NF4 decoding kernel (``kernels/nf4_dequant.py``) on every target, ahead of time (``triton.compile`` with a ``GPUTarget``): NVIDIA to PTX and a
 cubin with the ``ptxas`` inside the triton wheel, AMD to AMDGCN and an hsaco with an ``ld.lld`` (see :func:`find_lld`). It prints, per compilation, the
 shared memory (LDS on AMD) against the target's limit, registers, spills and the occupancy
 those allow, and exits 1 when anything fails to compile, exceeds the limit or spills.
@@ -58,8 +58,11 @@ NORM_ROWS = (4096, 8192)
 NORM_KERNELS = {"rms_norm_fwd": ("-",), "rms_norm_bwd": ("dx", "dx+dw")}
 ELEMENTWISE = ("swiglu_fwd", "swiglu_bwd")
 ROPE_KERNELS = ("rope_fwd", "rope_bwd")  # at each head dim
+# The NF4 decoding kernel (one configuration), writing the job's dtype, from NF4 tensors of
+# each dtype foundryx builds (bfloat16 from a bf16 checkpoint, float32)
+NF4_DTYPES = {"nf4 bf16": "bf16", "nf4 fp32": "fp32"}
 KERNEL_NAMES = ("preprocess", *tuning.KERNELS, "fp8_rows", *NORM_KERNELS, *ELEMENTWISE,
-                *ROPE_KERNELS)
+                *ROPE_KERNELS, "nf4_dequant")
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ def jobs(targets: list[str], which: str) -> list[Job]:
             out += [Job(t, kernel, 0, dtype, "-", None) for kernel in ELEMENTWISE]
             out += [Job(t, kernel, hd, dtype, "-", None) for kernel in ROPE_KERNELS
                     for hd in HEAD_DIMS]
+            out += [Job(t, "nf4_dequant", 0, dtype, f, None) for f in NF4_DTYPES]
     return out
 
 
@@ -150,6 +154,7 @@ def compile_job(job: Job, lld: str | None) -> Result:
         flash_bwd,
         flash_fwd,
         fp8_rows,
+        nf4_dequant,
         rms_norm,
         rope,
         swiglu,
@@ -162,6 +167,8 @@ def compile_job(job: Job, lld: str | None) -> Result:
         return _compile(job, *_fp8_rows_source(job, fp8_rows), target, GPUTarget, ASTSource)
     if job.kernel in NORM_KERNELS or job.kernel in ELEMENTWISE:
         return _compile(job, *_fused_source(job, rms_norm, swiglu), target, GPUTarget, ASTSource)
+    if job.kernel == "nf4_dequant":
+        return _compile(job, *_nf4_source(job, nf4_dequant), target, GPUTarget, ASTSource)
     if job.kernel in ROPE_KERNELS:
         fn = rope.rope_kernel
         block, warps = rope.launch_config(job.head_dim)
@@ -199,6 +206,22 @@ def _fp8_rows_source(job: Job, fp8_rows) -> tuple:  # noqa: ANN001  (the module,
     consts = {"FMAX": fmax, "MIN_SCALE": 1e-12, "MIN_EXP": min_exp,
               "HAS_COL": job.features == "x*col", "BLOCK_K": block}
     return fn, sig, consts, attrs, {"num_warps": warps}
+
+
+def _nf4_source(job: Job, nf4_dequant) -> tuple:  # noqa: ANN001  (the module, in the worker)
+    """The NF4 decoding kernel writing ``job.dtype`` from an NF4 tensor of the dtype its
+    features name, with the launch's block size and warps."""
+    import torch  # in the spawned worker (compile_job)
+
+    fn = nf4_dequant.nf4_dequant_kernel
+    nf4 = NF4_DTYPES[job.features]
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    sig, attrs = _signature(fn, {"DATA": "*u8", "SCALERS": "*i8", "FACTORS": f"*{nf4}",
+                                 "MEAN": f"*{nf4}", "LEVELS": f"*{nf4}", "OUT": f"*{job.dtype}"})
+    consts = {"HALF_BLOCK": 32, "SCALER_BLOCK": 256,
+              "NF4_KIND": nf4_dequant.KINDS[torch_dtype[nf4]],
+              "OUT_KIND": nf4_dequant.KINDS[torch_dtype[job.dtype]], "BLOCK": nf4_dequant.BLOCK}
+    return fn, sig, consts, attrs, {"num_warps": nf4_dequant.WARPS}
 
 
 def _fused_source(job: Job, rms_norm, swiglu) -> tuple:  # noqa: ANN001  (the modules)
@@ -306,7 +329,7 @@ def table(results: list[Result]) -> str:
 def _cfg(job: Job) -> str:
     if job.kernel == "fp8_rows" or job.kernel in NORM_KERNELS:
         return f"rows of {job.head_dim}"
-    if job.kernel in ELEMENTWISE:
+    if job.kernel in ELEMENTWISE or job.kernel == "nf4_dequant":
         return "elementwise"
     if job.kernel in ROPE_KERNELS:
         return f"heads of {job.head_dim}"

@@ -10,7 +10,10 @@ not) called as they were, in the same order (LoRA's dropout draws the same masks
 runs the module's own forward). Each is a change to one module instance: transformers'
 classes, the modules' names, parameters and state dict are untouched, and a module of any
 other kind keeps its forward (said in one line by :func:`apply_fused_ops`, which picks the
-modules).
+modules). ``fused_ops.nf4_dequantize`` sets each NF4 frozen layer (``frozen_base``'s
+``LowPrecisionLinear`` of storage ``nf4``) to decode its weight with
+``torch.ops.foundryx.nf4_dequantize`` (its ``nf4_op``: forward, recompute and backward alike);
+under tensor parallelism too (each rank decodes its local part).
 
 Where ``tiling`` applies too: a tiled MLP runs the fused forward a tile at a time (they
 compose: the fusion comes first); a fused RMS norm is not tiled, as it already keeps only its
@@ -47,6 +50,10 @@ SILU = frozenset({"SiLU", "SiLUActivation"})
 ROPE_ATTENTIONS = frozenset({"LlamaAttention"})
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "cache_position")
 FUSED = "_foundryx_fused"  # the attribute a fused module carries: "rms_norm", "swiglu", "rope"
+# foundryx's frozen low-precision linear layer (foundryx.models.peft.frozen_base, which this
+# layer does not import): an NF4 one (storage "nf4") decodes by the operator when its nf4_op is
+# set
+NF4_LAYERS = frozenset({"LowPrecisionLinear"})
 
 
 def fuse_rms_norm(module: nn.Module) -> None:
@@ -187,7 +194,7 @@ def apply_fused_ops(model: nn.Module, block_list: list[nn.Module], cfg: FusedOps
     """``fused_ops`` on ``model``: returns summary phrases; each module kind that keeps the
     unfused path is said in one line (an unsupported family, tensor parallelism, or a kernel
     that failed its first check on this device)."""
-    said = []
+    said = apply_nf4_dequantize(model, cfg.nf4_dequantize, device)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         if wanted(cfg.rms_norm, device) or wanted(cfg.swiglu, device):
             log.info("fused_ops: off under tensor parallelism (its plan splits the norms and "
@@ -219,6 +226,37 @@ def apply_fused_ops(model: nn.Module, block_list: list[nn.Module], cfg: FusedOps
             fuse(m)
         said.append(f"{len(fit)} {what} fused")
     return said
+
+
+def nf4_candidates(model: nn.Module) -> list[nn.Module]:
+    """The model's NF4 frozen layers (see NF4_LAYERS) not set to the operator yet."""
+    return [m for m in model.modules() if type(m).__name__ in NF4_LAYERS
+            and getattr(m, "storage", None) == "nf4" and not getattr(m, "nf4_op", True)]
+
+
+def apply_nf4_dequantize(model: nn.Module, choice: bool | str,
+                         device: torch.device) -> list[str]:
+    """``fused_ops.nf4_dequantize`` (``choice``) on ``model``'s NF4 frozen layers: returns
+    summary phrases; a kernel that fails its first check on ``device`` keeps the torch ops,
+    said in one line. A weight the operator cannot decode (a dtype or layout the kernel
+    lacks) is said when it first runs (foundryx.models.peft.frozen_base.nf4_fused)."""
+    if not wanted(choice, device):
+        return []
+    fit = nf4_candidates(model)
+    if choice is True and not fit:
+        raise ConfigError(["fused_ops.nf4_dequantize: true, but the model has no NF4 frozen "
+                           "base (model.frozen_base.dtype: nf4); set fused_ops.nf4_dequantize: "
+                           "auto or false"])
+    if not fit:
+        return []
+    problem = kernel_problem("nf4_dequantize", device)
+    if problem:
+        log.info("fused_ops.nf4_dequantize: the kernel failed its first check on %s (%s); the "
+                 "NF4 layers keep decoding by torch ops", device, problem)
+        return []
+    for m in fit:
+        m.nf4_op = True
+    return [f"{len(fit)} NF4 layers decoded by one kernel"]
 
 
 def _kinds(key: str) -> frozenset[str]:

@@ -31,8 +31,8 @@ model's state dict (a LoRA checkpoint holds only the adapters).
 
 from __future__ import annotations
 
+import functools
 import logging
-from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -43,6 +43,7 @@ from torch.distributed.tensor import (
 )
 
 from foundryx.errors import ConfigError
+from foundryx.kernels import nf4_dequant_op
 from foundryx.models.peft import fp8_gemm
 from foundryx.models.peft.frozen_options import PATH, FrozenBaseOptions
 from foundryx.models.peft.lora import inner_model, linear_modules
@@ -63,52 +64,64 @@ def _nf4_tensor_type() -> type:
     return NF4Tensor
 
 
-def dequantize(weight: torch.Tensor, dtype: torch.dtype,
-               nf4_chunk: int | None = None) -> torch.Tensor:
+def dequantize(weight: torch.Tensor, dtype: torch.dtype, nf4_chunk: int | None = None,
+               nf4_op: bool = False) -> torch.Tensor:
     """A dense ``dtype`` copy of a frozen weight in any of the ``frozen_base`` storages,
-    allocating little more than that copy (NF4: ``nf4_chunk`` blocks at a time, None: the
-    weight's device's, :data:`NF4_CHUNK_BLOCKS`). A tensor-parallel weight (a DTensor) is
-    dequantized in its local part and stays a DTensor with the same placement."""
+    allocating little more than that copy (NF4: ``nf4_op``, the operator
+    ``torch.ops.foundryx.nf4_dequantize`` (one kernel on a GPU, ``fused_ops.nf4_dequantize``),
+    else torch ops ``nf4_chunk`` blocks at a time, None: the weight's device's,
+    :data:`NF4_CHUNK_BLOCKS`). A tensor-parallel weight (a DTensor) is dequantized in its
+    local part and stays a DTensor with the same placement."""
     if isinstance(weight, DTensor):
-        return DTensor.from_local(dequantize(weight.to_local(), dtype, nf4_chunk),
+        return DTensor.from_local(dequantize(weight.to_local(), dtype, nf4_chunk, nf4_op),
                                   weight.device_mesh, weight.placements, run_check=False,
                                   shape=weight.shape, stride=weight.stride())
     if isinstance(weight, RowScaledTensor):
         return weight.dequantize(dtype)
     if hasattr(weight, "quantized_scalers") and weight.is_contiguous():  # torchao's NF4Tensor
+        if nf4_op:
+            return nf4_fused(weight, dtype, nf4_chunk)
         return nf4_dense(weight, dtype, nf4_chunk)
     return weight.to(dtype)  # NF4Tensor dequantizes on .to(dtype); bf16 casts
 
 
-# Blocks of 64 weights decoded at a time by nf4_dense. Each chunk costs about ten kernels and
-# a transient of about 15 bytes per weight. On a CPU a kernel costs little: small chunks keep
-# the transient at a few MB. On a GPU each launch costs microseconds: with the CPU's chunks an
-# 8B model's NF4 step ran 12 s instead of 1.4 s (the first H100 run, benchmarks/RESULTS.md),
-# so there a chunk is 2^24 weights (at most 4 per layer of an 8B model; about 140 MB).
-# A constant (read-only); a layer that decodes in other chunks says so itself
-# (LowPrecisionLinear.nf4_chunk, e.g. the CPU instruments' GPU chunks on a CPU).
-NF4_CHUNK_BLOCKS = MappingProxyType({"cpu": 4096, "gpu": (1 << 24) // 64})
+# Blocks of 64 weights decoded at a time by nf4_dense (the torch ops; see the constant's module)
+NF4_CHUNK_BLOCKS = nf4_dequant_op.CHUNK_BLOCKS
+
+
+def _nf4_args(weight: torch.Tensor) -> tuple:
+    """The parts of an NF4 weight as ``torch.ops.foundryx.nf4_dequantize`` takes them."""
+    return (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor,
+            weight.scaler_mean, weight.nf4, weight.block_size, weight.scaler_block_size)
 
 
 def nf4_dense(weight: torch.Tensor, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
     """torchao's NF4 dequantization (``NF4Tensor.get_original_weight().to(dtype)``, the same
-    values bit for bit) written into one preallocated ``dtype`` tensor a chunk of blocks at a
-    time (``chunk`` blocks; None: NF4_CHUNK_BLOCKS of the weight's device). torchao's
-    decodes the whole weight at once through int64 indices and several full-size float
-    intermediates: about 5x a float32 copy of the weight at its peak, the transient peak of
-    every NF4 layer, forward and backward."""
-    blocks = weight.numel() // weight.block_size
-    step = chunk or NF4_CHUNK_BLOCKS["cpu" if weight.device.type == "cpu" else "gpu"]
-    scalers = weight.dequantize_scalers(weight.quantized_scalers, weight.quantization_factor,
-                                        weight.scaler_block_size)  # one per block (small)
-    packed = weight.quantized_data.view(blocks, weight.block_size // 2)  # two codes a byte
-    out = torch.empty(blocks, weight.block_size // 2, 2, dtype=dtype, device=weight.device)
-    for start in range(0, blocks, step):
-        codes = packed[start:start + step]
-        scale = scalers[start:start + step, None]
-        out[start:start + step, :, 0] = weight.nf4[(codes >> 4).long()] * scale
-        out[start:start + step, :, 1] = weight.nf4[(codes & 0b1111).long()] * scale
-    return out.view(weight.shape)
+    values bit for bit) by torch ops, ``chunk`` blocks at a time (None: NF4_CHUNK_BLOCKS of the
+    weight's device): :func:`foundryx.kernels.nf4_dequant_op.nf4_dequantize_eager`."""
+    flat = nf4_dequant_op.nf4_dequantize_eager(*_nf4_args(weight), dtype, chunk or 0)
+    return flat.view(weight.shape)
+
+
+def nf4_fused(weight: torch.Tensor, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
+    """The same values as :func:`nf4_dense` by the operator ``torch.ops.foundryx.nf4_dequantize``
+    (one Triton kernel on a GPU, the same torch ops elsewhere); parts it cannot decode
+    (:func:`foundryx.kernels.nf4_dequant_op.problem`) take :func:`nf4_dense`, said once in one
+    line per reason."""
+    args = _nf4_args(weight)
+    why = nf4_dequant_op.problem(*args, dtype)
+    if why is None and weight.nf4.dtype != weight.dtype:
+        why = f"its levels are {weight.nf4.dtype}, the tensor {weight.dtype}"
+    if why is not None:
+        _say_unfused(why)
+        return nf4_dense(weight, dtype, chunk)
+    return torch.ops.foundryx.nf4_dequantize(*args, dtype, chunk or 0).view(weight.shape)
+
+
+@functools.cache
+def _say_unfused(why: str) -> None:
+    log.info("fused_ops.nf4_dequantize: an NF4 weight is decoded by torch ops, not the fused "
+             "operator: %s", why)
 
 
 def stored_bytes(weight: torch.Tensor) -> int:
@@ -183,7 +196,7 @@ class _FrozenLinearFn(torch.autograd.Function):
             # cast again to bf16 by autocast (two weight-sized copies a call; the op census)
             dtype = _compute_dtype(x)
             bias = None if layer.bias is None else layer.bias.to(dtype)
-            return F.linear(x, dequantize(w, dtype, layer.nf4_chunk), bias)
+            return F.linear(x, dequantize(w, dtype, layer.nf4_chunk, layer.nf4_op), bias)
         y = fp8_gemm.linear(x, w.qdata, w.scale, layer.fp8_gemm, _compute_dtype(x),
                             op=layer.fp8_quantize_op)
         return y if layer.bias is None else y + layer.bias.to(y.dtype)
@@ -196,7 +209,7 @@ class _FrozenLinearFn(torch.autograd.Function):
         if ctx.fp8:
             return fp8_gemm.input_grad(grad, w.qdata, w.scale, ctx.layer.fp8_gemm,
                                        ctx.x_dtype, op=ctx.layer.fp8_quantize_op), None
-        return grad @ dequantize(w, grad.dtype, ctx.layer.nf4_chunk), None
+        return grad @ dequantize(w, grad.dtype, ctx.layer.nf4_chunk, ctx.layer.nf4_op), None
 
 
 class WeightSource(Protocol):
@@ -226,6 +239,9 @@ class LowPrecisionLinear(nn.Module):
         self.fp8_gemm: torch.dtype | None = None
         self.fp8_quantize_op = False  # its rows quantized by one kernel (fp8_gemm.quantize)
         self.nf4_chunk: int | None = None  # NF4 blocks decoded at a time; None: the device's
+        # NF4 decoded by torch.ops.foundryx.nf4_dequantize (fused_ops.nf4_dequantize, set from
+        # outside: foundryx.parallel.fused_ops), else by torch ops
+        self.nf4_op = False
         if hasattr(linear, "_fused"):  # a fused layer's part sizes (LoRA slices, TP's row order)
             self._fused = linear._fused
 
@@ -238,7 +254,8 @@ class LowPrecisionLinear(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype, device: torch.device,
                      backward: bool = False) -> torch.Tensor:
-        return dequantize(self.stored_weight(device, backward), dtype, self.nf4_chunk)
+        return dequantize(self.stored_weight(device, backward), dtype, self.nf4_chunk,
+                          self.nf4_op)
 
     def tp_part(self, dim: int, start: int, stop: int) -> torch.Tensor:
         """Tensor parallelism's cut of the weight in its storage: rows ``[start, stop)``
