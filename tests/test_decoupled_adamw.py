@@ -143,6 +143,20 @@ def test_state_dicts_are_interchangeable_with_composers():
             torch.testing.assert_close(a, b, rtol=4e-7, atol=1e-7)
 
 
+@pytest.mark.parametrize("implementation", ("foreach", "fused"))
+def test_optimizer_monitor_reads_the_same_metrics(implementation):
+    """Composer's OptimizerMonitor asks the optimizer for each parameter's norms (moment,
+    weight, update, gradient): the same names and values as Composer's DecoupledAdamW."""
+    want, want_opt = train(composer, torch.float32)
+    got, got_opt = train(ours(implementation), torch.float32)
+    for i, (p, q) in enumerate(zip(got[:len(SHAPES)], want[:len(SHAPES)])):
+        mine = got_opt.report_per_parameter_metrics(p, f"w{i}", {})
+        theirs = want_opt.report_per_parameter_metrics(q, f"w{i}", {})
+        assert mine.keys() == theirs.keys() and len(mine) == 4
+        for k in mine:
+            torch.testing.assert_close(mine[k], theirs[k], rtol=1e-5, atol=1e-7)
+
+
 class Ops(TorchDispatchMode):
     """The ops dispatched; a fake step count read on the host (``.item()``) reads 1."""
 
@@ -211,3 +225,44 @@ def test_registered_and_options_checked_as_data():
     assert "optimizer.weight_dacay: unknown option" in text and "'weight_decay'" in text
     with pytest.raises(ConfigError, match="implementation"):
         DecoupledAdamW([torch.nn.Parameter(torch.zeros(2))], implementation="cuda")
+
+
+def _two_meshes(implementation: str) -> list[list[float]]:
+    """One rank: a DTensor weight on a (shard, tp) mesh beside one on the shard mesh alone (as
+    parallelism.tp leaves the split layers and LoRA's replicated halves), stepped together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "tp"))
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    grads = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    ps = [torch.nn.Parameter(distribute_tensor(plain[0], mesh, [Replicate(), Replicate()])),
+          torch.nn.Parameter(distribute_tensor(plain[1], mesh["shard"], [Replicate()]))]
+    opt = DecoupledAdamW(ps, lr=LR, weight_decay=WD, implementation=implementation)
+    for _ in range(3):
+        for p, gr, m in zip(ps, grads, (ps[0].device_mesh, ps[1].device_mesh)):
+            p.grad = distribute_tensor(gr, m, p.placements)
+        opt.step()
+    return [p.full_tensor().flatten().tolist() for p in ps]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_dtensors_on_two_meshes_step_one_mesh_at_a_time(implementation):
+    """torch's multi-tensor ops refuse DTensors of two meshes in one call; stepped one mesh at
+    a time they get the plain tensors' numbers."""
+    from distributed import run_distributed
+
+    (got,) = run_distributed(_two_meshes, 1, args=(implementation,))
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.nn.Parameter(torch.randn(4, 3, generator=g)),
+             torch.nn.Parameter(torch.randn(5, generator=g))]
+    grads = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    opt = ComposerDecoupledAdamW(plain, lr=LR, weight_decay=WD)
+    for _ in range(3):
+        for p, gr in zip(plain, grads):
+            p.grad = gr.clone()
+        opt.step()
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(torch.tensor(a), b.detach().flatten(), rtol=4e-7, atol=1e-7)
