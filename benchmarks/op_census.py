@@ -13,7 +13,10 @@ For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
   kernel skips the masked half; backward 2.5x that);
 - every other op that launches a kernel: bytes read (its tensor inputs) and written (its
   outputs); views and metadata ops launch none and are left out;
-- the kernel count (one per op that launches one);
+- the kernel count (one per op that launches one; in the optimizer's step, traced on fake CUDA
+  tensors as a GPU runs it, each multi-tensor op (``_foreach_*``, ``_fused_adamw_``) as the
+  launches torch's multi-tensor apply makes of its tensor lists on an H100, and the host's ops,
+  such as a foreach AdamW's step counts, none: :func:`gpu_launches`);
 - the time on paper at an H100's dense peaks and memory bandwidth (989 TFLOP/s bf16, 1,979
   FP8 for ``_scaled_mm``, 3.35 TB/s): each call at the larger of its own FLOP time and its
   own byte time (a GEMM's FLOPs from its two operands: ``_scaled_mm``'s scales are not its
@@ -25,7 +28,11 @@ For each side (benchmarks/fake_step.py's: ``peer``, ``bf16``, ``fp8``, ``nf4``,
   adds, the adapter path, loss, optimizer, the rest): ``kind_of``.
 
 Each op is charged to where it ran: the innermost module (its dotted name, block numbers
-as N) in a forward, the autograd node in backward, ``optimizer`` in the step. ``--vs peer``
+as N) in a forward, the autograd node in backward, ``optimizer`` in the step. Each side's
+optimizer steps fake CUDA tensors (benchmarks/instruments/fake_step.py, ``optimizer_on_gpu``),
+so it takes the kernels a GPU's tensors get: the peer's torch AdamW ``fused=True`` (as
+benchmarks/peer_lora.py and Hugging Face's Trainer on torch 2.8+ make it), foundryx's
+``decoupled_adamw`` its ``implementation: auto`` choice (fused on a GPU). ``--vs peer``
 (default when both are traced) lists the places where a side moves more bytes or launches
 more kernels than the peer: the casts, copies and kept tensors it adds.
 """
@@ -72,11 +79,62 @@ def _bytes(ts) -> int:  # noqa: ANN001
     return total
 
 
-class OpCensus(TorchDispatchMode):
-    """Per place and op: kernels, bytes read + written, GEMM FLOPs."""
+# torch's multi-tensor apply (aten/src/ATen/native/cuda/MultiTensorApply.cuh) as an H100 runs it
+# (CUDA 12.1+: 32 KB of kernel arguments): one launch takes blocks of 65,536 elements, at most
+# 2,240 of them, from at most so many tensors by the number of tensor lists (1..5)
+MTA_CHUNK, MTA_BLOCKS = 65536, 2240
+MTA_TENSORS = (770, 448, 336, 252, 210)
+MTA_TENSORS_WITH_SCALARS = (672, 448, 336, 252, 210)  # a list of one scalar per tensor too
 
-    def __init__(self, names: dict[int, str]) -> None:
+
+def multi_tensor_launches(numels: list[int], depth: int, scalars: bool = False) -> int:
+    """Kernel launches of one multi-tensor op over tensors of ``numels`` elements in ``depth``
+    lists (``scalars``: with a scalar per tensor): a launch whenever its blocks or its tensors
+    are full (a tensor counts once all its blocks are in), and one for what is left. Empty
+    tensors take no block."""
+    most = (MTA_TENSORS_WITH_SCALARS if scalars else MTA_TENSORS)[min(depth, 5) - 1]
+    launches = tensors = blocks = 0
+    for n in numels:
+        if n == 0:
+            continue
+        tensors += 1
+        chunks = -(-n // MTA_CHUNK)
+        for c in range(chunks):
+            blocks += 1
+            last = c == chunks - 1
+            if blocks == MTA_BLOCKS or (tensors == most and last):
+                launches, blocks = launches + 1, 0
+                tensors = 0 if last else 1  # a tensor cut short goes on in the next launch
+    return launches + (blocks > 0)
+
+
+def gpu_launches(name: str, args: tuple, tensors: list) -> int:
+    """The kernels an op of the optimizer's step launches on a GPU: none when it touches no
+    CUDA tensor (host work, e.g. a foreach AdamW's step counts); a multi-tensor op's launches
+    (:func:`multi_tensor_launches`: its tensor lists, plus the output list of an out-of-place
+    ``_foreach_*``; a ``_fused_*`` optimizer's step counts ride along, not a list of their
+    own); one otherwise."""
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in tensors):
+        return 0
+    if not name.startswith(("_foreach_", "_fused_")):
+        return 1
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a
+             and all(isinstance(x, torch.Tensor) for x in a)]
+    scalars = any(isinstance(a, (list, tuple)) and a and not isinstance(a[0], torch.Tensor)
+                  for a in args)
+    depth = len(lists) - 1 if name.startswith("_fused_") else \
+        len(lists) + (not name.endswith("_"))
+    return multi_tensor_launches([t.numel() for t in lists[0]], depth, scalars)
+
+
+class OpCensus(TorchDispatchMode):
+    """Per place and op: kernels, bytes read + written, GEMM FLOPs. ``optimizer_on_gpu``: the
+    optimizer's step runs on (fake) CUDA tensors; its kernels are counted as a GPU launches
+    them (:func:`gpu_launches`)."""
+
+    def __init__(self, names: dict[int, str], optimizer_on_gpu: bool = False) -> None:
         super().__init__()
+        self.optimizer_on_gpu = optimizer_on_gpu
         self.names = names  # id(module) -> dotted name
         self.stack: list[str] = []
         self.phase = "forward"
@@ -101,10 +159,15 @@ class OpCensus(TorchDispatchMode):
             return out
         flat_in, _ = tree_flatten((args, kwargs))
         flat_out, _ = tree_flatten(out)
+        kernels = 1
+        if self.optimizer_on_gpu and self.phase == "optimizer":
+            kernels = gpu_launches(name, args, flat_in + flat_out)
+            if not kernels:
+                return out
         moved = _bytes(flat_in) + (0 if name.endswith("_") else _bytes(flat_out))
         row = self.rows[(self.place(), name)]
         flops = gemm_flops(name, *gemm_operands(name, args), flat_out) if name in GEMMS else 0
-        row[0] += 1
+        row[0] += kernels
         row[1] += moved
         row[2] += flops
         row[3] += call_seconds(name, flops, moved)
@@ -196,16 +259,19 @@ def normalise(place: str) -> str:
 def census(side: str, shape: Path, batch: int = 2, seq: int = 4096,
            overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> dict:
     with fake_step.fake_mode(), fake_step.gpu_kernels():
-        step = fake_step.build(side, shape, batch, seq, overrides, recipe)
+        step = fake_step.build(side, shape, batch, seq, overrides, recipe, gpu_optimizer=True)
         names = {id(m): n for n, m in step.model.named_modules()}
         fake_step.run_step(step, lambda name: contextlib.nullcontext())  # optimizer state
-        return measure(side, names, lambda c: fake_step.run_step(step, c.in_phase))
+        return measure(side, names, lambda c: fake_step.run_step(step, c.in_phase),
+                       optimizer_on_gpu=True)
 
 
-def measure(side: str, names: dict[int, str], run: Callable[[OpCensus], None]) -> dict:
+def measure(side: str, names: dict[int, str], run: Callable[[OpCensus], None],
+            optimizer_on_gpu: bool = False) -> dict:
     """The census of what ``run(census)`` dispatches (``names``: module ids to dotted names;
-    ``run`` enters the census's phases), summarised."""
-    c = OpCensus(names)
+    ``run`` enters the census's phases; ``optimizer_on_gpu``: see :class:`OpCensus`),
+    summarised."""
+    c = OpCensus(names, optimizer_on_gpu)
     fake_step.ATTENTION_CALLS.clear()
     flops = FlopCounterMode(display=False)
     with c, c.watching_modules(), flops:
@@ -230,11 +296,13 @@ def summarise(side: str, rows: dict, attention: list[int]) -> dict:
     for (place, op), r in other.items():
         by_kind[kind_of(place, op)] += r[1]
     optimizer_s = sum(r[3] for (place, _), r in rows.items() if place == "optimizer")
+    optimizer_kernels = sum(r[0] for (place, _), r in rows.items() if place == "optimizer")
     compute_s = sum(r[3] for (place, _), r in rows.items() if place != "optimizer")
     compute_s += sum(f / H100["flops"] for f in attention)  # FLOP-bound: q, k, v, o are ~1/6
     gemm = sum(r[2] for (_, op), r in rows.items() if op in GEMMS)
     return {"side": side, "gemm_flops": gemm, "attention_flops": sum(attention),
             "other_bytes": sum(r[1] for r in other.values()), "kernels": kernels,
+            "optimizer_kernels": optimizer_kernels,
             "compute_s": compute_s, "optimizer_s": optimizer_s, "paper_s": compute_s + optimizer_s,
             "launch_floor_s": kernels * H100["launch_s"], "other_bytes_by_kind": dict(by_kind),
             "places": {f"{place} | {op}": [n, moved, f] for (place, op), (n, moved, f, _)
@@ -253,12 +321,13 @@ def differences(side: dict, peer: dict, top: int = 15) -> list[tuple[str, int, i
 
 
 def report(results: dict[str, dict]) -> str:
-    lines = ["| side | GEMM TFLOP | attention TFLOP | other GB moved | kernels | forward + "
-             "backward s | optimizer s | on paper s | launch floor s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| side | GEMM TFLOP | attention TFLOP | other GB moved | kernels | of them the "
+             "optimizer's | forward + backward s | optimizer s | on paper s | launch floor s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s, r in results.items():
         lines.append(f"| {s} | {r['gemm_flops'] / 1e12:.1f} | {r['attention_flops'] / 1e12:.1f} | "
-                     f"{r['other_bytes'] / 1e9:.1f} | {r['kernels']} | {r['compute_s']:.3f} | "
+                     f"{r['other_bytes'] / 1e9:.1f} | {r['kernels']} | {r['optimizer_kernels']} | "
+                     f"{r['compute_s']:.3f} | "
                      f"{r['optimizer_s']:.3f} | {r['paper_s']:.3f} | "
                      f"{r['launch_floor_s']:.3f} |")
     kinds = [k for k, _, _ in KINDS] + ["residual adds", "other"]
@@ -268,6 +337,11 @@ def report(results: dict[str, dict]) -> str:
         lines.append(f"| {k} | " + " | ".join(f"{r['other_bytes_by_kind'].get(k, 0) / 1e9:.1f}"
                                              for r in results.values()) + " |")
     peer = results.get("peer")
+    if peer is not None and len(results) > 1:
+        lines += ["", "kernels against the peer's (of them the optimizer's)"]
+        lines += [f"  {s}: {r['kernels']} / {peer['kernels']} = {r['kernels'] / peer['kernels']:.2f}x "
+                  f"({r['optimizer_kernels']} / {peer['optimizer_kernels']})"
+                  for s, r in results.items() if s != "peer"]
     for s, r in results.items():
         if peer is None or s == "peer":
             continue

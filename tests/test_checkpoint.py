@@ -36,8 +36,9 @@ class LossRecorder(Callback):
 
 
 def make_trainer(folder: Path | None, max_duration: str = "3ba", d_model: int = 32,
-                 lr: float = 3e-3, **ckpt_kw):
-    """A tiny MPT Trainer on fixed random tokens with a Checkpointer saving every batch."""
+                 lr: float = 3e-3, optimizer=None, **ckpt_kw):
+    """A tiny MPT Trainer on fixed random tokens with a Checkpointer saving every batch;
+    ``optimizer(params, lr=...)`` (default Composer's DecoupledAdamW)."""
     from composer import Trainer
     from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledAdamW
     from composer.utils import reproducibility
@@ -55,7 +56,7 @@ def make_trainer(folder: Path | None, max_duration: str = "3ba", d_model: int = 
     rec = LossRecorder()
     trainer = Trainer(
         model=model, train_dataloader=DataLoader(data, batch_size=4), max_duration=max_duration,
-        optimizers=DecoupledAdamW(model.parameters(), lr=lr),
+        optimizers=(optimizer or DecoupledAdamW)(model.parameters(), lr=lr),
         schedulers=CosineAnnealingWithWarmupScheduler(t_warmup="2ba"),
         callbacks=[ckpt, rec], device="cpu", seed=3, progress_bar=False, log_to_console=False,
     )
@@ -119,6 +120,35 @@ def test_resume_continues_exactly(saved, copy_of, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert int(resumed.state.timestamp.batch) == 5
     assert [rec.lrs[b] for b in (4, 5)] == [rec_straight.lrs[b] for b in (4, 5)]
+
+
+@pytest.mark.parametrize("implementation", ["auto", "foreach"])
+def test_composers_optimizer_state_resumes_in_foundryxs(saved, copy_of, tmp_path, implementation):
+    """A checkpoint written with Composer's DecoupledAdamW resumes with foundryx's
+    ``decoupled_adamw``: auto (Composer's loop on a CPU) gives the uninterrupted run's numbers
+    exactly, to batch 5; foreach (torch's multi-tensor ops) its weights after batch 4 to float32
+    rounding (one step: Adam turns a 1-ulp change of a near-zero gradient into a whole step)."""
+    from functools import partial
+
+    from foundryx.optim.decoupled_adamw import DecoupledAdamW
+
+    last = 5 if implementation == "auto" else 4
+    straight, _, rec_straight = make_trainer(tmp_path / "straight", max_duration=f"{last}ba")
+    straight.fit()
+    resumed, ckpt, rec = make_trainer(
+        copy_of, max_duration=f"{last}ba", autoresume=True, keep=2,
+        optimizer=partial(DecoupledAdamW, implementation=implementation))
+    resumed.fit()
+    assert ckpt.loaded == copy_of / "ep0-ba3"
+    assert float(resumed.state.optimizers[0].state_dict()["state"][0]["step"]) == last
+    assert rec.losses[4] == rec_straight.losses[4]  # the loaded weights: Composer's, exactly
+    a, b = straight.state.model.state_dict(), resumed.state.model.state_dict()
+    if implementation == "auto":
+        assert rec.losses[5] == rec_straight.losses[5]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    else:
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
 
 
 def test_unfinished_save_is_never_loaded_and_is_cleaned(copy_of):

@@ -35,11 +35,16 @@ SECTIONS = {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# the recipes' optimizer on the multi-tensor paths a GPU takes (auto on a CPU is Composer's loop)
+OPTIMIZERS = {"mpt": "foreach", "llama": "fused"}
+
+
 def build(kind: str, **peft) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The model and optimizer as ``foundryx train`` builds them (builders.build_model and
     build_optimizer on a config with these sections)."""
     section = {**SECTIONS[kind], "peft_config": {**SECTIONS[kind]["peft_config"], **peft}}
-    cfg = SimpleNamespace(model=section, optimizer={"name": "adamw", "lr": 1e-2})
+    cfg = SimpleNamespace(model=section, optimizer={"name": "decoupled_adamw", "lr": 1e-2,
+                                                    "implementation": OPTIMIZERS[kind]})
     torch.manual_seed(0)
     model = builders.build_model(cfg, None)
     return model, builders.build_optimizer(cfg, model)

@@ -4,6 +4,7 @@ FLOP and byte time per place and op instead of per call, and counted causal atte
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,66 @@ def test_a_recipe_override_changes_foundryx_s_step_and_not_the_peer(tmp_path):
         runs[name] = json.loads(out.read_text())
     assert runs["selective"]["peer"]["gemm_flops"] == runs["full"]["peer"]["gemm_flops"]
     assert runs["selective"]["bf16"]["gemm_flops"] < runs["full"]["bf16"]["gemm_flops"]
+
+
+def optimizer_kernels(make, shapes: list[tuple[int, ...]], dtype=torch.float32) -> dict:
+    """The census of the second step of ``make(params)`` over fake CUDA parameters of
+    ``shapes`` (the first makes the optimizer state), as the op census traces a side's
+    optimizer: {op: kernels} and the total."""
+    with fake_step.fake_mode():
+        ps = [torch.nn.Parameter(torch.empty(s, device="cuda", dtype=dtype)) for s in shapes]
+        opt = make(ps)
+
+        def step(c=None):  # noqa: ANN001, ANN202
+            for p in ps:
+                p.grad = torch.empty_like(p)
+            with (c.in_phase("optimizer") if c else contextlib.nullcontext()), \
+                    fake_step.ScalarsRead():
+                opt.step()
+
+        step()
+        got = op_census.measure("opt", {}, step, optimizer_on_gpu=True)
+    ops = {k.split(" | ")[1]: n for k, (n, _, _) in got["places"].items()}
+    assert got["optimizer_kernels"] == got["kernels"] == sum(ops.values())
+    return ops
+
+
+def test_the_optimizer_is_counted_as_a_gpu_launches_it():
+    """torch's AdamW over N parameters on a GPU: the for-loop 8 kernels a parameter (its step
+    counts are host tensors: no kernel), foreach 8 multi-tensor ops whatever N, fused 2 (the
+    step counts, on the GPU, and the update); foundryx's decoupled_adamw: Composer's loop 9 a
+    parameter (+1 with weight decay: its step counts are GPU tensors) and auto = fused."""
+    from foundryx.optim.decoupled_adamw import DecoupledAdamW
+
+    shapes = [(64, 16), (16,), (8, 3, 5), (1,), (300, 7)]
+    n = len(shapes)
+    loop = optimizer_kernels(lambda ps: torch.optim.AdamW(ps, foreach=False), shapes)
+    assert loop == {"mul_": 2 * n, "lerp_": n, "addcmul_": n, "sqrt": n, "div": n, "add_": n,
+                    "addcdiv_": n}  # decay and second moment: 2 mul_ a parameter
+    foreach = optimizer_kernels(lambda ps: torch.optim.AdamW(ps, foreach=True), shapes)
+    assert foreach == {"_foreach_mul_": 2, "_foreach_lerp_": 1, "_foreach_addcmul_": 1,
+                       "_foreach_sqrt": 1, "_foreach_div_": 1, "_foreach_add_": 1,
+                       "_foreach_addcdiv_": 1}
+    fused = optimizer_kernels(lambda ps: torch.optim.AdamW(ps, fused=True), shapes)
+    assert fused == {"_foreach_add_": 1, "_fused_adamw_": 1}
+    composer_loop = optimizer_kernels(
+        lambda ps: DecoupledAdamW(ps, weight_decay=0.0, implementation="for-loop"), shapes)
+    assert sum(composer_loop.values()) == 9 * n
+    decayed = optimizer_kernels(lambda ps: DecoupledAdamW(ps, implementation="for-loop"), shapes)
+    assert sum(decayed.values()) == 10 * n
+    assert optimizer_kernels(lambda ps: DecoupledAdamW(ps), shapes) == fused  # auto on a GPU
+
+
+def test_a_multi_tensor_op_launches_as_many_kernels_as_its_lists_need():
+    """An H100's multi-tensor apply: at most 2,240 blocks of 65,536 elements a launch, and at
+    most 770 tensors in one list, 252 in four (a fused AdamW: params, grads, both moments)."""
+    assert op_census.multi_tensor_launches([1] * 770, depth=1) == 1
+    assert op_census.multi_tensor_launches([1] * 771, depth=1) == 2
+    assert op_census.multi_tensor_launches([65536 * 2240 + 1], depth=1) == 2
+    assert op_census.multi_tensor_launches([0, 0], depth=1) == 0
+    # 300 one-block tensors: fused AdamW's 4 lists take 252 a launch, its step counts 1 list
+    fused = optimizer_kernels(lambda ps: torch.optim.AdamW(ps, fused=True), [(64,)] * 300)
+    assert fused == {"_foreach_add_": 1, "_fused_adamw_": 2}
+    # 3 tensors of 1,000 blocks each: 2,240 blocks a launch, the second tensor cut short
+    big = optimizer_kernels(lambda ps: torch.optim.AdamW(ps, fused=True), [(1000, 65536)] * 3)
+    assert big == {"_foreach_add_": 1, "_fused_adamw_": 2}

@@ -24,6 +24,12 @@ the forward's outputs still referenced where the trainer holds them (Composer ke
 ``state.outputs`` through backward; the peer's loop keeps only ``.loss``, as
 benchmarks/peer_lora.py does), the optimizer step. Two steps run; the second is the one measured
 (the optimizer's state exists from the first, as in the measured steps 2..5).
+
+The optimizer may step fake CUDA tensors instead (``gpu_optimizer``: the op census's choice):
+an optimizer picks its kernels by its parameters' device (torch's AdamW and foundryx's
+``decoupled_adamw`` run a Python loop of per-parameter ops on a CPU and multi-tensor kernels on
+a GPU), and no autograd runs in its step, so a fake CUDA twin of each parameter it holds is
+enough for it to take the GPU's path (:func:`optimizer_on_gpu`).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ class FakeStep:
     vocab: int = 0
     offloaded: list = field(default_factory=list)  # foundryx's Offloaded sources
     activation_offload: object = None  # foundryx's ActivationOffload (checkpoints in host memory)
+    # (model parameter, the optimizer's fake CUDA twin of it): see optimizer_on_gpu
+    gpu_twins: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,9 +173,10 @@ def random_batch(vocab: int, batch: int, seq: int) -> dict:
     return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
+def build_peer(shape: Path, batch: int, seq: int, fused: bool = False) -> FakeStep:
     """Plain transformers + peft as a user writes it (benchmarks/peer_lora.py): the model in
-    bf16, gradient checkpointing (non-reentrant), LoRA on all linear layers, AdamW."""
+    bf16, gradient checkpointing (non-reentrant), LoRA on all linear layers, AdamW (``fused``
+    as peer_lora.py makes it on a GPU, and Hugging Face's Trainer by default on torch 2.8+)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -184,7 +193,8 @@ def build_peer(shape: Path, batch: int, seq: int) -> FakeStep:
     model.to_empty(device="cpu")
     frozen = {id(m.weight) for name, m in model.named_modules()
               if name.endswith("base_layer") and isinstance(m, nn.Linear)}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4,
+                            fused=fused or None)
 
     def forward_loss(b: dict) -> tuple[object, torch.Tensor]:
         return None, model(**b).loss  # as peer_lora.py: the outputs (logits) not held
@@ -323,10 +333,33 @@ def fp8_tensor_cores(side: str) -> list[str]:
 
 
 def build(side: str, shape: Path, batch: int, seq: int,
-          overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> FakeStep:
+          overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None,
+          gpu_optimizer: bool = False) -> FakeStep:
     """``side`` on ``shape`` (a Llama config folder; for ``mpt``, a pretraining recipe);
     ``overrides``: ``key=value`` on foundryx's recipe (its sides only); ``recipe``: that
-    recipe (default: the flagship's, yamls/finetune/llama-8b-lora-fp8.yaml)."""
+    recipe (default: the flagship's, yamls/finetune/llama-8b-lora-fp8.yaml); ``gpu_optimizer``:
+    the optimizer steps fake CUDA tensors (:func:`optimizer_on_gpu`), the peer's fused."""
+    step = _build(side, shape, batch, seq, overrides, recipe, gpu_optimizer)
+    if gpu_optimizer:
+        optimizer_on_gpu(step)
+    return step
+
+
+def optimizer_on_gpu(step: FakeStep) -> None:
+    """The step's optimizer over fake CUDA twins of the parameters it holds (before its first
+    step), so that it takes the path a GPU's tensors take: torch's AdamW and foundryx's
+    ``decoupled_adamw`` choose for-loop, foreach or fused kernels by the parameters' device,
+    and keep a foreach step count on the host. The model's own tensors stay CPU tensors (see
+    the module doc); :func:`run_step` hands each twin its parameter's gradient shape."""
+    for group in step.optimizer.param_groups:
+        twins = [nn.Parameter(torch.empty_like(p, device="cuda"), requires_grad=p.requires_grad)
+                 for p in group["params"]]
+        step.gpu_twins += list(zip(group["params"], twins))
+        group["params"] = twins
+
+
+def _build(side: str, shape: Path, batch: int, seq: int, overrides: list[str] | tuple[str, ...],
+           recipe: Path | None, gpu_optimizer: bool) -> FakeStep:
     core = side.removesuffix(PEFT_LAYER)
     if side != "mpt" and (core not in SIDES + TENSOR_CORE_SIDES or side == "peer" + PEFT_LAYER):
         raise NotTraceable(f"side {side!r}: one of {', '.join(SIDES + TENSOR_CORE_SIDES)} "
@@ -337,7 +370,7 @@ def build(side: str, shape: Path, batch: int, seq: int,
         if side == "mpt":
             return build_mpt(shape, batch, seq)
         if side == "peer":
-            return build_peer(shape, batch, seq)
+            return build_peer(shape, batch, seq, fused=gpu_optimizer)
         return build_foundryx(shape, side, batch, seq, overrides, recipe)
     except NotTraceable:
         raise
@@ -394,12 +427,16 @@ def each_side(prog: str, shape: Path | None, sides: str,
 def run_step(step: FakeStep, on_phase: Callable[[str], contextlib.AbstractContextManager]) -> None:
     """One trainer step; ``on_phase(name)`` wraps each phase (forward, backward, optimizer)."""
     step.optimizer.zero_grad(set_to_none=True)
+    for p, _ in step.gpu_twins:
+        p.grad = None
     # the forward reads one value: transformers' "is every token attended?" (1: yes, as the
     # text loader's all-ones mask answers)
     with on_phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16), ScalarsRead():
         outputs, loss = step.forward_loss(step.batch)
     with on_phase("backward"):
         loss.backward()
+    for p, twin in step.gpu_twins:
+        twin.grad = None if p.grad is None else torch.empty_like(p.grad, device=twin.device)
     with on_phase("optimizer"), ScalarsRead():
         step.optimizer.step()
     del outputs, loss
