@@ -7,12 +7,18 @@ rule, which keeps about half the GEMM work out of the recompute), attention (SDP
 memory-efficient and cuDNN kernels) and ``max`` (float8's scales). Recomputed: everything else
 (norms, activations, residual adds, casts, the other matmuls). Memory lies between no
 checkpointing and a full checkpoint of the block; so does the recompute time.
+
+A product added in place into an earlier matmul's output (``addmm_``: LoRA's one-pass adapter,
+foundryx.models.peft.one_pass, writes ``scaling · t Bᵀ`` into the base layer's output) is not
+counted and follows that matmul: kept with it (the kept output already holds the sum: the
+recompute must neither recompute nor add it again), recomputed with it. Counted in a LoRA
+block: each adapted layer's base product and its rank-r ``h Aᵀ``, so the base products are the
+1st, 3rd, ... and every one of them is kept (benchmarks/RESULTS.md, the flagship section).
 """
 
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -34,19 +40,27 @@ def _save_list() -> set[Any]:
 MATMULS = ("mm", "addmm")
 
 
-def policy(counts: dict[str, int]):
+def policy(counts: dict[Any, Any]):
     """The op policy for one checkpointed forward (and its recompute): MUST_SAVE for the save
-    list's ops but every second matmul, PREFER_RECOMPUTE for the rest."""
+    list's ops but every second matmul, PREFER_RECOMPUTE for the rest; an in-place ``addmm_``
+    takes the decision of the latest matmul whose output has its shape (the one it adds into)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     save = _save_list()
+    addmm_ = torch.ops.aten.addmm_.default
 
     def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
         key = "recompute" if ctx.is_recompute else "forward"
+        if func is addmm_:  # into a product made earlier in this forward: as that product
+            keep = counts.get((key, tuple(args[0].shape)), False)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
         is_mm = func in save and func._overloadpacket.__name__ in MATMULS
         if is_mm:
-            counts[key] += 1
+            counts[key] = counts.get(key, 0) + 1
         keep = func in save and not (is_mm and counts[key] % 2 == 0)
+        if is_mm:
+            a, b = args[-2], args[-1]
+            counts[(key, (a.shape[0], b.shape[1]))] = keep
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return decide
@@ -55,7 +69,10 @@ def policy(counts: dict[str, int]):
 def _context() -> Any:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(policy(defaultdict(int)))
+    # allow_cache_entry_mutation: a kept in-place addmm_'s output is a view of the layer's
+    # output, whose version autograd bumps as the custom function marks it dirty (no data
+    # change); the kept values are the forward's (tests/test_selective_ac.py: LoRA gradients)
+    return create_selective_checkpoint_contexts(policy({}), allow_cache_entry_mutation=True)
 
 
 def checkpoint_selectively(module: nn.Module) -> None:
