@@ -15,6 +15,7 @@ from foundryx.config.load import LoadedConfig, load_config, read_resolved
 from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
 from foundryx.plan.census import Census
+from foundryx.plan.checkpointing import choose_mode, is_auto, with_mode
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, find_gpu, parse_memory, parse_rate
 from foundryx.plan.host import HostFix, HostPlan, HostSetup, host_fixes, host_plan
 from foundryx.plan.length import Longest, longest
@@ -226,6 +227,10 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         if peak is None:
             notes.append(f"no peak FLOP/s for {device} at {loaded.cfg.precision}: no "
                          "throughput estimate")
+    if is_auto(loaded):  # the mode auto takes on this device, said in a note
+        choice = choose_mode(loaded, per_node, kind, capacity, device, tp)
+        loaded = with_mode(loaded, choice.mode)
+        notes.append(choice.line)
     planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind, tp)
     c, s = planned.census, planned.setup
     t = terms(c, s)
