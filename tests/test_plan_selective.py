@@ -62,6 +62,7 @@ def test_auto_picks_selective_where_it_fits_and_full_where_not(caplog):
     """The flagship recipe (mode: auto) on one GPU of 80 GB, 48 GB and 24 GB (the device's
     memory passed in, as `foundryx plan --gpu-memory` does) and on a CPU; the line says which
     and both planned peaks; `foundryx train` decides it so before building."""
+    from foundryx.plan.gpus import find_gpu
     from foundryx.train import resolve_auto_mode
 
     loaded = _loaded()
@@ -72,12 +73,14 @@ def test_auto_picks_selective_where_it_fits_and_full_where_not(caplog):
     between = (full + sel) // 2
     assert choose_mode(loaded, 1, "cuda", between, "gpu").mode == "full"
     caplog.set_level(logging.INFO, logger="foundryx")
-    got = resolve_auto_mode(loaded, "gpu", ("NVIDIA H100 80GB HBM3", 80 * 10**9, "cuda"))
+    h100 = find_gpu("h100")
+    got = resolve_auto_mode(loaded, "gpu", (h100.device_name, h100.memory, h100.kind))
     assert got.cfg.activation_checkpointing.mode == "selective"
     said = [r.getMessage() for r in caplog.records if "mode: auto" in r.getMessage()]
     assert said == [f"activation_checkpointing.mode: auto -> selective (planned peak "
-                    f"{sel / GiB:.1f} GiB fits the NVIDIA H100 80GB HBM3's {80e9 / GiB:.1f} GiB; "
-                    f"full would be {full / GiB:.1f} GiB with more recompute)"]
+                    f"{sel / GiB:.1f} GiB fits the {h100.device_name}'s {h100.memory / GiB:.1f} "
+                    f"GiB; full would be {full / GiB:.1f} GiB with more recompute)"]
+    assert f"```\n{said[0]}\n```" in (ROOT / "docs" / "planning.md").read_text()  # as shown
     caplog.clear()
     small = resolve_auto_mode(loaded, "gpu", ("a 24 GB GPU", 24 * 10**9, "cuda"))
     assert small.cfg.activation_checkpointing.mode == "full"
