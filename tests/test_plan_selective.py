@@ -4,6 +4,7 @@ peak; auto picks selective where the planned peak fits the device, else full, in
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -95,9 +96,10 @@ def test_auto_picks_selective_where_it_fits_and_full_where_not(caplog):
     assert loaded.cfg.activation_checkpointing.mode == "auto"  # a copy: the config is kept
 
 
+@pytest.mark.slow  # four plans of the 8B shape through the command line: ~8 s on 2 cores
 def test_foundryx_plan_shows_the_mode_auto_takes(capsys, monkeypatch):
     """`foundryx plan` on the flagship recipe: its note says the mode, and the plan's header and
-    memory are that mode's (selective keeps more activations than full)."""
+    memory are that mode's; a run at mode: selective that does not fit is offered full."""
     from foundryx.cli import main
 
     monkeypatch.chdir(ROOT)
@@ -109,6 +111,12 @@ def test_foundryx_plan_shows_the_mode_auto_takes(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "activation_checkpointing.mode: auto -> full (selective's planned peak" in out
     assert "selective activation checkpointing" not in out
+    main(["plan", RECIPE, *EIGHT_B, "--gpus", "1", "--gpu", "h100", "--gpu-memory", "24GB",
+          "activation_checkpointing.mode=selective", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert not plan["fits"]
+    full = [s for s in plan["suggestions"] if s["overrides"] == "activation_checkpointing.mode=full"]
+    assert len(full) == 1 and full[0]["per_device_bytes"] < 24 * 10**9
 
 
 def test_a_misspelt_mode_is_named_with_the_fix():
