@@ -125,3 +125,20 @@ def test_a_misspelt_mode_is_named_with_the_fix():
                     component_sections=[])
     assert e.value.problems == ["activation_checkpointing.mode: expected one of 'full', "
                                 "'selective', 'auto', got 'selctive' (did you mean 'selective'?)"]
+
+
+@pytest.mark.slow  # three plans of the 8B shape and their searches: ~5 s on 2 cores
+def test_searches_under_auto_size_full_checkpointing(monkeypatch):
+    """Under mode: auto the plan is selective's where that fits, but a larger microbatch or a
+    longer sequence would take full checkpointing: the searches size full's."""
+    from foundryx.plan.planner import make_plan
+
+    monkeypatch.chdir(ROOT)
+    plans = {m: make_plan(RECIPE, [*EIGHT_B, f"activation_checkpointing.mode={m}"], gpus=1,
+                          gpu="h100") for m in ("auto", "full", "selective")}
+    assert plans["auto"].setup.ac_selective and not plans["full"].setup.ac_selective
+    assert plans["auto"].per_device_bytes == plans["selective"].per_device_bytes
+    assert plans["auto"].largest_microbatch == plans["full"].largest_microbatch
+    assert plans["full"].largest_microbatch > plans["selective"].largest_microbatch
+    auto, full = plans["auto"].longest_sequence(), plans["full"].longest_sequence()
+    assert auto.seq_len == full.seq_len > plans["selective"].longest_sequence().seq_len
