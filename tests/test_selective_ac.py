@@ -73,9 +73,12 @@ def test_the_policy_keeps_every_other_matmul_and_attention():
         (aten._scaled_dot_product_efficient_attention.default, ()),
         (aten.mm.default, (x, r)),
         (aten.addmm_.default, (x, x[:, :4], r.t())),  # into the kept 8 x 16 product: kept
-        (aten.addmm_.default, (x[:, :4], x, r)))]  # into the recomputed 8 x 4 one: recomputed
+        (aten.addmm_.default, (x[:, :4], x, r)),  # into the recomputed 8 x 4 one: recomputed
+        (aten.addmm.default, (x, x[:, :4], r.t())),  # into a product, out of place: recomputed,
+        (aten.addmm.default, (torch.empty(16), x, w)),  # not counted; with a bias: the 5th mm
+        (aten.mm.default, (x, w)))]  # the 6th
     save, again = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
-    assert got == [save, again, save, again, save, again, save, again]
+    assert got == [save, again, save, again, save, again, save, again, again, save, again]
 
 
 def test_mode_is_checked_by_the_schema():
@@ -91,11 +94,8 @@ def test_selective_keeps_lora_gradients_with_the_one_pass_adapter(one_pass):
     """LoRA's one-pass adapter adds into the base layer's output in place (``addmm_``): the
     kept output already holds the sum, so the recompute must not add it again (it did: the
     gradients were garbage before the policy made ``addmm_`` follow its product)."""
-    import sys
-    from pathlib import Path
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(Path(__file__).parent))
     from hf_tiny import HF_CONFIGS
 
     from foundryx import builders
@@ -127,3 +127,43 @@ def test_selective_keeps_lora_gradients_with_the_one_pass_adapter(one_pass):
     assert want and all(want[k].abs().max() > 0 for k in want)
     for k in want:
         torch.testing.assert_close(got[k], want[k], msg=k)
+
+
+def test_selective_keeps_an_fp8_tensor_core_base_product():
+    """An FP8 frozen base on tensor cores (``torch._scaled_mm``, torch 2.15's CPU one here) with
+    LoRA in one pass: its base products are counted and kept as mm's are, so backward runs no
+    forward ``_scaled_mm`` again (the input gradients' remain), and the gradients are those of
+    no checkpointing."""
+    from foundryx.models.peft import fp8_gemm
+
+    if not fp8_gemm._scaled_mm_runs_on("cpu"):
+        pytest.skip("this torch has no CPU _scaled_mm (torch 2.7: CUDA only)")
+    from test_fp8_gemm import lora_fp8_model, token_batch
+
+    class CountScaled(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._scaled_mm.default
+            return func(*args, **(kwargs or {}))
+
+    results = {}
+    for mode in (None, "full", "selective"):
+        model = lora_fp8_model("tensor_cores")
+        if mode:
+            apply_block_policies(model, ActivationCheckpointingConfig(enabled=True, mode=mode),
+                                 CompileConfig(enabled=False), torch.device("cpu"))
+        batch = token_batch()
+        loss = model.loss(model(batch), batch)
+        with CountScaled() as count:
+            loss.backward()
+        results[mode] = (loss.detach(), [p.grad for p in model.parameters() if p.requires_grad],
+                         count.n)
+    for mode in ("full", "selective"):
+        torch.testing.assert_close(results[mode][0], results[None][0])
+        for a, b in zip(results[mode][1], results[None][1]):
+            torch.testing.assert_close(a, b)
+    layers = sum(getattr(m, "fp8_gemm", None) is not None
+                 for m in lora_fp8_model("tensor_cores").modules())
+    assert results["full"][2] - results[None][2] == layers  # full reruns every base product
+    assert results["selective"][2] == results[None][2]  # selective keeps them all
