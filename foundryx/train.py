@@ -37,9 +37,10 @@ from foundryx.loggers.jsonl import JSONLLogger
 from foundryx.models.peft.frozen_base import storage_on_rank
 from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
+from foundryx.plan.checkpointing import choose_mode, is_auto, with_mode
 from foundryx.plan.node import machine
 from foundryx.plan.planner import plan_here
-from foundryx.plan.prelaunch import check_fits, host_problem, longest_line
+from foundryx.plan.prelaunch import check_fits, gpu_facts, host_problem, longest_line
 from foundryx.plan.render import render
 from foundryx.runtime import host_heap, known_warnings, preempt
 from foundryx.runtime.device_choice import composer_name, pick_device
@@ -158,6 +159,27 @@ def dry_run_world(path: str | Path, overrides: list[str] | None) -> int | None:
     return target.gpus * target.nodes if target.gpus else None
 
 
+def resolve_auto_mode(loaded: LoadedConfig, picked: str,
+                      facts: tuple[str, int, str] | None = None) -> LoadedConfig:
+    """``loaded`` with ``activation_checkpointing.mode: auto`` decided for this process's device
+    (``picked``: Composer's gpu or cpu; ``facts``: the GPU's name, bytes and kind, default this
+    process's): selective where the planner's peak with it fits, else full; one log line. A
+    model the planner cannot size takes full, said in the line."""
+    if picked != "gpu":
+        choice = choose_mode(loaded, 1, "cpu", 0, "cpu")
+    else:
+        name, capacity, kind = facts or gpu_facts()
+        try:
+            choice = choose_mode(loaded, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), kind,
+                                 capacity, name)
+        except NotPlannable as e:
+            log.info("activation_checkpointing.mode: auto -> full (the planner cannot size this "
+                     "run: %s)", e)
+            return with_mode(loaded, "full")
+    log.info("%s", choice.line)
+    return with_mode(loaded, choice.mode)
+
+
 def train(loaded: LoadedConfig):
     """Train a model as ``loaded`` describes; return the fitted Composer Trainer."""
     cfg, derived = loaded.cfg, loaded.derived
@@ -168,6 +190,9 @@ def train(loaded: LoadedConfig):
     known_warnings.install()
     picked = composer_name(pick_device(cfg.device, say=True))  # gpu or cpu, Composer's names
     host_heap.configure(cfg.host_heap, picked)  # before the load and the steps free anything
+    if is_auto(loaded):  # activation_checkpointing.mode: auto, decided once, said in one line
+        loaded = resolve_auto_mode(loaded, picked)
+        cfg = loaded.cfg
     if picked == "gpu" and cfg.plan_check:
         check_fits(loaded)  # before anything is built on the GPU: stop a run that cannot fit
     device = with_host_collectives(get_device(picked), derived.world_size)

@@ -103,9 +103,11 @@ class ActivationCheckpointingConfig:
     cpu_offload: bool = doc(
         "keep every block's saved activations in CPU memory (also without enabled)", default=False
     )
-    mode: Literal["full", "selective"] = doc(
+    mode: Literal["full", "selective", "auto"] = doc(
         "full: recompute the whole module; selective: keep the outputs of its matmuls (every "
-        "other one) and attention, recompute the rest (torchtitan's selective op AC)",
+        "other one) and attention, recompute the rest (torchtitan's selective op AC; less "
+        "recompute, more memory); auto: selective where the planner's peak with it fits the "
+        "GPU's memory, else full (on a CPU: full), said in one log line (docs/planning.md)",
         default="full")
 
 

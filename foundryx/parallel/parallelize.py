@@ -135,6 +135,9 @@ def apply_block_policies(model: nn.Module, ac: ActivationCheckpointingConfig,
         if not targets:
             raise ConfigError(["activation_checkpointing.enabled: the model names no modules "
                                "to checkpoint; set activation_checkpointing.modules"])
+        if ac.mode == "auto":  # foundryx.train decides it from the plan before building
+            log.info("activation_checkpointing.mode: auto -> full (not decided by a plan here: "
+                     "`foundryx train` decides it for the device from the planner's peak)")
         wrap = checkpoint_selectively if ac.mode == "selective" else checkpoint_activations
         for _, m in targets:
             wrap(m)

@@ -70,6 +70,11 @@ def _candidates(c: Census, s: Setup, capacity: int) -> list[Candidate]:
     out.append((f"microbatch {mb} instead of {s.microbatch}, more gradient accumulation",
                 f"device_train_microbatch_size={mb}", "lower device utilisation per step",
                 with_microbatch(s, mb) if mb else None))
+    out.append(("full activation checkpointing instead of selective (only each block's input "
+                "kept)", "activation_checkpointing.mode=full",
+                "more recompute: the kept matmuls and attention run again in backward",
+                replace(s, ac_selective=False, selective_kept=0.0)
+                if s.activation_checkpointing and s.ac_selective else None))
     out.append(("activation checkpointing of every block", "activation_checkpointing=true",
                 "about a third more compute (the forward runs twice)",
                 replace(s, activation_checkpointing=True, ac_every=1)

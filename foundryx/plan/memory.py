@@ -74,6 +74,11 @@ class Setup:
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     ac_every: int = 1
+    # activation_checkpointing.mode: selective: a checkpointed block keeps also its attention's
+    # output and log-sum-exp and every other matmul's output (``selective_kept`` elements a
+    # token, settings.selective_widths; foundryx.parallel.selective_ac)
+    ac_selective: bool = False
+    selective_kept: float = 0.0
     optimizer_states: int = 2  # fp32 states per trainable parameter
     fsdp_cpu_offload: bool = False
     device_kind: str = "cuda"  # cuda | rocm | cpu
@@ -283,6 +288,8 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
         # prefetched one are on the device
         inputs = min(kept, 2) if s.act_offload else kept
         acts = inputs * b * q * d / sp * ce + (sh.n_layers - kept) * block + block
+        if s.ac_selective:  # what each checkpointed block keeps besides its input
+            acts += kept * selective_bytes(sh, s)
     elif s.act_offload:  # everything the blocks save in host memory, two blocks' worth here
         acts = min(sh.n_layers, 2) * block
     else:
@@ -292,6 +299,15 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     # block's input) is not kept when the checkpoints are offloaded
     outside = 4 if not _lean(sh, s) else 2 if s.act_offload else 3
     return acts + outside * b * q * d / sp * ce, block
+
+
+def selective_bytes(sh, s: Setup) -> float:
+    """What selective checkpointing keeps of one block besides its input, per rank: every other
+    matmul's output (``s.selective_kept`` elements a token, in the compute dtype), and the
+    attention's output (d / tp a token) with its float32 log-sum-exp per head."""
+    b, q, tp = s.microbatch, s.seq_len, max(s.tp, 1)
+    return b * q * (s.selective_kept + sh.d_model / tp) * s.compute_bytes \
+        + b * sh.n_heads / tp * q * 4
 
 
 def _lean(sh, s: Setup) -> bool:

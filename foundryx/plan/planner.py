@@ -15,6 +15,7 @@ from foundryx.config.load import LoadedConfig, load_config, read_resolved
 from foundryx.errors import ConfigError
 from foundryx.plan.advice import Suggestion, largest_microbatch, suggestions
 from foundryx.plan.census import Census
+from foundryx.plan.checkpointing import choose_mode, is_auto, with_mode
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, find_gpu, parse_memory, parse_rate
 from foundryx.plan.host import HostFix, HostPlan, HostSetup, host_fixes, host_plan
 from foundryx.plan.length import Longest, longest
@@ -68,13 +69,20 @@ class Plan:
     host_setup: HostSetup | None = None  # what the host terms were planned from
     seq_key: str = "max_seq_len"  # the override that sets the run's length
     seq_share: int = 1  # devices a sequence is split over (context parallelism): setup.seq_len x it
+    ac_auto: bool = False  # activation_checkpointing.mode: auto (setup: the mode it took here)
+
+    @property
+    def search_setup(self) -> Setup:
+        """The setup the searches (longest sequence, largest microbatch) size: under ``mode:
+        auto``, full checkpointing's, which auto takes wherever selective would not fit."""
+        return full_checkpointing(self.setup) if self.ac_auto else self.setup
 
     def longest_sequence(self) -> Longest:
         """The longest sequence this run fits on its device and node (``--search
         max_seq_len``), from the same terms as the plan; under context parallelism the whole
         sequence (each device planned at its share)."""
         cap = self.host.capacity if self.host is not None else None
-        answer = longest(self.census, self.setup, self.capacity, self.host_setup, cap)
+        answer = longest(self.census, self.search_setup, self.capacity, self.host_setup, cap)
         if self.seq_share > 1:
             k = self.seq_share
             answer = replace(answer, seq_len=answer.seq_len * k, next_len=answer.next_len * k)
@@ -197,6 +205,11 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     return plan
 
 
+def full_checkpointing(s: Setup) -> Setup:
+    """``s`` at full activation checkpointing (nothing kept selectively)."""
+    return replace(s, ac_selective=False, selective_kept=0.0)
+
+
 def this_machine() -> HostSpec:
     """This machine's RAM, and the assumed read rate of a machine with no node kind."""
     return HostSpec(_cpu_memory(), "this machine", CPU_READ_RATE)
@@ -226,6 +239,11 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         if peak is None:
             notes.append(f"no peak FLOP/s for {device} at {loaded.cfg.precision}: no "
                          "throughput estimate")
+    auto = is_auto(loaded)
+    if auto:  # the mode auto takes on this device, said in a note
+        choice = choose_mode(loaded, per_node, kind, capacity, device, tp)
+        loaded = with_mode(loaded, choice.mode)
+        notes.append(choice.line)
     planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind, tp)
     c, s = planned.census, planned.setup
     t = terms(c, s)
@@ -247,13 +265,13 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         census=c, setup=s, device=device, capacity=capacity, terms=t,
         by_sharding=by_stage(c, s, data_parallel(s)),
         suggestions=[] if fits else suggestions(c, s, capacity),
-        largest_microbatch=largest_microbatch(c, s, capacity),
+        largest_microbatch=largest_microbatch(c, full_checkpointing(s) if auto else s, capacity),
         flops_per_token=fpt, peak_flops=peak, mfu=mfu,
         notes=notes + planned.notes,
         host=hp,
         host_fixes=[] if hp.fits else host_fixes(c, s, planned.host, hp, capacity),
         comm=comm, tp_options=options, tp_proposal=proposal, speed=speed,
-        host_setup=planned.host, seq_key=seq_key(loaded.source),
+        host_setup=planned.host, seq_key=seq_key(loaded.source), ac_auto=auto,
         seq_share=max(int(getattr(loaded.cfg.parallelism, "cp", 1) or 1), 1)
         if loaded.cfg.parallelism is not None else 1,
     )

@@ -168,7 +168,9 @@ def render(p: Plan) -> str:
     lines = [
         f"foundryx plan: {count(c.total)} parameters ({count(trainable)} trainable), "
         f"{s.world_size} x {p.device}, {sharding}, microbatch {s.microbatch} x {s.seq_len} tokens, "
-        f"{s.precision}{', activation checkpointing' if s.activation_checkpointing else ''}"
+        f"{s.precision}{', ' if s.activation_checkpointing else ''}"
+        f"{'selective ' if s.activation_checkpointing and s.ac_selective else ''}"
+        f"{'activation checkpointing' if s.activation_checkpointing else ''}"
         f"{' (inputs offloaded)' if s.act_offload and s.activation_checkpointing else ''}"
         f"{', activations offloaded' if s.act_offload and not s.activation_checkpointing else ''}"
         f"{tiled_words(s)}"

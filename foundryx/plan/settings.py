@@ -121,6 +121,34 @@ def _lora_counts(model: nn.Module, opts: Any, n_layers: int) -> tuple[int, int, 
     return trainable, per_block, dropout_inputs
 
 
+def selective_widths(model: nn.Module) -> list[int]:
+    """The output widths of the matmuls selective checkpointing counts in one transformer block,
+    in its forward's order (foundryx.parallel.selective_ac): a plain linear layer one; a LoRA
+    layer in one pass (``OnePassLoraLinear``) its base product and ``h Aᵀ`` (rank r; its
+    ``addmm_`` into the base output is not counted); PEFT's own layer also ``t Bᵀ``. Module
+    order is taken as forward order (Llama, Mistral, Qwen, MPT: q, k, v, o, gate, up, down)."""
+    from foundryx.parallel.policy import blocks
+
+    found = blocks(model)
+    if not found:
+        return []
+    widths: list[int] = []
+    skip: set[int] = set()
+    for m in found[0][1].modules():
+        if id(m) in skip:
+            continue
+        lora_a = getattr(m, "lora_A", None)
+        if isinstance(lora_a, nn.ModuleDict) and len(lora_a):
+            skip.update(id(x) for x in m.modules())
+            out = int(m.out_features)
+            rank = int(next(iter(lora_a.values())).out_features)
+            one_pass = bool(getattr(m, "one_pass", False))
+            widths += [out, rank] if one_pass else [out, rank, out]
+        elif isinstance(getattr(m, "out_features", None), int) and hasattr(m, "in_features"):
+            widths.append(int(m.out_features))
+    return widths
+
+
 def tp_settings(resolved: dict[str, Any]) -> tuple[int, bool]:
     """(tensor-parallel degree, sequence parallel) from the run config's ``parallelism.tp``
     and ``parallelism.sequence_parallel`` (default true), read from the resolved data so that
@@ -188,6 +216,8 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
                      "attention FLOPs, over the whole sequence of 1/cp of the heads, cp times more)")
         seq //= cp
     ac = cfg.activation_checkpointing
+    selective = ac.enabled and ac.mode == "selective"
+    widths = selective_widths(model) if selective else []
     # a TP group shares its microbatches: each of the world / tp data-parallel ranks takes
     # global / (world / tp) samples per step, in microbatches of device_train_microbatch_size
     micro, accum = derived.device_train_microbatch_size, derived.grad_accum
@@ -208,6 +238,8 @@ def plan_setup(loaded: LoadedConfig, world_size: int, gpus_per_node: int,
         reshard_after_forward=bool(par.reshard_after_forward) if par is not None else True,
         activation_checkpointing=ac.enabled,
         ac_every=getattr(ac, "every", 1) or 1,
+        ac_selective=selective,
+        selective_kept=sum(widths[0::2]) / max(tp, 1),
         optimizer_states=optimizer_states(dict(cfg.optimizer), notes),
         fsdp_cpu_offload=bool(par.cpu_offload) if par is not None else False,
         device_kind=device_kind,
