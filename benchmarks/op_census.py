@@ -256,6 +256,15 @@ def normalise(place: str) -> str:
     return place.replace(".default", "")
 
 
+def op_counts(result: dict) -> dict[str, int]:
+    """Calls per operator over every place of a :func:`census` result."""
+    ops: dict[str, int] = {}
+    for key, (n, _, _) in result["places"].items():
+        op = key.split(" | ")[1]
+        ops[op] = ops.get(op, 0) + n
+    return ops
+
+
 def census(side: str, shape: Path, batch: int = 2, seq: int = 4096,
            overrides: list[str] | tuple[str, ...] = (), recipe: Path | None = None) -> dict:
     with fake_step.fake_mode(), fake_step.gpu_kernels():

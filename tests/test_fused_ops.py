@@ -387,10 +387,7 @@ def test_the_flagship_census_runs_the_fused_ops_as_a_gpu_run_would():
 
     tiny = Path(__file__).parents[1] / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
     got = op_census.census("bf16", tiny, batch=1, seq=32)
-    ops: dict[str, int] = {}
-    for key, (n, _, _) in got["places"].items():
-        op = key.split(" | ")[1]
-        ops[op] = ops.get(op, 0) + n
+    ops = op_census.op_counts(got)
     layers = 2
     assert ops["rms_norm"] == (2 * layers + 1) + 2 * layers  # forward (+ final norm), recompute
     # backward: not the first norm's (its input, the frozen embedding's output, and its weight

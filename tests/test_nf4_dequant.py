@@ -145,10 +145,7 @@ def test_the_flagship_census_decodes_an_nf4_base_by_the_operator():
 
     tiny = Path(__file__).parents[1] / "benchmarks" / "gpu_runbook" / "shapes" / "llama-tiny"
     got = op_census.census("nf4", tiny, batch=1, seq=32)
-    ops: dict[str, int] = {}
-    for key, (n, _, _) in got["places"].items():
-        op = key.split(" | ")[1]
-        ops[op] = ops.get(op, 0) + n
+    ops = op_census.op_counts(got)
     assert ops["nf4_dequantize"] == 14 + 14 + 11
     # in the frozen layers: the decoding and the GEMMs (and backward's sum of the gradients of
     # q, k and v's shared input), none of the unfused decoding's lookups, shifts and casts
