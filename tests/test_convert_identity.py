@@ -163,31 +163,6 @@ def test_shards_are_byte_identical_to_the_row_by_row_conversion(tmp_path, tiny_t
     assert json.loads((tmp_path / "out" / MANIFEST).read_text()) == manifest
 
 
-def test_tokenizer_calls_of_a_few_documents_give_the_same_shards(tmp_path, tiny_tokenizer,
-                                                                  monkeypatch):
-    """A batch is encoded ``ENCODE_DOCS`` documents a call (1,000 by default): with 3, every
-    batch of the awkward text takes several calls, and the shards stay byte-identical."""
-    from foundryx.data import parallel
-
-    monkeypatch.setattr(parallel, "ENCODE_DOCS", 3)
-    src = tmp_path / "c.txt"
-    src.write_bytes(awkward_text())
-    reference_convert(list(reference_documents(src)), tmp_path / "ref", tiny_tokenizer, SEQ,
-                      1500, 5000, None)
-    calls = []
-    encode = parallel.tokenize_batch
-
-    def counted(docs):
-        calls.append(len(docs))
-        return encode(docs)
-
-    monkeypatch.setattr(parallel, "tokenize_batch", counted)
-    convert_to_mds(src, tmp_path / "out", tiny_tokenizer, SEQ, workers=1, batch_chars=1500,
-                   chunk_chars=5000, progress=False)
-    assert max(calls) > 3  # batches larger than one call
-    assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")
-
-
 def test_not_utf8_names_the_byte_and_line_and_leaves_nothing(tmp_path, tiny_tokenizer):
     text = awkward_text()
     cut = text.index(b"\n", len(text) // 2) + 5

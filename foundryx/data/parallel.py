@@ -22,8 +22,6 @@ import numpy as np
 
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
 _state: dict[str, Any] = {}  # this process's tokenizer, prefix and suffix
-ENCODE_DOCS = 1000  # documents a call to a tokenizers.Tokenizer (tokenize_batch)
-PIECES = 4  # jobs a batch, with worker processes (tokenize_in_order)
 
 
 def _init(tokenizer: Any, prefix: list[int], suffix: list[int]) -> None:
@@ -55,33 +53,23 @@ def encoder(tokenizer: Any) -> Any:
 
 
 def tokenize_batch(docs: list[str]) -> np.ndarray:
-    """The token stream of ``docs``: ``prefix + ids + suffix`` per document, as int32.
-
-    A ``tokenizers.Tokenizer`` encodes ``ENCODE_DOCS`` documents a call: a batch of 1 MB holds
-    ~16,000 short documents, and encoding them in one call cost ~5% more CPU than in calls of
-    1,000 (their encodings no longer fit the caches before they are read back)."""
+    """The token stream of ``docs``: ``prefix + ids + suffix`` per document, as int32."""
     tok, prefix, suffix = _state["tokenizer"], _state["prefix"], _state["suffix"]
-    out: list[int] = []
     if hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
         # encode_batch_fast: the same ids without the character offsets (tokenizers >= 0.20)
         encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        for i in range(0, len(docs), ENCODE_DOCS):
-            _extend(out, (e.ids for e in encode(docs[i:i + ENCODE_DOCS],
-                                                add_special_tokens=False)), prefix, suffix)
+        encoded = (e.ids for e in encode(docs, add_special_tokens=False))
     else:
-        _extend(out, tok(docs, add_special_tokens=False, verbose=False)["input_ids"], prefix,
-                suffix)
-    return np.array(out, dtype=np.int32)
-
-
-def _extend(out: list[int], encoded: Iterable[list[int]], prefix: list[int],
-            suffix: list[int]) -> None:
+        encoded = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    out: list[int] = []
+    extend = out.extend
     for ids in encoded:
         if prefix:
-            out += prefix
-        out += ids
+            extend(prefix)
+        extend(ids)
         if suffix:
-            out += suffix
+            extend(suffix)
+    return np.array(out, dtype=np.int32)
 
 
 @contextlib.contextmanager
@@ -110,12 +98,6 @@ def _bare_main() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _joined(item: tuple[Any, list[Any]]) -> tuple[Any, np.ndarray]:
-    tag, parts = item
-    arrays = [part.get() for part in parts]
-    return tag, arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-
 def tokenize_in_order(
     batches: Iterable[tuple[Any, list[str]]],
     tokenizer: Any,
@@ -126,8 +108,7 @@ def tokenize_in_order(
     """``(tag, token stream)`` for each ``(tag, docs)`` of ``batches``, in order.
 
     With ``workers > 1`` at most ``2 * workers`` batches are in flight, so memory stays
-    bounded however large the input; each goes to the workers as ``PIECES`` jobs, so the
-    last batch keeps every worker busy (whole, it left all workers but one idle at the end).
+    bounded however large the input.
     """
     tokenizer = encoder(tokenizer)
     batches = iter(batches)
@@ -147,13 +128,13 @@ def tokenize_in_order(
     try:
         pending: deque = deque()
         for tag, docs in batches:
-            step = max(1, -(-len(docs) // PIECES))  # PIECES jobs: even the last batch splits
-            pending.append((tag, [pool.apply_async(tokenize_batch, (docs[i:i + step],))
-                                  for i in range(0, len(docs), step)]))
+            pending.append((tag, pool.apply_async(tokenize_batch, (docs,))))
             if len(pending) >= 2 * workers:
-                yield _joined(pending.popleft())
+                tag0, result = pending.popleft()
+                yield tag0, result.get()
         while pending:
-            yield _joined(pending.popleft())
+            tag0, result = pending.popleft()
+            yield tag0, result.get()
         pool.close()
     finally:
         pool.terminate()
