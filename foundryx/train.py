@@ -38,7 +38,7 @@ from foundryx.models.peft.frozen_base import storage_on_rank
 from foundryx.parallel.tp import missing_op_error
 from foundryx.plan.census import NotPlannable
 from foundryx.plan.checkpointing import choose_mode, is_auto, with_mode
-from foundryx.plan.node import machine
+from foundryx.plan.node import machine, processes_per_node
 from foundryx.plan.planner import plan_here
 from foundryx.plan.prelaunch import check_fits, gpu_facts, host_problem, longest_line
 from foundryx.plan.render import render
@@ -170,8 +170,7 @@ def resolve_auto_mode(loaded: LoadedConfig, picked: str,
     else:
         name, capacity, kind = facts or gpu_facts()
         try:
-            choice = choose_mode(loaded, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), kind,
-                                 capacity, name)
+            choice = choose_mode(loaded, processes_per_node(None), kind, capacity, name)
         except NotPlannable as e:
             log.info("activation_checkpointing.mode: auto -> full (the planner cannot size this "
                      "run: %s)", e)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from foundryx.plan.census import Census
-from foundryx.plan.memory import Setup, terms
+from foundryx.plan.memory import Setup, full_checkpointing, terms
 from foundryx.plan.tp import at_tp, tp_degrees
 
 SUGGESTED_LORA_RANK = 16
@@ -73,7 +73,7 @@ def _candidates(c: Census, s: Setup, capacity: int) -> list[Candidate]:
     out.append(("full activation checkpointing instead of selective (only each block's input "
                 "kept)", "activation_checkpointing.mode=full",
                 "more recompute: the kept matmuls and attention run again in backward",
-                replace(s, ac_selective=False, selective_kept=0.0)
+                full_checkpointing(s)
                 if s.activation_checkpointing and s.ac_selective else None))
     out.append(("activation checkpointing of every block", "activation_checkpointing=true",
                 "about a third more compute (the forward runs twice)",

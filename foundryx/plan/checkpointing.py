@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from foundryx.config.load import LoadedConfig
-from foundryx.plan.memory import GiB, terms
-from foundryx.plan.settings import plan_setup
+from foundryx.plan.memory import GiB, full_checkpointing, terms
+from foundryx.plan.settings import Planned, plan_setup
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class ModeChoice:
     selective_bytes: int | None  # None: not planned (a CPU device)
     full_bytes: int | None
     line: str
+    planned: Planned | None = None  # the run planned in that mode (None: a CPU device)
 
 
 def with_mode(loaded: LoadedConfig, mode: str) -> LoadedConfig:
@@ -41,11 +42,13 @@ def choose_mode(loaded: LoadedConfig, per_node: int, kind: str, capacity: int, d
         return ModeChoice("full", None, None, "activation_checkpointing.mode: auto -> full (a CPU "
                           "device: selective checkpointing trades memory for GPU time; mode: "
                           "selective asks for it)")
-    world = loaded.derived.world_size
-    need = {}
-    for mode in ("selective", "full"):
-        planned = plan_setup(with_mode(loaded, mode), world, per_node, kind, tp)
-        need[mode] = sum(terms(planned.census, planned.setup).values())
+    # one plan: the modes differ only in what a checkpointed block keeps (Setup's ac_selective
+    # and selective_kept)
+    selective = plan_setup(with_mode(loaded, "selective"), loaded.derived.world_size, per_node,
+                           kind, tp)
+    planned = {"selective": selective,
+               "full": replace(selective, setup=full_checkpointing(selective.setup))}
+    need = {mode: sum(terms(p.census, p.setup).values()) for mode, p in planned.items()}
     fits = need["selective"] <= capacity
     sel, full, cap = need["selective"] / GiB, need["full"] / GiB, capacity / GiB
     if fits:
@@ -55,4 +58,5 @@ def choose_mode(loaded: LoadedConfig, per_node: int, kind: str, capacity: int, d
     else:
         line = (f"activation_checkpointing.mode: auto -> full (selective's planned peak {sel:.1f} "
                 f"GiB does not fit the {device}'s {cap:.1f} GiB; full: {full:.1f} GiB)")
-    return ModeChoice("selective" if fits else "full", need["selective"], need["full"], line)
+    mode = "selective" if fits else "full"
+    return ModeChoice(mode, need["selective"], need["full"], line, planned[mode])

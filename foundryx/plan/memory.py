@@ -301,6 +301,11 @@ def _activations(sh, s: Setup) -> tuple[float, float]:
     return acts + outside * b * q * d / sp * ce, block
 
 
+def full_checkpointing(s: Setup) -> Setup:
+    """``s`` at full activation checkpointing (nothing kept selectively)."""
+    return replace(s, ac_selective=False, selective_kept=0.0)
+
+
 def selective_bytes(sh, s: Setup) -> float:
     """What selective checkpointing keeps of one block besides its input, per rank: every other
     matmul's output (``s.selective_kept`` elements a token, in the compute dtype), and the

@@ -19,7 +19,7 @@ from foundryx.plan.checkpointing import choose_mode, is_auto, with_mode
 from foundryx.plan.gpus import DEFAULT_GPU, DEFAULT_MFU, GB, find_gpu, parse_memory, parse_rate
 from foundryx.plan.host import HostFix, HostPlan, HostSetup, host_fixes, host_plan
 from foundryx.plan.length import Longest, longest
-from foundryx.plan.memory import Setup, by_stage, terms
+from foundryx.plan.memory import Setup, by_stage, full_checkpointing, terms
 from foundryx.plan.node import machine, processes_per_node, shape_override
 from foundryx.plan.settings import plan_setup
 from foundryx.plan.speed import Choice, Run, choose
@@ -205,11 +205,6 @@ def make_plan(config: str | Path, overrides: list[str] | None = None, *, gpus: i
     return plan
 
 
-def full_checkpointing(s: Setup) -> Setup:
-    """``s`` at full activation checkpointing (nothing kept selectively)."""
-    return replace(s, ac_selective=False, selective_kept=0.0)
-
-
 def this_machine() -> HostSpec:
     """This machine's RAM, and the assumed read rate of a machine with no node kind."""
     return HostSpec(_cpu_memory(), "this machine", CPU_READ_RATE)
@@ -239,12 +234,13 @@ def plan_loaded(loaded: LoadedConfig, per_node: int, device: str, kind: str,
         if peak is None:
             notes.append(f"no peak FLOP/s for {device} at {loaded.cfg.precision}: no "
                          "throughput estimate")
-    auto = is_auto(loaded)
-    if auto:  # the mode auto takes on this device, said in a note
+    auto, planned = is_auto(loaded), None
+    if auto:  # the mode auto takes on this device, said in a note (planned in that mode)
         choice = choose_mode(loaded, per_node, kind, capacity, device, tp)
-        loaded = with_mode(loaded, choice.mode)
+        loaded, planned = with_mode(loaded, choice.mode), choice.planned
         notes.append(choice.line)
-    planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind, tp)
+    if planned is None:
+        planned = plan_setup(loaded, loaded.derived.world_size, per_node, kind, tp)
     c, s = planned.census, planned.setup
     t = terms(c, s)
     fpt = flops_per_token(c, s.seq_len)
