@@ -257,7 +257,8 @@ def normalise(place: str) -> str:
 
 
 def op_counts(result: dict) -> dict[str, int]:
-    """Calls per operator over every place of a :func:`census` result."""
+    """Kernels per operator over every place of a :func:`census` result: one a call, but a
+    multi-tensor optimizer op's launches (:func:`gpu_launches`)."""
     ops: dict[str, int] = {}
     for key, (n, _, _) in result["places"].items():
         op = key.split(" | ")[1]
