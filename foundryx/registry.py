@@ -65,6 +65,14 @@ class Entry:
         return self._obj
 
     @property
+    def target(self) -> str:
+        """``module:attribute`` of the object, without loading it for an entry point."""
+        if self._ep is not None:
+            return self._ep.value.replace(" ", "")
+        obj = self.load()
+        return f"{obj.__module__}:{getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
+
+    @property
     def source(self) -> str:
         return f"{self.package} ({self.module})"
 

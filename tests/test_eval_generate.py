@@ -12,8 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
 
 import foundryx.eval.kv_cache as kv_cache
 import foundryx.eval.runner as runner
-from foundryx.eval.data import StopOnSequences, _pad
+from foundryx.eval.data import _pad
 from foundryx.eval.generate import decode_generations, fast_path_problem, greedy_generate
+from foundryx.eval.hf_stopping import StopOnSequences
 from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.models import wrap_hf_model
 from foundryx.models.mpt.composer import ComposerMPTCausalLM

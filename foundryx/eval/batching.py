@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from foundryx.eval.generate import generation_model
-from foundryx.eval.kv_cache import new_cache
 from foundryx.runtime.hf_compat import cache_argument
 
 AUTO_CAP = 32  # rows: past this a CPU's decoding step grows about as fast as its rows
@@ -25,6 +24,8 @@ def kv_row_bytes(model: Any, tokens: int) -> int | None:
     """One row's KV cache at ``tokens`` tokens, from the model's Hugging Face config and
     parameter dtype; None when the model keeps no KV cache foundryx can size (foundryx's MPT
     generates without one)."""
+    from foundryx.eval.kv_cache import new_cache  # transformers' cache classes: HF models only
+
     hf = generation_model(model)
     cfg = getattr(hf, "config", None)
     layers = getattr(cfg, "num_hidden_layers", None)

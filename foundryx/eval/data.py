@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from foundryx import registry
 from foundryx.errors import DataError
@@ -194,10 +193,12 @@ class ICLCollator:
     padded length is a multiple of it (sequence parallelism splits the sequence over the
     tensor-parallel ranks)."""
 
-    def __init__(self, task: PreparedTask, tokenizer: Any, pad_multiple: int = 1):
+    def __init__(self, task: PreparedTask, tokenizer: Any, pad_multiple: int = 1,
+                 hf_stopping: bool = True):
         self.task = task
         self.tokenizer = tokenizer
         self.pad_multiple = pad_multiple
+        self.hf_stopping = hf_stopping  # generation batches carry generate's stopping criteria
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = pad if pad is not None else 0
 
@@ -221,13 +222,15 @@ class ICLCollator:
             batch["icl_options"] = {"stop_sequences": list(cfg.stop_sequences),
                                     "cot_delimiter": cfg.cot_delimiter,
                                     "do_normalization": cfg.do_normalization}
-            stops = StoppingCriteriaList(
-                [StopOnSequences(self.tokenizer, cfg.stop_sequences, ids.shape[1])]
-                if cfg.stop_sequences else [])
             batch["generation_kwargs"] = {
                 "max_new_tokens": self.task.max_new_tokens, "do_sample": False,
-                "eos_token_id": self.tokenizer.eos_token_id, "stopping_criteria": stops,
+                "eos_token_id": self.tokenizer.eos_token_id,
             }
+            if self.hf_stopping:  # transformers: only for batches Hugging Face generate runs
+                from foundryx.eval.hf_stopping import stopping_criteria
+
+                batch["generation_kwargs"]["stopping_criteria"] = stopping_criteria(
+                    self.tokenizer, list(cfg.stop_sequences), ids.shape[1])
         else:
             batch["cont_start"] = torch.tensor([enc.cont_start for *_, enc in rows])
             batch["cont_end"] = torch.tensor([enc.cont_end for *_, enc in rows])
@@ -237,17 +240,6 @@ class ICLCollator:
             batch["choice"] = torch.tensor([c for *_, c, _ in rows])
             batch["gold"] = torch.tensor([ex.rendered.gold for ex, *_ in rows])
         return batch
-
-
-class StopOnSequences(StoppingCriteria):
-    """A transformers stopping criterion: a row is done once its new text holds a stop sequence."""
-
-    def __init__(self, tokenizer: Any, stops: list[str], prompt_len: int):
-        self.tokenizer, self.stops, self.prompt_len = tokenizer, list(stops), prompt_len
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
-        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
 
 
 def split_batch(batch: dict[str, Any], rows_per_chunk: int) -> list[dict[str, Any]]:
@@ -267,13 +259,18 @@ def split_batch(batch: dict[str, Any], rows_per_chunk: int) -> list[dict[str, An
 
 
 def build_dataloader(task: PreparedTask, tokenizer: Any, batch_size: int, rank: int = 0,
-                     world_size: int = 1, counts: bool = True, pad_multiple: int = 1) -> DataLoader:
+                     world_size: int = 1, counts: bool = True, pad_multiple: int = 1,
+                     hf_stopping: bool = True) -> DataLoader:
+    """This rank's batches of ``task``; ``hf_stopping=False``: generation batches without
+    Hugging Face ``generate``'s stopping criteria (for a loop that checks stop sequences
+    itself)."""
     dataset = ICLDataset(task, rank, world_size, counts)
     # the dataset is this rank's share already; a one-replica DistributedSampler reads it in
     # order, and is what Composer's DataSpec asks of a map-style dataset on several processes
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=False)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                      collate_fn=ICLCollator(task, tokenizer, pad_multiple), num_workers=0)
+                      collate_fn=ICLCollator(task, tokenizer, pad_multiple, hf_stopping),
+                      num_workers=0)
 
 
 def build_dataspec(task: PreparedTask, tokenizer: Any, batch_size: int, rank: int = 0,

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.plain_causal import plain_causal
 from foundryx.runtime.hf_compat import cache_argument, output_cache
 
@@ -88,6 +87,7 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
                     stop_sequences: list[str] | tuple[str, ...] = ()) -> list[list[int]]:
     """The new tokens of each (left-padded) row, up to and including the token that finished
     it; ``generate(do_sample=False)``'s tokens for the row, cut at its stop."""
+    from foundryx.eval.kv_cache import new_cache  # transformers' cache classes: HF models only
     n = input_ids.shape[0]
     out: list[list[int]] = [[] for _ in range(n)]
     if max_new_tokens <= 0 or n == 0:
@@ -173,6 +173,8 @@ class _DirectSteps:
                  past: str | None, positions_v5: bool, params: set[str]):
         # past: the name of the cache argument; positions_v5: transformers 5 (no cache_position);
         # params: the names hf.forward takes
+        from foundryx.eval.kv_cache import GrowingLayer  # as greedy_generate: HF models only
+
         self.past, self.positions_v5 = past, positions_v5
         needs = {"position_ids"} if positions_v5 else {"position_ids", "cache_position"}
         self.on = (cache is not None and past is not None and bool(getattr(cache, "layers", None))

@@ -1,32 +1,41 @@
-"""ICL accuracy metrics (``metrics`` registry): one row of state per scored row.
+"""ICL accuracy metrics (``metrics`` registry): the rules of :mod:`foundryx.eval.icl_rows`
+with their rows as torchmetrics states.
 
 Composer's ``HuggingFaceModel.update_metric`` calls ``update(batch=..., outputs=..., labels=...)``
-on metrics with ``needs_batch``. Rows are kept with their example id, category and a
-``primary`` flag, and grouped only in :meth:`ICLMetric.outcomes`, so the result does not depend
-on the batch size, on how Composer splits batches, or on the number of processes (states are
-concatenated across ranks; padding rows are not primary). A task's score is the mean over its
-categories of the per-category accuracy (LLM Foundry's gauntlet convention); without categories
-that is the plain accuracy.
+on metrics with ``needs_batch``. States are concatenated across ranks (``dist_reduce_fx="cat"``),
+so the result does not depend on the number of processes (padding rows are not primary).
+``foundryx eval`` on one process runs the same rules on plain lists
+(:class:`foundryx.eval.icl_rows.LocalRows`) and does not import this module.
 """
 
 from __future__ import annotations
 
-import re
-import string
 from typing import Any
 
 import torch
 from torchmetrics import Metric
 from torchmetrics.utilities import dim_zero_cat
 
+from foundryx.eval.icl_rows import (  # noqa: F401  (re-exported: the rules' helpers)
+    GenerationRule,
+    LanguageModelingRule,
+    LMEvalRule,
+    MultipleChoiceRule,
+    RowRule,
+    clean_output,
+    keep_primary,
+    macro_average,
+    normalize_answer,
+)
 
-class ICLMetric(Metric):
-    """Base: rows of (example_id, category, primary, ...); subclasses decide correctness."""
+
+class ICLMetric(RowRule, Metric):
+    """Base: rows of (example_id, category, primary, ...) as torchmetrics states; subclasses
+    (a rule first) decide correctness."""
 
     needs_batch = True
     full_state_update = False
     higher_is_better = True
-    extra_states: tuple[str, ...] = ("correct",)
 
     def __init__(self, **kwargs: Any):
         super().__init__(**kwargs)
@@ -41,172 +50,25 @@ class ICLMetric(Metric):
             getattr(self, name).append(v.detach().to(self.device))
 
     def _rows(self) -> dict[str, torch.Tensor]:
-        rows = {n: dim_zero_cat(getattr(self, n)) for n in ("example_id", "category", "primary",
-                                                            *self.extra_states)}
-        keep = rows.pop("primary").bool()
-        return {n: v[keep] for n, v in rows.items()}
-
-    def outcomes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(example ids, correct, category) with one entry per example, sorted by id (this
-        process's rows; see :meth:`category_scores`)."""
-        rows = self._rows()
-        order = torch.argsort(rows["example_id"], stable=True)
-        return rows["example_id"][order], rows["correct"][order].bool(), rows["category"][order]
-
-    def category_scores(self) -> dict[int, float]:
-        """Accuracy per category id. Like :meth:`outcomes`, it reads this process's rows; call
-        it inside ``with metric.sync_context():`` to see every process's."""
-        _, correct, category = self.outcomes()
-        return {int(c): correct[category == c].double().mean().item() for c in category.unique()}
+        return keep_primary({n: dim_zero_cat(getattr(self, n))
+                             for n in ("example_id", "category", "primary", *self.extra_states)})
 
     def compute(self) -> torch.Tensor:
         return torch.tensor(macro_average(self.category_scores()), dtype=torch.float64)
 
 
-def macro_average(category_scores: dict[int, float]) -> float:
-    """A task's score: the mean of its category accuracies (NaN without examples)."""
-    scores = list(category_scores.values())
-    return sum(scores) / len(scores) if scores else float("nan")
-
-
-def _span_mask(batch: dict[str, Any], width: int) -> torch.Tensor:
-    """(rows, width - 1): True where position t predicts a continuation token t + 1."""
-    pos = torch.arange(width - 1, device=batch["input_ids"].device)
-    return (pos >= batch["cont_start"][:, None] - 1) & (pos < batch["cont_end"][:, None] - 1)
-
-
-class ICLLanguageModelingAccuracy(ICLMetric):
+class ICLLanguageModelingAccuracy(LanguageModelingRule, ICLMetric):
     """Correct when every continuation token is the model's argmax."""
 
-    def update(self, batch: dict[str, Any], outputs: torch.Tensor, labels: Any = None) -> None:
-        mask = _span_mask(batch, outputs.shape[1])
-        pred = outputs[:, :-1][mask].argmax(-1)
-        hit = pred == batch["input_ids"][:, 1:][mask]
-        rows = mask.nonzero()[:, 0]
-        misses = torch.zeros(len(mask), device=hit.device).index_add_(0, rows, (~hit).float())
-        correct = misses == 0
-        self._add(batch, correct=correct)
-        self.last_update = {"correct": correct.tolist(), "predicted": _split(pred, rows, len(mask))}
+
+class ICLMultipleChoiceAccuracy(MultipleChoiceRule, ICLMetric):
+    """The row with the lowest mean per-token loss of the continuation wins; ties go to the
+    lowest index."""
 
 
-class ICLMultipleChoiceAccuracy(ICLMetric):
-    """The row (choice or context option) with the lowest mean per-token loss of the
-    continuation wins; ties go to the lowest index."""
-
-    extra_states = ("choice", "gold", "loss")
-
-    def update(self, batch: dict[str, Any], outputs: torch.Tensor, labels: Any = None) -> None:
-        mask = _span_mask(batch, outputs.shape[1])
-        logits = outputs[:, :-1][mask].float()
-        token_loss = torch.nn.functional.cross_entropy(
-            logits, batch["input_ids"][:, 1:][mask], reduction="none")
-        rows = mask.nonzero()[:, 0]
-        n = len(mask)
-        total = torch.zeros(n, device=logits.device, dtype=torch.float64).index_add_(
-            0, rows, token_loss.double())
-        count = torch.zeros(n, device=logits.device, dtype=torch.float64).index_add_(
-            0, rows, torch.ones_like(token_loss, dtype=torch.float64))
-        loss = total / count
-        self._add(batch, choice=batch["choice"], gold=batch["gold"], loss=loss)
-        self.last_update = {"loss": loss.tolist(), "tokens": count.long().tolist()}
-
-    def outcomes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        r = self._rows()
-        ids, inverse = torch.unique(r["example_id"], return_inverse=True)
-        n = len(ids)
-        best = torch.full((n,), float("inf"), dtype=r["loss"].dtype, device=ids.device)
-        best = best.scatter_reduce(0, inverse, r["loss"], reduce="amin")
-        winner = torch.where(r["loss"] == best[inverse], r["choice"], torch.iinfo(torch.long).max)
-        chosen = torch.full((n,), torch.iinfo(torch.long).max, device=ids.device).scatter_reduce(
-            0, inverse, winner.long(), reduce="amin")
-        gold = torch.zeros(n, dtype=torch.long, device=ids.device).scatter(0, inverse, r["gold"].long())
-        category = torch.zeros(n, dtype=torch.long, device=ids.device).scatter(
-            0, inverse, r["category"].long())
-        return ids, chosen == gold, category
+class ICLLMEvalAccuracy(LMEvalRule, ICLMetric):
+    """lm-eval-harness's ``acc`` (``compute``) and ``acc_norm`` (``scoring: lm_eval``)."""
 
 
-class ICLLMEvalAccuracy(ICLMetric):
-    """lm-eval-harness's multiple-choice metrics (``scoring: lm_eval``): ``acc``, the row with
-    the highest sum of the continuation's log-probabilities wins; ``acc_norm``, the highest sum
-    divided by the choice's length (lm-eval's ``len(choice)``: characters). Ties go to the
-    lowest index, as numpy's argmax gives them. ``compute`` gives ``acc``."""
-
-    extra_states = ("choice", "gold", "loglik", "norm_len")
-
-    def update(self, batch: dict[str, Any], outputs: torch.Tensor, labels: Any = None) -> None:
-        mask = _span_mask(batch, outputs.shape[1])
-        logprobs = torch.log_softmax(outputs[:, :-1][mask].float(), dim=-1)
-        token_lp = logprobs.gather(1, batch["input_ids"][:, 1:][mask][:, None])[:, 0]
-        rows = mask.nonzero()[:, 0]
-        n = len(mask)
-        loglik = torch.zeros(n, device=token_lp.device, dtype=torch.float64).index_add_(
-            0, rows, token_lp.double())
-        self._add(batch, choice=batch["choice"], gold=batch["gold"], loglik=loglik,
-                  norm_len=batch["norm_len"].double())
-        self.last_update = {"loglik": loglik.tolist()}
-
-    def _winners(self, score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        r = self._rows()
-        ids, inverse = torch.unique(r["example_id"], return_inverse=True)
-        n = len(ids)
-        best = torch.full((n,), -float("inf"), dtype=score.dtype, device=ids.device)
-        best = best.scatter_reduce(0, inverse, score, reduce="amax")
-        big = torch.iinfo(torch.long).max
-        winner = torch.where(score == best[inverse], r["choice"].long(), big)
-        chosen = torch.full((n,), big, device=ids.device).scatter_reduce(0, inverse, winner,
-                                                                           reduce="amin")
-        gold = torch.zeros(n, dtype=torch.long, device=ids.device).scatter(0, inverse, r["gold"].long())
-        category = torch.zeros(n, dtype=torch.long, device=ids.device).scatter(
-            0, inverse, r["category"].long())
-        return ids, chosen == gold, category
-
-    def outcomes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._winners(self._rows()["loglik"])
-
-    def norm_outcomes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Like :meth:`outcomes`, for ``acc_norm``."""
-        r = self._rows()
-        return self._winners(r["loglik"] / r["norm_len"])
-
-    def acc_norm(self) -> float:
-        _, correct, _ = self.norm_outcomes()
-        return correct.double().mean().item() if len(correct) else float("nan")
-
-
-_PUNCTUATION = set(string.punctuation + "‘’´`")
-
-
-def normalize_answer(text: str) -> str:
-    """Lower-case; punctuation and underscores to spaces; drop a, an, the; collapse spaces."""
-    text = "".join(" " if ch in _PUNCTUATION else ch for ch in text.replace("_", " ").lower())
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
-
-
-def clean_output(text: str, options: dict[str, Any]) -> str:
-    """A generation cut at the first stop sequence, after the last cot delimiter, normalised
-    (or just stripped)."""
-    for stop in options["stop_sequences"]:
-        text = text.split(stop)[0]
-    if options["cot_delimiter"]:
-        text = text.split(options["cot_delimiter"])[-1]
-    return normalize_answer(text) if options["do_normalization"] else text.strip()
-
-
-class ICLGenerationAccuracy(ICLMetric):
+class ICLGenerationAccuracy(GenerationRule, ICLMetric):
     """Correct when the cleaned greedy output starts with the cleaned answer or an alias."""
-
-    def update(self, batch: dict[str, Any], outputs: list[str], labels: Any = None) -> None:
-        opts = batch["icl_options"]
-        norm = normalize_answer if opts["do_normalization"] else str.strip
-        cleaned = [clean_output(o, opts) for o in outputs]
-        correct = [any(c.startswith(a) for a in map(norm, answers) if a)
-                   for c, answers in zip(cleaned, batch["answers"])]
-        self._add(batch, correct=torch.tensor(correct, device=batch["example_id"].device))
-        self.last_update = {"output": list(outputs), "cleaned": cleaned, "correct": correct}
-
-
-def _split(values: torch.Tensor, rows: torch.Tensor, n: int) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in range(n)]
-    for r, v in zip(rows.tolist(), values.tolist()):
-        out[r].append(v)
-    return out

@@ -11,20 +11,31 @@ import logging
 from typing import Any
 
 from torch import nn
-from transformers import AutoModelForCausalLM
 
-import foundryx.models.mpt.modeling  # noqa: F401  (lets Auto* load exported foundryx MPTs)
-from foundryx.checkpoint.rebuild import build_tokenizer, rebuild_model, wrap_hf_model
 from foundryx.errors import CheckpointError
 from foundryx.eval.config import EvalModelSpec
-from foundryx.models.peft.lora import plain_linear_dispatch
+
+# transformers, Composer and PEFT (through foundryx.checkpoint.rebuild) are imported by the
+# functions that load those models: a native model's eval (foundryx.eval.native_models) loads
+# none of them, ~3 s of a small eval's command
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EvalModels", "load_eval_model", "model_max_len", "wrap_hf_model"]
 
 
+def wrap_hf_model(model: Any, tokenizer: Any) -> Any:
+    """A Hugging Face causal LM as the Composer model ICL eval runs
+    (:func:`foundryx.checkpoint.rebuild.wrap_hf_model`)."""
+    from foundryx.checkpoint.rebuild import wrap_hf_model as wrap  # Composer: a heavy import
+
+    return wrap(model, tokenizer)
+
+
 def _from_checkpoint(spec: EvalModelSpec) -> tuple[Any, Any]:
+    import foundryx.models.mpt.modeling  # noqa: F401  (lets Auto* load exported foundryx MPTs)
+    from foundryx.checkpoint.rebuild import rebuild_model  # transformers, Composer: heavy
+
     rebuilt = rebuild_model(spec.checkpoint, run_config=spec.run_config, overrides=spec.overrides,
                             tokenizer=spec.tokenizer)
     if rebuilt.tokenizer is None:
@@ -35,6 +46,11 @@ def _from_checkpoint(spec: EvalModelSpec) -> tuple[Any, Any]:
 
 def _hf_base(spec: EvalModelSpec) -> tuple[nn.Module, Any]:
     """The Hugging Face model ``spec.hf`` (no adapter) and its tokenizer."""
+    from transformers import AutoModelForCausalLM  # heavy: only for Hugging Face models
+
+    import foundryx.models.mpt.modeling  # noqa: F401  (lets Auto* load exported foundryx MPTs)
+    from foundryx.checkpoint.rebuild import build_tokenizer
+
     tokenizer = build_tokenizer(spec.tokenizer or spec.hf)
     try:
         model = AutoModelForCausalLM.from_pretrained(spec.hf)
@@ -53,6 +69,8 @@ def _from_hf(spec: EvalModelSpec) -> tuple[Any, Any]:
 
 def _adapter_config(folder: str) -> Any:
     from peft import LoraConfig  # a heavy optional import, used only for adapters
+
+    from foundryx.models.peft.lora import plain_linear_dispatch
 
     try:
         config = LoraConfig.from_pretrained(folder)

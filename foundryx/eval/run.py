@@ -7,14 +7,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from composer.utils import dist, get_device, reproducibility
+from typing import Any
 
 from foundryx.checkpoint.layout import EVAL_DIR, run_folder
 from foundryx.errors import ConfigError
 from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
 from foundryx.eval.config import LoadedEvalConfig, load_eval_config
 from foundryx.eval.models import EvalModels
+from foundryx.eval.one_process import LocalDevice, launched_world_size, seed_all
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
 from foundryx.eval.runner import add_model_results, evaluate_model, read_tasks
@@ -109,19 +109,12 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     setup_logging(cfg.python_log_level)
     for line in loaded.notes:
         log.info("%s", line)
-    device = with_host_collectives(get_device(composer_name(pick_device(cfg.device, say=True))),
-                                   dist.get_world_size())
-    note = precision_note(device.name, cfg.precision)
-    if note:
-        log.info(note)
-    if dist.get_world_size() > 1 and not dist.is_initialized():
-        dist.initialize_dist(device)
-    reproducibility.seed_all(cfg.seed)
-    if dist.get_global_rank() == 0:
+    device, rank, barrier = _processes(cfg.device, cfg.precision, cfg.seed)
+    if rank == 0:
         for name, options in cfg.setup.items():
             written = SETUP_STEPS[name](**(options or {}))
             log.info("setup %s: wrote %s", name, ", ".join(map(str, written.values())))
-    dist.barrier()
+    barrier()
 
     examples = read_tasks(loaded)  # bad data fails before any model loads
     results, dumped = EvalResults(), {}
@@ -143,10 +136,33 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     outcome = EvalOutcome(results)
     if compare_to is not None:
         outcome.comparisons = _compare(results, loaded, compare_to, ref_label, ref_file, tolerance)
-    if write and dist.get_global_rank() == 0:
+    if write and rank == 0:
         outcome.paths = _write_outputs(outcome, dumped if dump else None,
                                        cfg.output_dir or default_output_dir(loaded), loaded.source)
     return outcome
+
+
+def _processes(device_name: str | None, precision: str, seed: int) -> tuple[Any, int, Any]:
+    """(device, this process's rank, a barrier), seeded. One process: a
+    :class:`~foundryx.eval.one_process.LocalDevice`, no Composer import; several (``composer
+    -n N``): Composer's device and process group."""
+    world = launched_world_size()
+    if world == 1:
+        device: Any = LocalDevice(pick_device(device_name, say=True))
+    else:
+        from composer.utils import dist, get_device  # Composer: only for several processes
+
+        device = with_host_collectives(get_device(composer_name(pick_device(device_name, say=True))),
+                                       world)
+    note = precision_note(device.name, precision)
+    if note:
+        log.info(note)
+    seed_all(seed)
+    if world == 1:
+        return device, 0, lambda: None
+    if not dist.is_initialized():
+        dist.initialize_dist(device)
+    return device, dist.get_global_rank(), dist.barrier
 
 
 def default_output_dir(loaded: LoadedEvalConfig) -> str:

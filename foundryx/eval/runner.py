@@ -30,13 +30,15 @@ from foundryx.eval.generate import (
     generation_model,
     greedy_generate,
 )
-from foundryx.eval.metrics import (
-    ICLLanguageModelingAccuracy,
-    ICLLMEvalAccuracy,
-    ICLMultipleChoiceAccuracy,
+from foundryx.eval.icl_rows import (
+    GenerationRows,
+    LanguageModelingRows,
+    LMEvalRows,
+    MultipleChoiceRows,
     macro_average,
 )
 from foundryx.eval.models import model_max_len
+from foundryx.eval.one_process import precision_context, rank_and_world
 from foundryx.eval.report import EvalResults
 from foundryx.eval.score import scoring_forward
 
@@ -130,15 +132,39 @@ def _generator(model: Any, task: PreparedTask, tokenizer: Any, world: int) -> An
     return generate
 
 
-# the metrics that read logits only at continuation positions (a plugin's may read others)
-_SCORED_METRICS = (ICLLanguageModelingAccuracy, ICLMultipleChoiceAccuracy, ICLLMEvalAccuracy)
+# the metrics that read logits only at continuation positions (a plugin's may read others,
+# a subclass too): foundryx's own classes, by their registry targets
+_SCORED_METRICS = {"foundryx.eval.metrics:ICLLanguageModelingAccuracy",
+                   "foundryx.eval.metrics:ICLMultipleChoiceAccuracy",
+                   "foundryx.eval.metrics:ICLLMEvalAccuracy"}
+# in one process, foundryx's own ICL metrics run their rules on plain lists
+# (foundryx.eval.icl_rows): the same numbers without importing torchmetrics
+_LOCAL_ROWS = {"foundryx.eval.metrics:ICLLanguageModelingAccuracy": LanguageModelingRows,
+               "foundryx.eval.metrics:ICLMultipleChoiceAccuracy": MultipleChoiceRows,
+               "foundryx.eval.metrics:ICLLMEvalAccuracy": LMEvalRows,
+               "foundryx.eval.metrics:ICLGenerationAccuracy": GenerationRows}
+_LOCAL_TARGETS = {cls: target for target, cls in _LOCAL_ROWS.items()}
+
+
+def _target(metric: Any) -> str:
+    """``module:class`` of ``metric`` (of the registry class for plain-list rows)."""
+    cls = type(metric)
+    return _LOCAL_TARGETS.get(cls) or f"{cls.__module__}:{cls.__qualname__}"
+
+
+def new_metric(name: str, world: int) -> Any:
+    """A fresh metric of the ``metrics`` registry's ``name``; for one of foundryx's own ICL
+    metrics in one process, its rules on plain lists (no torchmetrics import)."""
+    entry = registry.metrics.entry(name)
+    local = _LOCAL_ROWS.get(entry.target) if world == 1 else None
+    return local() if local is not None else entry.load()()
 
 
 def _scorer(model: Any, task: PreparedTask, metric: Any) -> Any:
     """For a scored task with a built-in ICL metric, a function batch -> (logits, compact
     batch) computing vocabulary logits only where the metric reads them
     (:mod:`foundryx.eval.score`); None where Composer's ``eval_forward`` runs it."""
-    if task.task_type.mode == "generate" or type(metric) not in _SCORED_METRICS:
+    if task.task_type.mode == "generate" or _target(metric) not in _SCORED_METRICS:
         return None
     return scoring_forward(generation_model(model))
 
@@ -155,24 +181,22 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
     """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task; ``progress``
     (the config's ``progress_bar``): None: a bar on a terminal, else a line when the task is
     done (see :func:`progress_bar_here`); True/False: always/never a bar."""
-    from composer.core.precision import get_precision_context
-    from composer.utils import dist
-
-    rank, world = dist.get_global_rank(), dist.get_world_size()
+    rank, world = rank_and_world()
     here = progress_bar_here()
     bar = rank == 0 and (progress is True or (progress is None and here))
     line = rank == 0 and progress is None and not here
     started = time.perf_counter()
-    metric = device.module_to_device(registry.metrics.get(task.metric)())
-    loader = build_dataloader(task, tokenizer, task.cfg.batch_size or batch_size, rank, world)
-    rows: list[dict[str, Any]] = []
+    metric = device.module_to_device(new_metric(task.metric, world))
     model.eval()
     generate = _generator(model, task, tokenizer, world)
+    loader = build_dataloader(task, tokenizer, task.cfg.batch_size or batch_size, rank, world,
+                              hf_stopping=generate is None)
+    rows: list[dict[str, Any]] = []
     score = _scorer(model, task, metric)
     with torch.inference_mode():
         for batch in tqdm(loader, desc=task.key, disable=not bar, leave=False):
             batch = device.batch_to_device(batch)
-            with get_precision_context(precision):
+            with precision_context(precision):
                 if generate is not None:
                     metric.update(batch=batch, outputs=generate(batch), labels=None)
                 elif score is not None:
@@ -194,7 +218,11 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
     if task.cfg.has_categories:
         cats = {task.categories[c]: s for c, s in sorted(by_category.items())}
     if world > 1 and dump:
-        rows = [r for part in dist.all_gather_object(rows) for r in part]
+        import torch.distributed as tdist
+
+        parts: list[Any] = [None] * world
+        tdist.all_gather_object(parts, rows)
+        rows = [r for part in parts for r in part]
     score = macro_average(by_category)
     if line:
         log.info("%s: %d examples, score %.4f (%.1f s)", task.key, len(task.examples), score,
