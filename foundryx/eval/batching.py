@@ -24,13 +24,16 @@ def kv_row_bytes(model: Any, tokens: int) -> int | None:
     """One row's KV cache at ``tokens`` tokens, from the model's Hugging Face config and
     parameter dtype; None when the model keeps no KV cache foundryx can size (foundryx's MPT
     generates without one)."""
-    from foundryx.eval.kv_cache import new_cache  # transformers' cache classes: HF models only
-
     hf = generation_model(model)
     cfg = getattr(hf, "config", None)
     layers = getattr(cfg, "num_hidden_layers", None)
     heads = getattr(cfg, "num_attention_heads", None)
-    caches = cache_argument(hf) is not None and new_cache(hf) is not None
+    if getattr(hf, "native", False):  # foundryx's own Llama: its KVCache, as transformers'
+        caches = True
+    else:
+        from foundryx.eval.kv_cache import new_cache  # transformers' cache classes: HF only
+
+        caches = cache_argument(hf) is not None and new_cache(hf) is not None
     if cfg is None or not caches or not layers or not heads:
         return None
     kv = getattr(cfg, "num_key_value_heads", None) or heads

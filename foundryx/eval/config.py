@@ -37,6 +37,10 @@ class EvalModelSpec:
     adapter: str | None = doc(
         "a PEFT LoRA adapter folder (adapter_config.json + weights, e.g. `foundryx export` "
         "output) applied to `hf`; models with the same hf load it once", default=None)
+    implementation: Literal["auto", "native", "hf"] = doc(
+        "how `hf` runs: native (foundryx's own Llama and the folder's tokenizer.json, no "
+        "transformers import: Llama/Mistral-style folders), hf (transformers), auto: native "
+        "where the folder allows it, else transformers (said in one line)", default="auto")
 
 
 @dataclass
@@ -117,6 +121,9 @@ def _model_problems(models: list[Any]) -> tuple[list[EvalModelSpec], list[str]]:
                     found.append(f"{path}.run_config: missing, and {spec.checkpoint} holds no "
                                  "record of its model (components.json or hf/ folder); give the "
                                  "run YAML that trained the checkpoint")
+            if spec.implementation == "native" and (spec.hf is None or spec.adapter is not None):
+                found.append(f"{path}.implementation: native runs a Hugging Face folder (hf) "
+                             "without an adapter; use auto or hf for this model")
             if spec.label in labels:
                 found.append(f"{path}.label: {spec.label!r} is used twice")
             labels.add(spec.label)

@@ -52,8 +52,15 @@ def fast_path_problem(hf: Any) -> str | None:
     if not isinstance(hf, GenerationMixin) or not hasattr(hf, "prepare_inputs_for_generation"):
         return f"{type(hf).__name__} is not a Hugging Face generation model"
     gen_cfg = getattr(hf, "generation_config", None)
+    return plain_greedy_problem({name: getattr(gen_cfg, name, plain)
+                                 for name, plain in _PLAIN_GREEDY.items()})
+
+
+def plain_greedy_problem(settings: dict[str, Any]) -> str | None:
+    """Why a generation config's ``settings`` (its fields by name, e.g. a
+    generation_config.json) ask for more than greedy decoding (None: they do not)."""
     for name, plain in _PLAIN_GREEDY.items():
-        value = getattr(gen_cfg, name, plain)
+        value = settings.get(name, plain)
         if value != plain and value not in (None, [], {}):
             return f"its generation config sets {name}={value!r}"
     return None

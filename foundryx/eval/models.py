@@ -104,8 +104,14 @@ class EvalModels:
         return [s for group in groups.values()
                 for s in sorted(group, key=lambda s: s.adapter is not None)]
 
-    def load(self, spec: EvalModelSpec) -> tuple[Any, Any]:
-        """``(composer_model, tokenizer)`` for ``spec``, in eval mode."""
+    def load(self, spec: EvalModelSpec, world: int = 1) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` for ``spec``, in eval mode: a Composer model, or a native one
+        (:mod:`foundryx.eval.native_models`) where ``spec.implementation`` allows it."""
+        if spec.hf and spec.implementation != "hf":
+            native = _native(spec, world)
+            if native is not None:
+                self.release()
+                return native
         if not spec.hf:
             self.release()
             return load_eval_model(spec)
@@ -153,6 +159,26 @@ class EvalModels:
 
     def release(self) -> None:
         self.key = self.base = self.peft = self.tokenizer = None
+
+
+def _native(spec: EvalModelSpec, world: int) -> tuple[Any, Any] | None:
+    """``spec``'s native model and tokenizer, or None where transformers runs it (said in one
+    line; a CheckpointError for ``implementation: native``)."""
+    from foundryx.eval.native_models import load_native, native_problem
+
+    problem = native_problem(spec, world)
+    if problem is not None:
+        if spec.implementation == "native":
+            raise CheckpointError(f"model {spec.label}: implementation: native cannot run "
+                                  f"{spec.hf} ({problem}); set implementation: hf (or auto)")
+        log.info("model %s: transformers (the native Llama does not run it: %s)", spec.label,
+                 problem)
+        return None
+    model, tokenizer = load_native(spec)
+    log.info("model %s: %s on foundryx's native Llama (%.1fM parameters; implementation: hf "
+             "runs it on transformers)", spec.label, spec.hf,
+             sum(p.numel() for p in model.parameters()) / 1e6)
+    return model, tokenizer
 
 
 def load_eval_model(spec: EvalModelSpec) -> tuple[Any, Any]:

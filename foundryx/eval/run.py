@@ -109,6 +109,7 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     setup_logging(cfg.python_log_level)
     for line in loaded.notes:
         log.info("%s", line)
+    world = launched_world_size()
     device, rank, barrier = _processes(cfg.device, cfg.precision, cfg.seed)
     if rank == 0:
         for name, options in cfg.setup.items():
@@ -121,7 +122,7 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     models = EvalModels()  # models sharing a Hugging Face base load it once
     order = models.order(loaded.models)
     for i, spec in enumerate(order):
-        model, tokenizer = models.load(spec)
+        model, tokenizer = models.load(spec, world)
         device.module_to_device(model)
         task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump, examples=examples)
         add_model_results(results, spec.label, task_results, loaded)

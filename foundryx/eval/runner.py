@@ -116,6 +116,8 @@ def _generator(model: Any, task: PreparedTask, tokenizer: Any, world: int) -> An
     cover (said in one line)."""
     if task.task_type.mode != "generate" or world > 1:
         return None
+    if getattr(model, "native", False):  # foundryx's own Llama (foundryx.eval.native_models)
+        return lambda batch: decode_generations(tokenizer, model.generate(batch))
     hf = generation_model(model)
     problem = fast_path_problem(hf)
     if problem is not None:
@@ -166,6 +168,8 @@ def _scorer(model: Any, task: PreparedTask, metric: Any) -> Any:
     (:mod:`foundryx.eval.score`); None where Composer's ``eval_forward`` runs it."""
     if task.task_type.mode == "generate" or _target(metric) not in _SCORED_METRICS:
         return None
+    if getattr(model, "native", False):
+        return model.scoring_forward()
     return scoring_forward(generation_model(model))
 
 

@@ -1,0 +1,117 @@
+"""Hugging Face Llama folders evaluated without transformers: foundryx's native Llama
+(:mod:`foundryx.models.llama`) and the folder's ``tokenizer.json`` through ``tokenizers``
+(:class:`~foundryx.data.json_tokenizer.JsonTokenizer`).
+
+A model's ``implementation`` (eval config) decides: ``hf`` loads it with transformers as
+before; ``native`` loads it natively or stops with the reason it cannot; ``auto`` (the
+default) loads it natively where :func:`native_problem` finds nothing against it, else with
+transformers, and says which in one line. The native path gives the same scores as
+transformers' (tests/test_eval_native.py runs both on the same tasks) and saves a small
+eval's command the ~3 s of importing transformers and Composer and most of the per-step cost
+of transformers' modeling for small models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundryx.data.json_tokenizer import JsonTokenizer, json_tokenizer_problem
+from foundryx.eval.config import EvalModelSpec
+from foundryx.eval.generate import decode_generations, plain_greedy_problem
+from foundryx.eval.native_lm import native_greedy_generate, native_scoring_forward
+from foundryx.models.llama.load import load_hf_llama, read_hf_config
+from foundryx.models.llama.model import LlamaLM, causal_padding_mask
+from foundryx.models.llama.spec import unsupported
+from foundryx.runtime.hf_compat import TRANSFORMERS_5
+
+
+def native_problem(spec: EvalModelSpec, world: int) -> str | None:
+    """Why ``spec`` cannot run on the native Llama (None: it can), in a few words."""
+    if not spec.hf:
+        return "not a Hugging Face model"
+    if spec.adapter:
+        return "it has a LoRA adapter (PEFT applies it)"
+    if world > 1:
+        return "several processes"
+    folder = Path(spec.hf).expanduser()
+    if not (folder / "config.json").is_file():
+        return "hf is not a local folder with config.json"
+    try:
+        config = read_hf_config(folder)
+    except Exception as e:  # noqa: BLE001 - an unreadable config: transformers says why
+        return f"its config.json does not read ({type(e).__name__})"
+    reason = unsupported(config)
+    if reason is not None:
+        return reason
+    generation = folder / "generation_config.json"
+    if generation.is_file():
+        try:
+            reason = plain_greedy_problem(json.loads(generation.read_text(encoding="utf-8")))
+        except ValueError:
+            reason = "its generation_config.json does not read"
+        if reason is not None:
+            return reason
+    tokenizer = Path(spec.tokenizer or spec.hf).expanduser()
+    if not tokenizer.is_dir():
+        return "its tokenizer is not a local folder"
+    reason = json_tokenizer_problem(tokenizer)
+    return None if reason is None else f"its tokenizer: {reason}"
+
+
+class NativeCausalLM(nn.Module):
+    """A native Llama as the eval runs a model: ``config`` (its
+    :class:`~foundryx.models.llama.spec.LlamaSpec`, with transformers' config names), scoring
+    and greedy generation for the fast paths (:mod:`foundryx.eval.native_lm`), and
+    ``eval_forward`` / ``update_metric`` as Composer's Hugging Face model gives them for a
+    metric of a plugin (every position's logits; generation tasks' texts)."""
+
+    native = True
+
+    def __init__(self, lm: LlamaLM, tokenizer: Any):
+        super().__init__()
+        self.lm = lm
+        self.config = lm.spec
+        self.tokenizer = tokenizer
+
+    def scoring_forward(self) -> Any:
+        return native_scoring_forward(self.lm)
+
+    def generate(self, batch: dict[str, Any]) -> list[list[int]]:
+        kw = batch["generation_kwargs"]
+        return native_greedy_generate(self.lm, self.tokenizer, batch["input_ids"],
+                                      batch["attention_mask"], kw["max_new_tokens"],
+                                      kw.get("eos_token_id"),
+                                      batch["icl_options"]["stop_sequences"])
+
+    @torch.inference_mode()
+    def eval_forward(self, batch: dict[str, Any], outputs: Any = None) -> Any:
+        if batch.get("mode") == "generate":
+            return decode_generations(self.tokenizer, self.generate(batch))
+        ids = batch["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        return self.lm(ids, positions, attn_mask=causal_padding_mask(batch["attention_mask"]))
+
+    def update_metric(self, batch: dict[str, Any], outputs: Any, metric: Any) -> Any:
+        if getattr(metric, "needs_batch", False):
+            return metric.update(batch=batch, outputs=outputs, labels=batch.get("labels"))
+        return metric.update(outputs, batch.get("labels"))
+
+
+def load_native(spec: EvalModelSpec) -> tuple[NativeCausalLM, JsonTokenizer]:
+    """``spec``'s model and tokenizer, native (:func:`native_problem` found nothing), in the
+    dtype transformers' ``from_pretrained`` gives it without one: float32 on transformers 4,
+    the checkpoint's own on 5 (``dtype="auto"``)."""
+    tokenizer = JsonTokenizer(Path(spec.tokenizer or spec.hf).expanduser())
+    folder = Path(spec.hf).expanduser()
+    dtype = None
+    if TRANSFORMERS_5:
+        from foundryx.models.llama.spec import spec_from_hf_config
+
+        dtype = spec_from_hf_config(read_hf_config(folder)).dtype
+    model = NativeCausalLM(load_hf_llama(folder, dtype=dtype), tokenizer)
+    return model.eval(), tokenizer
