@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from foundryx.eval.decoding import StopChecker, mask_positions
 from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.plain_causal import plain_causal
 from foundryx.runtime.hf_compat import cache_argument, output_cache
@@ -68,20 +69,6 @@ def _select(value: Any, keep: torch.Tensor) -> Any:
     return value
 
 
-class _StopChecker:
-    """Per-row stop-sequence checks on the decoded new text (as the collator's
-    ``StopOnSequences`` does for ``generate``)."""
-
-    def __init__(self, tokenizer: Any, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-
-    def done(self, tokens: list[int]) -> bool:
-        if not self.stops:
-            return False
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return any(s in text for s in self.stops)
-
-
 @torch.inference_mode()
 def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     max_new_tokens: int, eos_token_id: int | None = None,
@@ -92,7 +79,7 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     out: list[list[int]] = [[] for _ in range(n)]
     if max_new_tokens <= 0 or n == 0:
         return out
-    checker = _StopChecker(tokenizer, list(stop_sequences))
+    checker = StopChecker(tokenizer, list(stop_sequences))
     rows = torch.arange(n)  # batch position -> original row
     ids = input_ids
     kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
@@ -220,12 +207,6 @@ def steps_by_position_ids(params: set[str], past: str | None) -> bool:
     does: position_ids kept from the prompt's mask (:func:`mask_positions`) and the new tokens
     sliced by ``next_sequence_length``; else transformers 4's ``cache_position``."""
     return "cache_position" not in params and past == "cache"
-
-
-def mask_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Each token's position from a 2D attention mask, padding at 0 (transformers 5's
-    ``_prepare_position_ids_for_generation``)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
 
 
 def forward_params(hf: Any) -> set[str]:
