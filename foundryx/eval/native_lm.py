@@ -11,7 +11,7 @@ they stand in for, so a task's results are the same:
   position's logits in float32 and argmax, a row finishes at the end-of-sequence token, a stop
   sequence in its decoded new text or ``max_new_tokens``, and finished rows leave the batch and
   the KV cache. The prompt's padding is one additive mask kept for the whole generation and
-  sliced to the filled length each step.
+  sliced to the filled length each step (as greedy_generate's ``_DirectSteps`` passes it).
 
 Neither imports transformers (tests/test_native_llama.py checks it in a fresh process).
 """
@@ -66,11 +66,11 @@ def native_greedy_generate(model: LlamaLM, tokenizer: Any, input_ids: torch.Tens
     logits = model(input_ids, positions, cache=cache,
                    attn_mask=causal_padding_mask(attention_mask), keep=1)
     pos = positions[:, -1]
-    step_mask = None  # the prompt's padding for the decoding steps (None: no padding)
-    if not bool(attention_mask.bool().all()):
-        step_mask = torch.zeros((n, 1, 1, width + max_new_tokens), dtype=cache.keys[0].dtype,
-                                device=input_ids.device)
-        step_mask[:, 0, 0, :width].masked_fill_(attention_mask == 0, float("-inf"))
+    # the prompt's padding for the decoding steps, as greedy_generate passes it (also where
+    # nothing is padding: a mask decides how SDPA sums grouped-query attention)
+    step_mask = torch.zeros((n, 1, 1, width + max_new_tokens), dtype=cache.keys[0].dtype,
+                            device=input_ids.device)
+    step_mask[:, 0, 0, :width].masked_fill_(attention_mask == 0, float("-inf"))
     for step in range(max_new_tokens):
         nxt = logits[:, -1].to(copy=True, dtype=torch.float32).argmax(-1)
         tokens = nxt.tolist()
@@ -87,9 +87,8 @@ def native_greedy_generate(model: LlamaLM, tokenizer: Any, input_ids: torch.Tens
             rows = [rows[i] for i in kept]
             nxt, pos = nxt.index_select(0, index), pos.index_select(0, index)
             cache.select(index)
-            if step_mask is not None:
-                step_mask = step_mask.index_select(0, index)
+            step_mask = step_mask.index_select(0, index)
         pos = pos + 1
-        mask = None if step_mask is None else step_mask[..., :cache.length + 1]
-        logits = model(nxt[:, None], pos[:, None], cache=cache, attn_mask=mask, keep=1)
+        logits = model(nxt[:, None], pos[:, None], cache=cache,
+                       attn_mask=step_mask[..., :cache.length + 1], keep=1)
     return out

@@ -10,10 +10,16 @@ matmul with an inner dimension of one: the same single product), cast to the act
 dtype, q/k rotated by ``rotate_half``; attention through
 ``torch.nn.functional.scaled_dot_product_attention`` with ``scale = head_dim ** -0.5``: without
 a mask ``is_causal`` (more than one query) and ``enable_gqa`` as transformers passes it, with a
-mask the key/value heads repeated (``repeat_kv``) for several queries, and for one query the
-query heads grouped onto their key/value head as transformers 5 does (the same numbers, no copy
-of the cache); SwiGLU MLP; final norm, then the output projection (tied to the embeddings or
-not) of the positions asked for.
+mask the key/value heads repeated (``repeat_kv``) for several queries; SwiGLU MLP; final
+norm, then the output projection (tied to the embeddings or not) of the positions asked for.
+
+One place where transformers 4.57 and 5 compute different numbers (last bits, ~1e-5 in float32
+logits): a single masked query (a decoding step with padding) of grouped-query attention.
+4.57 repeats the key/value heads (``repeat_kv``), 5 groups the query heads onto their key/value
+head (``pack_gqa``, no copy of the cache), and SDPA's sums differ in order. ``pack_gqa`` picks
+one; its default follows the installed transformers release (read from the package metadata,
+not imported) so the eval's results are those of its transformers path on either release.
+Models with as many key/value heads as query heads are not affected.
 
 Masks are the caller's: None means causal attention over the whole input (exact for right
 padding, and for a single query over its cache), else a boolean or additive mask broadcastable
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundryx.models.llama.spec import LlamaSpec
+from foundryx.runtime.hf_compat import TRANSFORMERS_5
 
 __all__ = ["KVCache", "LlamaLM", "causal_padding_mask", "rope_inv_freq"]
 
@@ -104,9 +111,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec, index: int):
+    def __init__(self, spec: LlamaSpec, index: int, pack_gqa: bool):
         super().__init__()
-        self.index, self.head_dim = index, spec.head_dim
+        self.index, self.head_dim, self.pack_gqa = index, spec.head_dim, pack_gqa
         self.heads, self.kv_heads = spec.num_attention_heads, spec.num_key_value_heads
         self.groups = self.heads // self.kv_heads
         self.scaling = self.head_dim ** -0.5
@@ -131,7 +138,7 @@ class Attention(nn.Module):
             # transformers: SDPA's own causal masking, grouped-query attention by enable_gqa
             out = F.scaled_dot_product_attention(q, k, v, scale=self.scaling, is_causal=n > 1,
                                                  enable_gqa=self.groups > 1)
-        elif self.groups > 1 and n == 1:
+        elif self.groups > 1 and n == 1 and self.pack_gqa:
             # one query: its heads grouped onto their key/value head (transformers 5's pack_gqa)
             q = q.reshape(rows, self.kv_heads, self.groups, self.head_dim)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
@@ -158,9 +165,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, index: int):
+    def __init__(self, spec: LlamaSpec, index: int, pack_gqa: bool):
         super().__init__()
-        self.self_attn = Attention(spec, index)
+        self.self_attn = Attention(spec, index, pack_gqa)
         self.mlp = MLP(spec)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -174,21 +181,24 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """``LlamaModel``'s modules under its names (``model.`` in a checkpoint)."""
 
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, pack_gqa: bool):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, pack_gqa)
+                                    for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaLM(nn.Module):
     """A Llama causal LM; its state dict has the names of transformers' ``LlamaForCausalLM``
-    (``model.layers.0.self_attn.q_proj.weight``, ..., ``lm_head.weight``)."""
+    (``model.layers.0.self_attn.q_proj.weight``, ..., ``lm_head.weight``). ``pack_gqa``: how a
+    single masked query of grouped-query attention is computed (see the module's docstring;
+    default: as the installed transformers release does)."""
 
-    def __init__(self, spec: LlamaSpec):
+    def __init__(self, spec: LlamaSpec, *, pack_gqa: bool = TRANSFORMERS_5):
         super().__init__()
         self.spec = spec
-        self.model = Backbone(spec)
+        self.model = Backbone(spec, pack_gqa)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
