@@ -72,7 +72,7 @@ def native_greedy_generate(model: LlamaLM, tokenizer: Any, input_ids: torch.Tens
                             device=input_ids.device)
     step_mask[:, 0, 0, :width].masked_fill_(attention_mask == 0, float("-inf"))
     for step in range(max_new_tokens):
-        nxt = logits[:, -1].to(copy=True, dtype=torch.float32).argmax(-1)
+        nxt = logits[:, -1].float().argmax(-1)  # greedy_generate's float32 argmax, no copy
         tokens = nxt.tolist()
         finished = set()
         for i, tok in enumerate(tokens):
