@@ -273,3 +273,21 @@ def test_native_modules_do_not_import_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_autocast_bfloat16_gives_transformers_numbers(tmp_path, tiny_tokenizer):
+    """Under the eval's amp_bf16 precision (autocast) the same operations run in the same
+    precisions: scoring logits and generated tokens stay transformers'."""
+    hf = hf_llama(tmp_path, vocab=len(tiny_tokenizer))
+    model = load_hf_llama(tmp_path)
+    batch = _scoring_batch(3, 40)
+    batch["input_ids"] = batch["input_ids"] % len(tiny_tokenizer)
+    rows = [tuple(tiny_tokenizer(p)["input_ids"]) for p in PROMPTS]
+    ids, mask = _pad(rows, tiny_tokenizer.pad_token_id or 0, left=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        want, _ = scoring_forward(hf)(batch)
+        got, _ = native_scoring_forward(model)(batch)
+        want_tokens = greedy_generate(hf, tiny_tokenizer, ids, mask, 8)
+        got_tokens = native_greedy_generate(model, tiny_tokenizer, ids, mask, 8)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert got_tokens == want_tokens
