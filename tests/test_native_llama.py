@@ -21,7 +21,7 @@ from foundryx.eval.data import _pad
 from foundryx.eval.generate import greedy_generate
 from foundryx.eval.native_lm import native_greedy_generate, native_scoring_forward
 from foundryx.eval.score import scoring_forward
-from foundryx.models.llama import load_hf_llama, spec_from_hf_config, unsupported
+from foundryx.models.llama import load_hf_llama, native_problem, spec_from_hf_config, unsupported
 from foundryx.models.llama.model import causal_padding_mask
 
 V5 = hasattr(LlamaConfig(), "rope_parameters")
@@ -256,6 +256,20 @@ def test_loader_errors_name_the_file_and_the_fix(tmp_path, case):
     breaking(tmp_path, None)
     with pytest.raises(CheckpointError, match=message):
         load_hf_llama(tmp_path)
+
+
+def test_native_problem_says_whether_a_folder_loads(tmp_path):
+    assert "not a local folder" in native_problem(tmp_path / "meta-llama/Llama-3.2-1B")
+    hf_llama(tmp_path / "ok")
+    assert native_problem(tmp_path / "ok") is None
+    hf_llama(tmp_path / "bin")
+    (tmp_path / "bin" / "model.safetensors").rename(tmp_path / "bin" / "pytorch_model.bin")
+    assert "no safetensors weights" in native_problem(tmp_path / "bin")
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    (tmp_path / "ok" / "config.json").write_text(json.dumps({**config, "mlp_bias": True}))
+    assert "mlp_bias" in native_problem(tmp_path / "ok")
+    (tmp_path / "ok" / "config.json").unlink()
+    assert "config.json: not found" in native_problem(tmp_path / "ok")
 
 
 def test_a_missing_shard_is_named(tmp_path):

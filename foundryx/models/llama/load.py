@@ -17,7 +17,7 @@ from foundryx.errors import CheckpointError
 from foundryx.models.llama.model import LlamaLM, rope_inv_freq
 from foundryx.models.llama.spec import spec_from_hf_config, unsupported
 
-__all__ = ["load_hf_llama", "read_hf_config"]
+__all__ = ["load_hf_llama", "native_problem", "read_hf_config"]
 
 # tensors old conversions carry that transformers ignores on load (recomputed, not weights)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -70,6 +70,25 @@ def _read(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
             if not name.endswith(_IGNORED_SUFFIXES):
                 tensors[name], origin[name] = tensor, path
     return tensors, origin
+
+
+def native_problem(folder: str | Path) -> str | None:
+    """Why :func:`load_hf_llama` would not load the Hugging Face folder ``folder`` (a one-line
+    reason: not a local folder, no readable config.json, a config :func:`unsupported` refuses,
+    no safetensors weights); None: it would (its tensors are checked when it loads)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder} is not a local folder"
+    try:
+        reason = unsupported(read_hf_config(folder))
+    except CheckpointError as e:
+        return str(e)
+    if reason is not None:
+        return reason
+    if not any((folder / name).is_file()
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        return "no safetensors weights (model.safetensors or model.safetensors.index.json)"
+    return None
 
 
 def load_hf_llama(folder: str | Path, dtype: torch.dtype | None = None,
