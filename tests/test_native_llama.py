@@ -80,10 +80,11 @@ def test_logits_are_transformers_logits(tmp_path, case):
 
 
 def test_bfloat16_logits_are_transformers_logits(tmp_path):
-    hf_llama(tmp_path)
+    hf_llama(tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)  # a bfloat16 checkpoint
     hf = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
-    model = load_hf_llama(tmp_path, dtype=torch.bfloat16)
-    assert model.lm_head.weight.dtype == torch.bfloat16
+    model = load_hf_llama(tmp_path, dtype="auto")  # config.json's dtype, as from_pretrained's "auto"
+    assert model.spec.dtype == model.lm_head.weight.dtype == torch.bfloat16
+    assert load_hf_llama(tmp_path).lm_head.weight.dtype == torch.float32  # 4.57's default
     ids = torch.randint(0, 300, (2, 64))
     with torch.no_grad():
         want = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
@@ -178,6 +179,7 @@ REFUSED = {
     "quantized": ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quantized"),
     "heads": ({"num_key_value_heads": 3}, "num_key_value_heads"),
     "dtype": ({"torch_dtype": "float8_e4m3fn", "dtype": "float8_e4m3fn"}, "dtype"),
+    "eager": ({"attn_implementation": "eager"}, "attn_implementation"),
 }
 
 

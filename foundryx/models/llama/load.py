@@ -91,13 +91,15 @@ def native_problem(folder: str | Path) -> str | None:
     return None
 
 
-def load_hf_llama(folder: str | Path, dtype: torch.dtype | None = None,
+def load_hf_llama(folder: str | Path, dtype: torch.dtype | str | None = None,
                   device: str | torch.device = "cpu") -> LlamaLM:
-    """The Llama of Hugging Face folder ``folder`` in eval mode, its parameters in ``dtype``
-    (None: float32, as transformers 4.57's ``from_pretrained`` without a dtype; the checkpoint's
-    own dtype is ``model.spec.dtype``) on ``device``. A CheckpointError (naming the file and the
-    fix) for a missing or unreadable file, a config :func:`unsupported` refuses, a missing or
-    unexpected tensor, or a tensor of the wrong shape."""
+    """The Llama of Hugging Face folder ``folder`` in eval mode, its parameters in ``dtype`` on
+    ``device``. ``dtype`` None: torch's default (float32), as transformers 4.57's
+    ``from_pretrained`` without a dtype; "auto": the dtype config.json declares, else the
+    weights' own, as ``from_pretrained(dtype="auto")`` (transformers 5's default). A
+    CheckpointError (naming the file and the fix) for a missing or unreadable file, a config
+    :func:`unsupported` refuses, a missing or unexpected tensor, or a tensor of the wrong
+    shape."""
     folder = Path(folder)
     config = read_hf_config(folder)
     reason = unsupported(config)
@@ -105,9 +107,14 @@ def load_hf_llama(folder: str | Path, dtype: torch.dtype | None = None,
         raise CheckpointError(f"{folder / 'config.json'}: not a model the native Llama reproduces "
                               f"({reason}); load it with transformers instead")
     spec = spec_from_hf_config(config)
-    dtype = dtype or torch.get_default_dtype()
     files = _weight_files(folder)
     tensors, origin = _read(files)
+    if dtype == "auto":
+        floating = (t.dtype for t in tensors.values() if t.is_floating_point())
+        dtype = spec.dtype or next(floating, None)
+    elif isinstance(dtype, str):
+        raise ValueError(f"dtype {dtype!r}: give a torch.dtype, 'auto' or None")
+    dtype = dtype or torch.get_default_dtype()
     with torch.device("meta"):
         model = LlamaLM(spec)
     expected = dict(model.state_dict(keep_vars=True))

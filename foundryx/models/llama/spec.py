@@ -98,6 +98,9 @@ def unsupported(d: dict[str, Any]) -> str | None:
     act = d.get("hidden_act", "silu")
     if act != "silu":
         return f"hidden_act {act!r} is not 'silu'"
+    attn = d.get("attn_implementation", d.get("_attn_implementation"))
+    if attn not in (None, "sdpa"):
+        return f"attn_implementation {attn!r} (the native Llama computes SDPA's numbers)"
     if d.get("quantization_config") is not None:
         return "the checkpoint is quantized (quantization_config)"
     layer_types = d.get("layer_types")
