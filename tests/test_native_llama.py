@@ -69,6 +69,8 @@ def test_logits_are_transformers_logits(tmp_path, case):
         got_kept = model(ids, torch.arange(150)[None], keep=keep)
     assert torch.equal(got, want)
     assert torch.equal(got_kept, want_kept)
+    kv, head_dim = CASES[case].get("kv_heads", 2), 32 // 4
+    assert model.kv_row_bytes(100) == 2 * 2 * kv * head_dim * 100 * 4  # layers, k+v, float32
     # left padding, positions from the mask (as generate gives them): the real tokens' logits
     mask = ones.clone()
     mask[0, :40], mask[2, :1] = 0, 0

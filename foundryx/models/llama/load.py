@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from foundryx.errors import CheckpointError
 from foundryx.models.llama.model import LlamaLM, rope_inv_freq
@@ -56,9 +58,6 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _read(files: list[Path]) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, Path] = {}
     for path in files:

@@ -209,6 +209,13 @@ class LlamaLM(nn.Module):
         """An empty cache for inputs of up to ``capacity`` positions in all."""
         return KVCache(self.spec.num_hidden_layers, capacity)
 
+    def kv_row_bytes(self, tokens: int) -> int:
+        """One row's KV cache at ``tokens`` positions in the parameters' dtype (what
+        :func:`foundryx.eval.batching.kv_row_bytes` gives a transformers model)."""
+        s = self.spec
+        width = self.lm_head.weight.element_size()
+        return 2 * s.num_hidden_layers * s.num_key_value_heads * s.head_dim * tokens * width
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 cache: KVCache | None = None, attn_mask: torch.Tensor | None = None,
                 keep: torch.Tensor | int | None = None) -> torch.Tensor:
