@@ -65,7 +65,7 @@ def native_greedy_generate(model: LlamaLM, tokenizer: Any, input_ids: torch.Tens
     positions = mask_positions(attention_mask)
     logits = model(input_ids, positions, cache=cache,
                    attn_mask=causal_padding_mask(attention_mask), keep=1)
-    pos = positions[:, -1]
+    pos = attention_mask.long().sum(-1) - 1  # the last prompt token's (greedy_generate's)
     # the prompt's padding for the decoding steps, as greedy_generate passes it (also where
     # nothing is padding: a mask decides how SDPA sums grouped-query attention)
     step_mask = torch.zeros((n, 1, 1, width + max_new_tokens), dtype=cache.keys[0].dtype,
