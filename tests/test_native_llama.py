@@ -309,3 +309,59 @@ def test_autocast_bfloat16_gives_transformers_numbers(tmp_path, tiny_tokenizer):
         got_tokens = native_greedy_generate(model, tiny_tokenizer, ids, mask, 8)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert got_tokens == want_tokens
+
+
+def test_tasks_score_the_same_through_the_native_operations(tiny_tokenizer, tmp_path, monkeypatch):
+    """The eval's runner with the native scoring forward and generation in place of the
+    transformers ones (as the runner will wire them): the same outcomes and generated texts on a
+    multiple-choice and a generation task (few-shot prompts, several batches, stop sequences)."""
+    from icl_fakes import run, task, write_jsonl
+
+    import foundryx.eval.runner as runner
+    from foundryx.eval.generate import decode_generations
+    from foundryx.eval.models import wrap_hf_model
+
+    tok = tiny_tokenizer
+    hf = tiny_model("llama", len(tok))
+    hf.save_pretrained(tmp_path / "model")
+    native = load_hf_llama(tmp_path / "model")
+    model = wrap_hf_model(hf, tok)
+    mc = write_jsonl(tmp_path / "mc.jsonl", [
+        {"query": p, "choices": ["the king", "a", "of the land"], "gold": i % 3}
+        for i, p in enumerate(PROMPTS * 2)])
+    gen = write_jsonl(tmp_path / "gen.jsonl", [
+        {"context": p, "answer": a} for p, a in zip(PROMPTS * 2, ["king", "the", "of", "x", "a"] * 2)])
+    configs = [task(mc, "multiple_choice", num_fewshot=1, continuation_delimiter=" "),
+               task(gen, "generation_task_with_answers", num_fewshot=2, max_new_tokens=6,
+                    stop_sequences=["."], continuation_delimiter=" ")]
+
+    used = []
+
+    def scorer(model, task, metric):
+        if task.task_type.mode == "generate":
+            return None
+        forward = native_scoring_forward(native)
+        return lambda batch: used.append("score") or forward(batch)
+
+    def generator(model, task, tokenizer, world):
+        if task.task_type.mode != "generate":
+            return None
+
+        def generate(batch):
+            used.append("generate")
+            kw = batch["generation_kwargs"]
+            return decode_generations(tokenizer, native_greedy_generate(
+                native, tokenizer, batch["input_ids"], batch["attention_mask"],
+                kw["max_new_tokens"], kw.get("eos_token_id"), batch["icl_options"]["stop_sequences"]))
+
+        return generate
+
+    for cfg in configs:
+        want = run(model, tok, cfg, batch_size=3, dump=10)
+        with monkeypatch.context() as m:
+            m.setattr(runner, "_scorer", scorer)
+            m.setattr(runner, "_generator", generator)
+            got = run(model, tok, cfg, batch_size=3, dump=10)
+        assert got[0].outcomes == want[0].outcomes
+        assert [d.get("output") for d in got[0].dumped] == [d.get("output") for d in want[0].dumped]
+    assert used.count("score") >= 3 and used.count("generate") >= 3  # 10 rows, batches of 3
