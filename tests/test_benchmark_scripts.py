@@ -39,7 +39,7 @@ TINY = {
     "hf_models": (["--sizes", "quickstart"], "| quickstart (1M params"),
     "kv_cache": (["--examples", "2", "--batch-size", "2", "--new-tokens", "4", "--rounds", "1"],
                  "DynamicCache / foundryx median"),
-    "native_llama": (["--repeat", "1", "--new-tokens", "3", "--work", "{tmp}/w"],
+    "native_llama": (["--repeat", "1", "--new-tokens", "3", "--imports", "--work", "{tmp}/w"],
                      "| generate 4 rows x 3 new tokens"),
     "plan_accuracy": (["--procs", "1", "--cases", "lora-int8", "--steps", "1"],
                       "| lora-int8 | 1 |"),
