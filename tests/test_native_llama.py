@@ -286,7 +286,7 @@ def test_a_missing_shard_is_named(tmp_path):
 
 
 def test_native_modules_do_not_import_transformers():
-    code = ("import sys, foundryx.models.llama, foundryx.eval.native_lm; "
+    code = ("import sys, foundryx.models.llama, foundryx.eval.native_lm, foundryx.eval.decoding; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'composer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -318,7 +318,7 @@ def test_tasks_score_the_same_through_the_native_operations(tiny_tokenizer, tmp_
     from icl_fakes import run, task, write_jsonl
 
     import foundryx.eval.runner as runner
-    from foundryx.eval.generate import decode_generations
+    from foundryx.eval.decoding import decode_generations
     from foundryx.eval.models import wrap_hf_model
 
     tok = tiny_tokenizer

@@ -1,6 +1,7 @@
 """What the eval's greedy generation loops share (transformers' one in
 :mod:`foundryx.eval.generate`, the native Llama's in :mod:`foundryx.eval.native_lm`), free of
-transformers: per-row stop-sequence checks and positions from an attention mask."""
+transformers: per-row stop-sequence checks, positions from an attention mask, and the
+decoding of the new tokens into the texts the metrics score."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["StopChecker", "mask_positions"]
+__all__ = ["StopChecker", "decode_generations", "mask_positions"]
 
 
 class StopChecker:
@@ -30,3 +31,13 @@ def mask_positions(mask: torch.Tensor) -> torch.Tensor:
     ``_prepare_position_ids_for_generation``; 4.57 puts padding at 1, which no real token
     sees)."""
     return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def decode_generations(tokenizer: Any, tokens: list[list[int]]) -> list[str]:
+    """The texts ICL metrics score, decoded as Composer's ``eval_forward`` decodes them
+    (special tokens skipped; a leading space for tokenizers that do not fold one into the
+    next token)."""
+    texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
+    if len(tokenizer(" a", add_special_tokens=False)["input_ids"]) == 1:
+        return texts
+    return [" " + t for t in texts]

@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
-from foundryx.eval.decoding import StopChecker, mask_positions
+from foundryx.eval.decoding import (
+    StopChecker,
+    decode_generations,  # noqa: F401  (its callers import it from here)
+    mask_positions,
+)
 from foundryx.eval.kv_cache import GrowingLayer, new_cache
 from foundryx.eval.plain_causal import plain_causal
 from foundryx.runtime.hf_compat import cache_argument, output_cache
@@ -214,13 +218,3 @@ def forward_params(hf: Any) -> set[str]:
     import inspect
 
     return set(inspect.signature(hf.forward).parameters)
-
-
-def decode_generations(tokenizer: Any, tokens: list[list[int]]) -> list[str]:
-    """The texts ICL metrics score, decoded as Composer's ``eval_forward`` decodes them
-    (special tokens skipped; a leading space for tokenizers that do not fold one into the
-    next token)."""
-    texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    if len(tokenizer(" a", add_special_tokens=False)["input_ids"]) == 1:
-        return texts
-    return [" " + t for t in texts]
