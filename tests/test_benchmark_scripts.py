@@ -39,6 +39,8 @@ TINY = {
     "hf_models": (["--sizes", "quickstart"], "| quickstart (1M params"),
     "kv_cache": (["--examples", "2", "--batch-size", "2", "--new-tokens", "4", "--rounds", "1"],
                  "DynamicCache / foundryx median"),
+    "native_llama": (["--repeat", "1", "--new-tokens", "3", "--imports", "--work", "{tmp}/w"],
+                     "| generate 4 rows x 3 new tokens"),
     "plan_accuracy": (["--procs", "1", "--cases", "lora-int8", "--steps", "1"],
                       "| lora-int8 | 1 |"),
     "plan_host": (["--repeats", "1", "--workers", "1"], "torch "),
@@ -80,7 +82,8 @@ ELSEWHERE = {
 # Cases whose arguments need a fixture, and the cases make test runs on the modern leg (about
 # half of this file's time; tests/conftest.py).
 QUICKSTART = {"dataloader", "plan_vs_run", "remote"}
-SHARED = {"eval_generate", "kv_cache", "eval_vs_llmfoundry", "eval_vs_lmeval"}  # ../shared
+SHARED = {"eval_generate", "kv_cache", "eval_vs_llmfoundry", "eval_vs_lmeval",
+          "native_llama"}  # ../shared
 MODERN = {"cli_errors", "convert", "dataloader", "eval_vs_llmfoundry", "eval_vs_lmeval",
           "vs_llmfoundry"}
 # The costliest tiny runs (multi-process training per case, 30-60 CPU s each) run under make

@@ -61,10 +61,12 @@ def setup(tmp_path, tiny_tokenizer):
 
 @pytest.mark.slow
 def test_adapters_of_one_base_load_it_once_and_score_as_alone(setup, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
     config, model, tmp = setup
     loads = []
-    real = eval_models.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(eval_models.AutoModelForCausalLM, "from_pretrained",
+    real = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: loads.append(a[0]) or real(*a, **k))
 
     def scores(name: str, models: list[dict]) -> dict:
@@ -94,9 +96,12 @@ def test_swapped_adapters_give_the_logits_of_each_adapter_alone(setup):
 
     _, model, tmp = setup
     ids = torch.randint(0, 400, (2, 12), generator=torch.Generator().manual_seed(0))
-    session, got = eval_models.EvalModels(), {}
-    for label, adapter in (("base", None), ("a1", "a1"), ("a2", "a2")):
-        composer_model, _ = session.load(EvalModelSpec(**model(label, adapter)))
+    specs = [EvalModelSpec(**model(label, adapter))
+             for label, adapter in (("base", None), ("a1", "a1"), ("a2", "a2"))]
+    session, got = eval_models.EvalModels(specs), {}
+    for spec in specs:
+        label = spec.label
+        composer_model, _ = session.load(spec)
         with torch.no_grad():
             got[label] = composer_model.model(input_ids=ids).logits
     assert session.base_loads == 1

@@ -18,9 +18,10 @@ from foundryx.eval.config import load_eval_config
 from foundryx.eval.run import run_eval
 
 ROOT = Path(__file__).resolve().parents[1]
-# one task of each kind from the quick suite: generation with chain of thought and with
-# normalisation, language modeling with categories, multiple choice, schema
-TASKS = ("gsm8k", "triviaqa", "jeopardy", "arc_easy", "winograd")
+# one task of each kind from the quick suite: generation (with normalisation), language
+# modeling with categories, multiple choice, schema (gsm8k's answers take more tokens than
+# this tokenizer's model holds; benchmarks/eval_vs_llmfoundry.py compares it)
+TASKS = ("triviaqa", "jeopardy", "arc_easy", "winograd")
 
 
 def _llama_folder(out: Path, **config) -> Path:
@@ -47,18 +48,20 @@ def llama(tmp_path_factory) -> Path:
 
 
 def _config(tmp_path: Path, shared: Path, models: list[dict]) -> Path:
+    """An eval config of :data:`TASKS` (left out where ``shared`` lacks their files)."""
     tasks = yaml.safe_load((ROOT / "eval/yamls/tasks.yaml").read_text())["icl_tasks"]
     cfg = {"models": models, "icl_tasks": [t for t in tasks if t["label"] in TASKS],
-           "icl_data_root": str(shared / "eval_data"), "icl_max_examples": 6,
-           "max_seq_len": 256, "device": "cpu", "output_dir": str(tmp_path / "out")}
+           "icl_data_root": str(shared / "eval_data"), "icl_max_examples": 4,
+           "max_seq_len": 512, "device": "cpu", "output_dir": str(tmp_path / "out"),
+           "skip_missing_data": True}
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 @pytest.mark.needs_shared
-def test_native_scores_are_transformers_scores(llama, tmp_path, shared_dir, caplog):
-    caplog.set_level("INFO", logger="foundryx")
+@pytest.mark.usefixtures("one_thread")  # a small model's steps: no OpenMP spinning under load
+def test_native_scores_are_transformers_scores(llama, tmp_path, shared_dir, capfd):
     path = _config(tmp_path, shared_dir, [
         {"label": "native", "hf": str(llama), "implementation": "native"},
         {"label": "hf", "hf": str(llama), "implementation": "hf"}])
@@ -67,8 +70,9 @@ def test_native_scores_are_transformers_scores(llama, tmp_path, shared_dir, capl
     assert scores["native"] == scores["hf"]
     # the sharp random model gets some of them right: the comparison is not of zeros only
     assert any(0 < v < 1 for v in scores["hf"].values()), scores["hf"]
-    assert any("native: " in r.message and "on foundryx's native Llama" in r.message
-               for r in caplog.records)
+    err = capfd.readouterr().err
+    assert f"model native: {llama} on foundryx's native Llama" in err, err[-2000:]
+    assert f"model hf: {llama} (" in err, err[-2000:]
 
 
 def test_auto_takes_transformers_where_the_native_llama_cannot_and_says_why(tmp_path, caplog):
@@ -80,8 +84,8 @@ def test_auto_takes_transformers_where_the_native_llama_cannot_and_says_why(tmp_
                             ).models[0]
     model, _ = EvalModels().load(spec)
     assert not getattr(model, "native", False)
-    assert any("model b: transformers (the native Llama does not run it: " in r.message
-               and "attention_bias" in r.message for r in caplog.records), caplog.text
+    assert any("model b: transformers (the native Llama does not run it: " in r.getMessage()
+               and "attention_bias" in r.getMessage() for r in caplog.records), caplog.text
     spec.implementation = "native"
     with pytest.raises(FoundryxError, match="implementation: native cannot run .*attention_bias"):
         EvalModels().load(spec)
@@ -114,4 +118,4 @@ def test_a_native_eval_process_imports_no_transformers_composer_or_torchmetrics(
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
-    assert report == {"loaded": [], "results": report["results"]} and report["results"] >= 5
+    assert report == {"loaded": [], "results": report["results"]} and report["results"] >= len(TASKS)

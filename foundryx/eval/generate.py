@@ -22,6 +22,11 @@ from typing import Any
 
 import torch
 
+from foundryx.eval.decoding import (
+    StopChecker,
+    decode_generations,  # noqa: F401  (its callers import it from here)
+    mask_positions,
+)
 from foundryx.eval.plain_causal import plain_causal
 from foundryx.runtime.hf_compat import cache_argument, output_cache
 
@@ -74,20 +79,6 @@ def _select(value: Any, keep: torch.Tensor) -> Any:
     return value
 
 
-class _StopChecker:
-    """Per-row stop-sequence checks on the decoded new text (as the collator's
-    ``StopOnSequences`` does for ``generate``)."""
-
-    def __init__(self, tokenizer: Any, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
-
-    def done(self, tokens: list[int]) -> bool:
-        if not self.stops:
-            return False
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return any(s in text for s in self.stops)
-
-
 @torch.inference_mode()
 def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     max_new_tokens: int, eos_token_id: int | None = None,
@@ -99,7 +90,7 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
     out: list[list[int]] = [[] for _ in range(n)]
     if max_new_tokens <= 0 or n == 0:
         return out
-    checker = _StopChecker(tokenizer, list(stop_sequences))
+    checker = StopChecker(tokenizer, list(stop_sequences))
     rows = torch.arange(n)  # batch position -> original row
     ids = input_ids
     kwargs: dict[str, Any] = {"attention_mask": attention_mask, "use_cache": True}
@@ -231,24 +222,8 @@ def steps_by_position_ids(params: set[str], past: str | None) -> bool:
     return "cache_position" not in params and past == "cache"
 
 
-def mask_positions(mask: torch.Tensor) -> torch.Tensor:
-    """Each token's position from a 2D attention mask, padding at 0 (transformers 5's
-    ``_prepare_position_ids_for_generation``)."""
-    return (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-
-
 def forward_params(hf: Any) -> set[str]:
     """The names ``hf.forward`` takes."""
     import inspect
 
     return set(inspect.signature(hf.forward).parameters)
-
-
-def decode_generations(tokenizer: Any, tokens: list[list[int]]) -> list[str]:
-    """The texts ICL metrics score, decoded as Composer's ``eval_forward`` decodes them
-    (special tokens skipped; a leading space for tokenizers that do not fold one into the
-    next token)."""
-    texts = tokenizer.batch_decode(tokens, skip_special_tokens=True)
-    if len(tokenizer(" a", add_special_tokens=False)["input_ids"]) == 1:
-        return texts
-    return [" " + t for t in texts]

@@ -86,7 +86,10 @@ class EvalModels:
     ``hf`` and ``tokenizer`` share one loaded base: an ``adapter`` is added to it and made
     active, the previous adapter removed; a model without an adapter gets the bare base."""
 
-    def __init__(self) -> None:
+    def __init__(self, specs: list[EvalModelSpec] = ()) -> None:
+        # bases some model of the config puts an adapter on: one transformers base serves
+        # them all, the bare base included (not the native Llama: a second load)
+        self.adapter_bases = {(s.hf, s.tokenizer) for s in specs if s.hf and s.adapter}
         self.key: tuple[str, str | None] | None = None
         self.base: nn.Module | None = None  # the bare Hugging Face model
         self.peft: Any = None  # peft.PeftModel around it while an adapter is on
@@ -108,7 +111,8 @@ class EvalModels:
         """``(model, tokenizer)`` for ``spec``, in eval mode: a Composer model, or a native one
         (:mod:`foundryx.eval.native_models`) where ``spec.implementation`` allows it."""
         if spec.hf and spec.implementation != "hf":
-            native = _native(spec, world)
+            shared = (spec.hf, spec.tokenizer) in self.adapter_bases and not spec.adapter
+            native = _native(spec, world, shared)
             if native is not None:
                 self.release()
                 return native
@@ -161,12 +165,15 @@ class EvalModels:
         self.key = self.base = self.peft = self.tokenizer = None
 
 
-def _native(spec: EvalModelSpec, world: int) -> tuple[Any, Any] | None:
+def _native(spec: EvalModelSpec, world: int, shared: bool = False) -> tuple[Any, Any] | None:
     """``spec``'s native model and tokenizer, or None where transformers runs it (said in one
-    line; a CheckpointError for ``implementation: native``)."""
+    line; a CheckpointError for ``implementation: native``). ``shared``: other models of the
+    config put adapters on this base (with ``auto``, transformers loads it once for all)."""
     from foundryx.eval.native_models import load_native, native_problem
 
     problem = native_problem(spec, world)
+    if problem is None and shared and spec.implementation == "auto":
+        problem = "other models put adapters on this base: one transformers load serves all"
     if problem is not None:
         if spec.implementation == "native":
             raise CheckpointError(f"model {spec.label}: implementation: native cannot run "

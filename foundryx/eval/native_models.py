@@ -22,11 +22,12 @@ from torch import nn
 
 from foundryx.data.json_tokenizer import JsonTokenizer, json_tokenizer_problem
 from foundryx.eval.config import EvalModelSpec
-from foundryx.eval.generate import decode_generations, plain_greedy_problem
+from foundryx.eval.decoding import decode_generations
+from foundryx.eval.generate import plain_greedy_problem
 from foundryx.eval.native_lm import native_greedy_generate, native_scoring_forward
-from foundryx.models.llama.load import load_hf_llama, read_hf_config
+from foundryx.models.llama.load import load_hf_llama
+from foundryx.models.llama.load import native_problem as model_problem
 from foundryx.models.llama.model import LlamaLM, causal_padding_mask
-from foundryx.models.llama.spec import unsupported
 from foundryx.runtime.hf_compat import TRANSFORMERS_5
 
 
@@ -39,13 +40,7 @@ def native_problem(spec: EvalModelSpec, world: int) -> str | None:
     if world > 1:
         return "several processes"
     folder = Path(spec.hf).expanduser()
-    if not (folder / "config.json").is_file():
-        return "hf is not a local folder with config.json"
-    try:
-        config = read_hf_config(folder)
-    except Exception as e:  # noqa: BLE001 - an unreadable config: transformers says why
-        return f"its config.json does not read ({type(e).__name__})"
-    reason = unsupported(config)
+    reason = model_problem(folder)
     if reason is not None:
         return reason
     generation = folder / "generation_config.json"
@@ -107,11 +102,6 @@ def load_native(spec: EvalModelSpec) -> tuple[NativeCausalLM, JsonTokenizer]:
     dtype transformers' ``from_pretrained`` gives it without one: float32 on transformers 4,
     the checkpoint's own on 5 (``dtype="auto"``)."""
     tokenizer = JsonTokenizer(Path(spec.tokenizer or spec.hf).expanduser())
-    folder = Path(spec.hf).expanduser()
-    dtype = None
-    if TRANSFORMERS_5:
-        from foundryx.models.llama.spec import spec_from_hf_config
-
-        dtype = spec_from_hf_config(read_hf_config(folder)).dtype
-    model = NativeCausalLM(load_hf_llama(folder, dtype=dtype), tokenizer)
+    lm = load_hf_llama(Path(spec.hf).expanduser(), dtype="auto" if TRANSFORMERS_5 else None)
+    model = NativeCausalLM(lm, tokenizer)
     return model.eval(), tokenizer

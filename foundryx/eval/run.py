@@ -119,7 +119,7 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
 
     examples = read_tasks(loaded)  # bad data fails before any model loads
     results, dumped = EvalResults(), {}
-    models = EvalModels()  # models sharing a Hugging Face base load it once
+    models = EvalModels(loaded.models)  # models sharing a Hugging Face base load it once
     order = models.order(loaded.models)
     for i, spec in enumerate(order):
         model, tokenizer = models.load(spec, world)
