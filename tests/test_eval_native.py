@@ -103,7 +103,7 @@ def test_native_with_an_adapter_is_refused_up_front(llama, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.needs_shared
-def test_a_native_eval_process_imports_no_transformers_composer_or_torchmetrics(
+def test_a_native_eval_process_imports_no_transformers_composer_or_compiler(
         llama, tmp_path, shared_dir):
     """The point of the native path: the command's start-up. A fresh process evaluates every
     kind of task and then lists what it imported."""
@@ -111,8 +111,9 @@ def test_a_native_eval_process_imports_no_transformers_composer_or_torchmetrics(
     code = ("import json, sys\n"
             "from foundryx.eval.run import load_eval_config, run_eval\n"
             f"out = run_eval(load_eval_config({str(path)!r}), write=False)\n"
-            "heavy = ('transformers', 'composer', 'torchmetrics', 'peft', 'mcli', 'torchao')\n"
-            "print(json.dumps({'loaded': sorted({m.split('.')[0] for m in sys.modules} & set(heavy)),"
+            "heavy = ('transformers', 'composer', 'torchmetrics', 'peft', 'mcli', 'torchao',"
+            " 'torch._dynamo')\n"  # torch's compiler: 1.4-2.4 s (meta-device init imports it)
+            "print(json.dumps({'loaded': sorted(m for m in sys.modules if m in heavy),"
             " 'results': len(out.results.scores['n'])}))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)

@@ -63,6 +63,31 @@ def rope_inv_freq(spec: LlamaSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+class Linear(nn.Module):
+    """``nn.Linear`` without a bias and without its random initialisation: the weight is made
+    empty and the loader assigns it. (``nn.Linear`` and ``nn.Embedding`` initialise on the meta
+    device through torch's reference kernels, whose first call imports torch's compiler: 2.4 s
+    of a small eval's command.) The same ``F.linear`` call, the same ``weight`` name."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    """``nn.Embedding`` without its random initialisation (see :class:`Linear`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -118,10 +143,10 @@ class Attention(nn.Module):
         self.groups = self.heads // self.kv_heads
         self.scaling = self.head_dim ** -0.5
         h, d = spec.hidden_size, spec.head_dim
-        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.heads * d)
+        self.k_proj = Linear(h, self.kv_heads * d)
+        self.v_proj = Linear(h, self.kv_heads * d)
+        self.o_proj = Linear(self.heads * d, h)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None, mask: torch.Tensor | None) -> torch.Tensor:
@@ -156,9 +181,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, spec: LlamaSpec):
         super().__init__()
-        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_proj = Linear(spec.hidden_size, spec.intermediate_size)
+        self.up_proj = Linear(spec.hidden_size, spec.intermediate_size)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -183,7 +208,7 @@ class Backbone(nn.Module):
 
     def __init__(self, spec: LlamaSpec, pack_gqa: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, pack_gqa)
                                     for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
@@ -199,7 +224,7 @@ class LlamaLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = Backbone(spec, pack_gqa)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(spec).to(self.lm_head.weight.device),
