@@ -59,8 +59,9 @@ t0 = time.perf_counter()
 from foundryx.eval import runner
 from foundryx.eval.run import load_eval_config, run_eval
 t1 = time.perf_counter()
-task_s, evaluate_task = {}, runner.evaluate_task
+task_s, evaluate_task, impl = {}, runner.evaluate_task, set()
 def timed(model, task, *args, **kwargs):  # seconds per task result
+    impl.add("native" if getattr(model, "native", False) else "transformers")
     start = time.perf_counter()
     out = evaluate_task(model, task, *args, **kwargs)
     task_s[task.key] = time.perf_counter() - start
@@ -70,8 +71,8 @@ out = run_eval(load_eval_config(sys.argv[1]), write=False)
 t2 = time.perf_counter()
 res = out.results
 scores = {k: v for k, v in res.scores[res.models[0]].items() if res.kinds[k] in ("task", "metric")}
-json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores, "task_s": task_s},
-          open(sys.argv[2], "w"))
+json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores, "task_s": task_s,
+           "implementation": sorted(impl)}, open(sys.argv[2], "w"))
 """
 
 LLMFOUNDRY_RUN = """
@@ -406,6 +407,9 @@ def main() -> None:
         f"| {r['llmfoundry']['eval_s'] / r['foundryx']['eval_s']:.2f} "
         f"| {r['foundryx']['cpu_s']:.0f} / {r['llmfoundry']['cpu_s']:.0f} |" for r in rows)
     ratios = [r["llmfoundry"]["eval_s"] / r["foundryx"]["eval_s"] for r in rows]
+    # the whole command as a user times it (issue 55): each side's process, start to exit
+    whole = [r["llmfoundry"]["process_s"] / r["foundryx"]["process_s"] for r in rows]
+    impl = ", ".join(sorted({i for r in rows for i in r["foundryx"].get("implementation", [])}))
     table, same, compared = scores_table(rows[0]["foundryx"]["scores"], rows[0]["llmfoundry"]["scores"])
     import torch
     slowest = sorted(rows[0]["foundryx"].get("task_s", {}).items(), key=lambda kv: -kv[1])
@@ -422,7 +426,9 @@ def main() -> None:
             f"(call / process) | LLM Foundry / foundryx | process CPU s, foundryx / LLM Foundry |\n"
             f"|---|---|---:|---:|---:|---:|\n{times}\n\n"
             f"Speed-up (LLM Foundry / foundryx, the eval call): median {statistics.median(ratios):.2f} "
-            f"(min {min(ratios):.2f}, max {max(ratios):.2f}).\n\nScores (round 1): {same} of "
+            f"(min {min(ratios):.2f}, max {max(ratios):.2f}); the whole processes: median "
+            f"{statistics.median(whole):.2f} (min {min(whole):.2f}, max {max(whole):.2f}). "
+            f"foundryx's model ran on: {impl or 'not recorded'}.\n\nScores (round 1): {same} of "
             f"{compared} results identical.\n\n{table}\n\nfoundryx's time per task result "
             f"(round 1, slowest first): {where}.\n")
     emit(text, args.out)
