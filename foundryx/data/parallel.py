@@ -16,6 +16,7 @@ import sys
 import types
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -58,18 +59,16 @@ def tokenize_batch(docs: list[str]) -> np.ndarray:
     if hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
         # encode_batch_fast: the same ids without the character offsets (tokenizers >= 0.20)
         encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        encoded = (e.ids for e in encode(docs, add_special_tokens=False))
+        ids = [e.ids for e in encode(docs, add_special_tokens=False)]
     else:
-        encoded = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
-    out: list[int] = []
-    extend = out.extend
-    for ids in encoded:
-        if prefix:
-            extend(prefix)
-        extend(ids)
-        if suffix:
-            extend(suffix)
-    return np.array(out, dtype=np.int32)
+        ids = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
+    # the ids, each document's between prefix and suffix, straight into the int32 array (one
+    # pass in C; a list of them all first, then np.array, is a third slower)
+    parts = [repeat(prefix)] if prefix else []
+    parts += [ids] + ([repeat(suffix)] if suffix else [])
+    count = sum(map(len, ids)) + len(ids) * (len(prefix) + len(suffix))
+    stream = chain.from_iterable(chain.from_iterable(zip(*parts)))
+    return np.fromiter(stream, dtype=np.int32, count=count)
 
 
 @contextlib.contextmanager
