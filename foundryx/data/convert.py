@@ -120,7 +120,7 @@ def _batches(source: Source, batch_chars: int, chunk_chars: int
     come in lists (:meth:`Source.document_lists`), and each list's batch ends are found by
     bisecting its running character count, so no Python code runs per document."""
     chunk = in_chunk = 0
-    by_doc = source.unit != "B"  # else bytes of text (Source.progress, summed)
+    by_doc = source.unit != "B"  # else bytes of UTF-8 text
     docs: list[str] = []  # the batch so far, from earlier lists
     size = 0  # its characters
     for block in source.document_lists():

@@ -48,11 +48,6 @@ class Source:
     # other ``documents`` (dataclasses.replace) must give these too, or None.
     blocks: Callable[[], Iterator[list[str]]] | None = None
 
-    def progress(self, doc: str) -> int:
-        if self.unit != "B":
-            return 1
-        return len(doc) if doc.isascii() else len(doc.encode())
-
     def document_lists(self) -> Iterator[list[str]]:
         """The documents in order, in lists (the concatenation of the lists is
         ``documents()``)."""
@@ -117,6 +112,8 @@ _BLANK_LINES = re.compile(r"^(?:[^\S\n]*\n)+", re.MULTILINE)
 # (its literal first character), not at every character as a search for ``^`` does (4x faster)
 _END_AND_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")
 _LEADING_BLANK_LINES = re.compile(r"(?:[^\S\n]*\n)+")
+# the \r's at a line's end, which reading line by line removes (``rstrip("\r\n")``)
+_CR_LINE_ENDS = re.compile(r"\r+\n")
 _READ_BYTES = 1 << 22
 
 
@@ -130,9 +127,9 @@ def _txt_blocks(path: Path) -> Iterator[list[str]]:
     """The documents of :func:`_txt_documents`, a list per read of a few MB (decoded at once,
     split at blank lines by one regular expression)."""
     for text in _complete_lines(path):  # whole lines, each ending in \n
+        if "\r" in text:  # each line's \r\n (or \r\r\n ...) end: \n (blank lines stay blank)
+            text = _CR_LINE_ENDS.sub("\n", text)
         docs = _split_documents(text)
-        if "\r" in text:
-            docs = [_without_line_ends(doc) for doc in docs]
         if docs:
             yield docs
 
@@ -147,12 +144,6 @@ def _split_documents(text: str) -> list[str]:
     if last:
         docs.append(last[:-1])
     return docs
-
-
-def _without_line_ends(doc: str) -> str:
-    """``doc`` (whole lines joined by ``\n``) with each line's ``\r``s removed from its end
-    (as ``rstrip("\r\n")`` does to a line read with its ``\n``)."""
-    return "\n".join(line.rstrip("\r") for line in doc.split("\n"))
 
 
 def _complete_lines(path: Path) -> Iterator[str]:
