@@ -240,7 +240,6 @@ def text_of(row: Any, text_field: str, where: str) -> str:
     return value
 
 
-
 def _texts(rows: Iterator[tuple[str, Any]], text_field: str) -> Iterator[str]:
     """The non-blank ``text_field`` of each ``(location, row)``."""
     for where, row in rows:
@@ -274,7 +273,6 @@ def _parquet_rows(files: list[Path], columns: list[str] | None) -> Iterator[tupl
                     row += 1
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{file}: unreadable parquet ({e}); re-export the file") from None
-
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -324,7 +322,6 @@ def _hf_rows(ds: Any, label: str, columns: list[str] | None) -> Iterator[tuple[s
     view = ds.select_columns(columns) if columns else ds
     for i, row in enumerate(view):
         yield f"{label}[{i}]", row
-
 
 
 def open_source(input_path: Path | str, text_field: str = "text", *, split: str | None = None,
