@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from foundryx.data import convert
+from foundryx.data import chunk_writer, convert
 from foundryx.data.convert import MANIFEST, convert_to_mds, vocab_hash
 from foundryx.data.synthetic import generate_corpus
 from foundryx.errors import DataError
@@ -141,13 +141,13 @@ def test_interrupted_conversion_leaves_no_trusted_output(tmp_path, tiny_tokenize
     if existing:
         convert_to_mds(src, out, tiny_tokenizer, SEQ, progress=False)
     before = stored(out) if existing else None
-    original = convert.write_rows
+    original = chunk_writer.write_rows
 
     def write_then_fail(writer, rows):  # interrupted after two sequences are written
         original(writer, rows[:2])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(convert, "write_rows", write_then_fail)
+    monkeypatch.setattr(chunk_writer, "write_rows", write_then_fail)
     with pytest.raises(KeyboardInterrupt):
         convert_to_mds(src, out, tiny_tokenizer, 8, overwrite=True, progress=False)
     left = sorted(p.name for p in tmp_path.iterdir())

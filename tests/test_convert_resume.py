@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_convert import SEQ, expected, stored, write_txt
 
-from foundryx.data import convert, parallel
+from foundryx.data import chunk_writer, parallel
 from foundryx.data.convert import convert_to_mds
 from foundryx.data.partial import LEDGER, Partial
 from foundryx.data.synthetic import generate_corpus
@@ -44,7 +44,7 @@ def count_tokenized(monkeypatch) -> list[int]:
 def interrupted(src, out, tokenizer, monkeypatch, n_writes: int = 250) -> None:
     """A conversion stopped by Ctrl-C at its ``n_writes``-th sequence."""
     calls = []
-    original = convert.write_rows
+    original = chunk_writer.write_rows
 
     def write_rows(writer, rows):  # one sequence at a time, to stop at the n-th
         for i in range(len(rows)):
@@ -53,7 +53,7 @@ def interrupted(src, out, tokenizer, monkeypatch, n_writes: int = 250) -> None:
                 raise KeyboardInterrupt
             original(writer, rows[i:i + 1])
 
-    monkeypatch.setattr(convert, "write_rows", write_rows)
+    monkeypatch.setattr(chunk_writer, "write_rows", write_rows)
     with pytest.raises(KeyboardInterrupt):
         convert_to_mds(src, out, tokenizer, SEQ, **SMALL)
     monkeypatch.undo()

@@ -81,7 +81,7 @@ def assert_one_error(r: subprocess.CompletedProcess, *needles: str) -> str:
 # -- foundryx data convert ---------------------------------------------------------------------
 @pytest.mark.parametrize("where", ["mid-conversion", "at-finish"])
 def test_convert(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
-    from foundryx.data import convert
+    from foundryx.data import chunk_writer
 
     docs_a, docs_b = generate_corpus(40, seed=3), generate_corpus(40, seed=4)
     out = tmp_path / "mds"
@@ -93,7 +93,7 @@ def test_convert(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
     before = tree(tmp_path)
 
     if where == "mid-conversion":
-        original, written = convert.write_rows, []
+        original, written = chunk_writer.write_rows, []
 
         def write_rows(writer, rows):  # the disk fills at the third sequence
             for i in range(len(rows)):
@@ -102,7 +102,7 @@ def test_convert(tmp_path, tiny_tokenizer, capsys, monkeypatch, where):
                     raise enospc("shard.00000.mds")
                 original(writer, rows[i:i + 1])
 
-        monkeypatch.setattr(convert, "write_rows", write_rows)
+        monkeypatch.setattr(chunk_writer, "write_rows", write_rows)
     else:  # index.json is merged, the manifest (2nd write) fails
         fail_write_text(monkeypatch, tmp_path, 2)
     r = attempt(capsys, *args, "--input", str(src))

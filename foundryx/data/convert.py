@@ -42,14 +42,15 @@ import json
 import logging
 import os
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from foundryx.data import partitions
 from foundryx.data import remote as remotes
+from foundryx.data.chunk_writer import COLUMN, INDEX, ChunkWriter, write_rows  # noqa: F401
 from foundryx.data.parallel import tokenize_in_order
 from foundryx.data.partial import Partial
 from foundryx.data.sources import Source, open_source, read_documents  # noqa: F401 (re-export)
@@ -59,11 +60,6 @@ from foundryx.runtime.atomic_writes import replace_all
 log = logging.getLogger(__name__)
 
 MANIFEST = "foundryx_manifest.json"
-INDEX = "index.json"
-COLUMN = "tokens"
-# Each shard's hash, recorded in index.json by mosaicml-streaming's writer; loaders check it
-# (foundryx.data.options.shard_problems), and streaming's validate_hash can use it on download.
-SHARD_HASH = "xxh3_64"
 FORMAT = "foundryx-mds-tokens/1"
 BATCH_CHARS = 1 << 20  # characters per batch sent to a worker
 CHUNK_CHARS = 64 << 20  # characters per chunk (the unit of resuming)
@@ -117,117 +113,43 @@ def _reason(e: OSError) -> str:
 
 def _batches(source: Source, batch_chars: int, chunk_chars: int
              ) -> Iterator[tuple[tuple[int, int, int], list[str]]]:
-    """``((chunk, docs, progress units), docs)`` per batch; chunks depend on the input only."""
-    chunk = in_chunk = size = units = 0
-    docs: list[str] = []
-    by_doc = source.unit != "B"  # else bytes of text (source.progress, inlined)
-    for doc in source.documents():
-        docs.append(doc)
-        n = len(doc)
-        size += n
-        units += 1 if by_doc else n if doc.isascii() else len(doc.encode())
-        if size >= batch_chars:
-            yield (chunk, len(docs), units), docs
-            in_chunk += size
+    """``((chunk, docs, progress units), docs)`` per batch; chunks depend on the input only.
+
+    A batch ends with the first document that brings its characters to ``batch_chars``; a
+    chunk with the first batch that brings its characters to ``chunk_chars``. The documents
+    come in lists (:meth:`Source.document_lists`), and each list's batch ends are found by
+    bisecting its running character count, so no Python code runs per document."""
+    chunk = in_chunk = 0
+    by_doc = source.unit != "B"  # else bytes of UTF-8 text
+    docs: list[str] = []  # the batch so far, from earlier lists
+    size = 0  # its characters
+    for block in source.document_lists():
+        ends = list(accumulate(map(len, block), initial=size))  # ends[j]: with block[:j]
+        begin, base, n = 0, 0, len(block)  # the batch takes block[begin:], base: ends[begin]
+        while True:
+            stop = bisect_left(ends, base + batch_chars, begin + 1)
+            if stop > n:
+                break
+            batch = docs + block[begin:stop] if docs else block[begin:stop]
+            batch_size = ends[stop] - base
+            yield (chunk, len(batch), _units(batch, batch_size, by_doc)), batch
+            in_chunk += batch_size
             if in_chunk >= chunk_chars:
                 chunk, in_chunk = chunk + 1, 0
-            docs, size, units = [], 0, 0
+            docs, begin, base = [], stop, ends[stop]
+        docs = docs + block[begin:] if docs else block[begin:]
+        size = ends[n] - base
     if docs:
-        yield (chunk, len(docs), units), docs
+        yield (chunk, len(docs), _units(docs, size, by_doc)), docs
 
 
-class _ChunkWriter:
-    """Cuts the token stream into sequences and writes each chunk's MDS dataset."""
-
-    def __init__(self, partial: Partial, max_seq_len: int, compression: str | None,
-                 done: list[dict[str, Any]], remote: str | None = None):
-        self.partial, self.seq, self.compression = partial, max_seq_len, compression
-        self.remote = remote  # shards go there as they are finished; only indexes stay local
-        self.chunk = len(done)
-        self.carry = np.asarray(done[-1]["carry"] if done else [], dtype=np.int32)
-        self.writer: Any = None
-        self.counts = {"docs": 0, "tokens": 0, "sequences": 0}
-
-    def add(self, chunk: int, n_docs: int, tokens: np.ndarray) -> int:
-        """Add one batch; return the number of tokens it brought."""
-        from streaming import MDSWriter
-
-        if chunk != self.chunk:
-            self.close_chunk()
-            self.chunk = chunk
-        if self.writer is None:
-            local = str(self.partial.chunk_dir(chunk))
-            out = local if self.remote is None else (local, remotes.join(
-                self.remote, self.partial.chunk_dir(chunk).relative_to(
-                    self.partial.folder).as_posix()))
-            self.writer = MDSWriter(out=out, columns={COLUMN: "ndarray:int32"},
-                                    compression=self.compression, hashes=[SHARD_HASH],
-                                    keep_local=False)
-        stream = np.concatenate([self.carry, tokens]) if len(self.carry) else tokens
-        n_full = len(stream) // self.seq * self.seq
-        write_rows(self.writer, stream[:n_full].reshape(-1, self.seq))
-        self.carry = stream[n_full:]
-        self.counts["docs"] += n_docs
-        self.counts["tokens"] += len(tokens)
-        self.counts["sequences"] += n_full // self.seq
-        return len(tokens)
-
-    def close_chunk(self) -> None:
-        if self.writer is None:
-            return
-        shards = self.writer.shards
-        try:
-            self.writer.finish()
-        except Exception as e:  # an upload failed in streaming's threads (it logged which)
-            if self.remote is None:
-                raise
-            raise DataError(f"uploading shards to {self.remote} failed ({e}; the log above says "
-                            f"why); the same command resumes from the last finished chunk once "
-                            f"that is fixed") from None
-        if self.remote is not None:  # the writer removed its local folder: keep the index
-            folder = self.partial.chunk_dir(self.chunk)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / INDEX).write_text(json.dumps({"version": 2, "shards": shards},
-                                                   sort_keys=True))
-        self.writer = None
-        self.partial.chunk_done({"chunk": self.chunk, **self.counts, "carry": self.carry.tolist()})
-        self.counts = dict.fromkeys(self.counts, 0)
-        self.chunk += 1
-
-
-def write_rows(writer: Any, rows: np.ndarray) -> None:
-    """``writer.write({COLUMN: row})`` for each row of ``rows`` (one MDSWriter, one
-    ``ndarray:int32`` column), with the same bytes and shards, without encoding each row in
-    Python: every row's encoding is the first row's header and the row's own bytes, so the
-    rows are encoded as one array and handed to the writer's sample cache, a shard flushed
-    where ``MDSWriter.write`` flushes it (when the next sample would pass ``size_limit``)."""
-    if not len(rows):
-        return
-    first = writer.encode_sample({COLUMN: rows[0]})
-    head = len(first) - rows[0].nbytes
-    size = len(first) + writer.extra_bytes_per_sample
-    if writer.size_limit and writer.size_limit < writer.extra_bytes_per_shard + size:
-        for row in rows:  # a sample larger than a shard: MDSWriter's own way
-            writer.write({COLUMN: row})
-        return
-    encoded = np.empty((len(rows), len(first)), dtype=np.uint8)
-    encoded[:, :head] = np.frombuffer(first[:head], dtype=np.uint8)
-    encoded[:, head:] = np.ascontiguousarray(rows).view(np.uint8)
-    blob, n, i = encoded.tobytes(), len(first), 0
-    while i < len(rows):
-        if writer.event.is_set():  # an upload thread failed: as MDSWriter.write reports it
-            writer.cancel_future_jobs()
-            raise Exception("One of the threads failed. Check other traceback for more details.")
-        room = len(rows) - i
-        if writer.size_limit:
-            room = min(room, (writer.size_limit - writer.new_shard_size) // size)
-        if room <= 0:
-            writer.flush_shard()
-            writer._reset_cache()
-            continue
-        writer.new_samples.extend(blob[j * n:(j + 1) * n] for j in range(i, i + room))
-        writer.new_shard_size += room * size
-        i += room
+def _units(docs: list[str], size: int, by_doc: bool) -> int:
+    """The progress units of ``docs`` (``size`` characters): documents, or bytes of UTF-8."""
+    if by_doc:
+        return len(docs)
+    if all(map(str.isascii, docs)):  # str.isascii is a flag look-up: no scan of the text
+        return size
+    return sum(map(len, map(str.encode, docs)))
 
 
 def _manifest(source: Source, tokenizer: Any, max_seq_len: int, compression: str | None,
@@ -320,7 +242,7 @@ def convert_to_mds(
     with Partial(out) as partial:
         done = partial.start(header, resume)
         try:
-            writer = _ChunkWriter(partial, max_seq_len, compression, done, remote)
+            writer = ChunkWriter(partial, max_seq_len, compression, done, remote)
             bar = tqdm(desc=f"tokenizing {Path(source.label).name}", total=source.total,
                        unit=source.unit, unit_scale=True, disable=not progress)
             start, n_tokens = time.perf_counter(), 0

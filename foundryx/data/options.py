@@ -10,7 +10,8 @@ from typing import Any
 from foundryx.config.components import ModelFacts
 from foundryx.config.types import is_int, option
 from foundryx.data import remote as remotes
-from foundryx.data.convert import INDEX, SHARD_HASH, read_manifest
+from foundryx.data.chunk_writer import INDEX, SHARD_HASH
+from foundryx.data.convert import read_manifest
 
 CONVERT_FIX = (
     "run `foundryx data convert --input ... --out <folder> ...`, or `make data` for the quickstart"

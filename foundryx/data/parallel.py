@@ -16,6 +16,8 @@ import sys
 import types
 from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -58,18 +60,19 @@ def tokenize_batch(docs: list[str]) -> np.ndarray:
     if hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
         # encode_batch_fast: the same ids without the character offsets (tokenizers >= 0.20)
         encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        encoded = (e.ids for e in encode(docs, add_special_tokens=False))
+        encodings = encode(docs, add_special_tokens=False)
+        n_ids = sum(map(len, encodings))  # an Encoding's length: its number of ids
+        ids: Iterable[list[int]] = map(attrgetter("ids"), encodings)  # one list at a time
     else:
-        encoded = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
-    out: list[int] = []
-    extend = out.extend
-    for ids in encoded:
-        if prefix:
-            extend(prefix)
-        extend(ids)
-        if suffix:
-            extend(suffix)
-    return np.array(out, dtype=np.int32)
+        ids = tok(docs, add_special_tokens=False, verbose=False)["input_ids"]
+        n_ids = sum(map(len, ids))
+    # the ids, each document's between prefix and suffix, straight into the int32 array (one
+    # pass in C; a list of them all first, then np.array, is a third slower)
+    parts = [repeat(prefix)] if prefix else []
+    parts += [ids] + ([repeat(suffix)] if suffix else [])
+    count = n_ids + len(docs) * (len(prefix) + len(suffix))
+    stream = chain.from_iterable(chain.from_iterable(zip(*parts)))
+    return np.fromiter(stream, dtype=np.int32, count=count)
 
 
 @contextlib.contextmanager

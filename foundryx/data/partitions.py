@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from foundryx.data import remote as remotes
-from foundryx.data.sources import Source
+from foundryx.data.sources import Source, slice_lists
 from foundryx.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def bounds(n_docs: int, i: int, n: int) -> tuple[int, int]:
 
 def share(source: Source, i: int, n: int) -> Source:
     """The documents of share ``i`` of ``n`` of ``source`` (counted in one pass first)."""
-    n_docs = sum(1 for _ in source.documents())
+    n_docs = sum(map(len, source.document_lists()))
     start, stop = bounds(n_docs, i, n)
     if start == stop:
         raise DataError(f"input {source.label} has {n_docs} documents, too few for "
@@ -75,6 +75,7 @@ def share(source: Source, i: int, n: int) -> Source:
              n_docs, source.label)
     return replace(  # the progress total is an estimate: the share's part of the input's
         source, documents=lambda: islice(source.documents(), start, stop),
+        blocks=lambda: slice_lists(source.document_lists(), start, stop),
         total=source.total and source.total * (stop - start) // n_docs,
         fingerprint={**source.fingerprint, "partition": [i, n]})
 

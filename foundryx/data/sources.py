@@ -23,6 +23,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,35 @@ class Source:
     total: int | None = None  # progress total, in ``unit``
     unit: str = "B"  # "B": bytes of text; "docs": rows
     fingerprint: dict[str, Any] = field(default_factory=dict)  # identity, for resuming
+    # the same documents in lists (a .txt file: those of each read), for readers of many
+    # documents at a time; None: ``documents`` in lists of GROUP. A copy of a Source given
+    # other ``documents`` (dataclasses.replace) must give these too, or None.
+    blocks: Callable[[], Iterator[list[str]]] | None = None
 
-    def progress(self, doc: str) -> int:
-        if self.unit != "B":
-            return 1
-        return len(doc) if doc.isascii() else len(doc.encode())
+    def document_lists(self) -> Iterator[list[str]]:
+        """The documents in order, in lists (the concatenation of the lists is
+        ``documents()``)."""
+        if self.blocks is not None:
+            return self.blocks()
+        docs = self.documents()
+        return iter(lambda: list(islice(docs, GROUP)), [])
+
+
+GROUP = 4096  # documents a list, for a Source without blocks
+
+
+def slice_lists(lists: Iterator[list[str]], start: int, stop: int) -> Iterator[list[str]]:
+    """The documents ``[start, stop)`` of the concatenation of ``lists``, in lists."""
+    seen = 0  # documents before the current list
+    for docs in lists:
+        n = len(docs)
+        if seen + n > start:
+            part = docs[max(start - seen, 0):stop - seen]
+            if part:
+                yield part
+        seen += n
+        if seen >= stop:
+            return
 
 
 def _files_fingerprint(files: list[Path]) -> dict[str, Any]:
@@ -83,25 +108,44 @@ def read_utf8(path: Path) -> str:
 # one or more blank lines (nothing but whitespace: \s is str.isspace, as str.strip uses) at a
 # line start: what separates the documents of a .txt file
 _BLANK_LINES = re.compile(r"^(?:[^\S\n]*\n)+", re.MULTILINE)
+# the same separator with the line end before it: a search for it looks at the line ends only
+# (its literal first character), not at every character as a search for ``^`` does (4x faster)
+_END_AND_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")
+_LEADING_BLANK_LINES = re.compile(r"(?:[^\S\n]*\n)+")
+# the \r's at a line's end, which reading line by line removes (``rstrip("\r\n")``)
+_CR_LINE_ENDS = re.compile(r"\r+\n")
 _READ_BYTES = 1 << 22
 
 
 def _txt_documents(path: Path) -> Iterator[str]:
     """The blocks of non-blank lines of ``path``, each line's ``\r\n`` (or ``\n``) end
-    removed, joined by ``\n``: the rule of reading line by line (:func:`utf8_lines`), done on
-    blocks of a few MB (decoded at once, split at blank lines by one regular expression)."""
+    removed, joined by ``\n``: the rule of reading line by line (:func:`utf8_lines`)."""
+    return chain.from_iterable(_txt_blocks(path))
+
+
+def _txt_blocks(path: Path) -> Iterator[list[str]]:
+    """The documents of :func:`_txt_documents`, a list per read of a few MB (decoded at once,
+    split at blank lines by one regular expression)."""
     for text in _complete_lines(path):  # whole lines, each ending in \n
-        pieces = _BLANK_LINES.split(text)
-        if "\r" in text:
-            yield from (_without_line_ends(doc) for doc in pieces if doc)
-        else:
-            yield from [doc[:-1] for doc in pieces if doc]
+        if "\r" in text:  # each line's \r\n (or \r\r\n ...) end: \n (blank lines stay blank)
+            text = text.replace("\r\n", "\n")  # 5x faster than the expression, which is
+            if "\r\n" in text:  # needed only where a line ends in more than one \r
+                text = _CR_LINE_ENDS.sub("\n", text)
+        docs = _split_documents(text)
+        if docs:
+            yield docs
 
 
-def _without_line_ends(doc: str) -> str:
-    """``doc`` (whole lines, each ending in ``\n``) with each line's ``\r``s and ``\n``s
-    removed from its end (``rstrip("\r\n")``) and the lines joined by ``\n``."""
-    return "\n".join(line.rstrip("\r") for line in doc[:-1].split("\n"))
+def _split_documents(text: str) -> list[str]:
+    """The runs of non-blank lines of ``text`` (whole lines, each ending in ``\n``), each
+    without its last ``\n``. Between two separators there is always a non-blank line (the
+    separator takes every blank line after a line end), so only the ends can be empty."""
+    lead = _LEADING_BLANK_LINES.match(text)
+    docs = _END_AND_BLANK_LINES.split(text[lead.end():] if lead else text)
+    last = docs.pop()  # ends in \n, or empty when the text ends in blank lines
+    if last:
+        docs.append(last[:-1])
+    return docs
 
 
 def _complete_lines(path: Path) -> Iterator[str]:
@@ -109,7 +153,7 @@ def _complete_lines(path: Path) -> Iterator[str]:
     blank line of what has been read so far (a document spanning reads waits for its end), the
     rest at the end of the file, with a final newline added; a DataError naming the file, line
     and byte where it is not UTF-8 (the same as :func:`utf8_lines`)."""
-    offset = lines = 0  # bytes and lines before ``data``
+    offset = 0  # bytes before ``data``
     rest = b""  # an incomplete last line, read again with the next block
     # whole lines after the last blank line: an unfinished document, kept as the list of its
     # reads (joined once it ends), so a document of any length costs linear time. It holds no
@@ -127,10 +171,10 @@ def _complete_lines(path: Path) -> Iterator[str]:
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                line = lines + data.count(b"\n", 0, e.start) + 1
-                raise DataError(f"{path}: not UTF-8 at byte {offset + e.start} (line {line}: "
+                at = offset + e.start
+                raise DataError(f"{path}: not UTF-8 at byte {at} (line {_line_at(path, at)}: "
                                 f"{e.reason}); {NOT_UTF8_FIX}") from None
-            offset, lines = offset + len(data), lines + data.count(b"\n")
+            offset += len(data)
             if not block:
                 yield "".join(carry) + text + ("\n" if text and not text.endswith("\n") else "")
                 return
@@ -140,6 +184,20 @@ def _complete_lines(path: Path) -> Iterator[str]:
                 carry = [text[last:]]
             else:
                 carry.append(text)
+
+
+def _line_at(path: Path, byte: int) -> int:
+    """The number of the line of ``path`` that holds byte ``byte`` (counted only for an error
+    message, so reading does not count lines)."""
+    lines = 0
+    with path.open("rb") as f:
+        while byte > 0:
+            block = f.read(min(byte, _READ_BYTES))
+            if not block:
+                break
+            lines += block.count(b"\n")
+            byte -= len(block)
+    return lines + 1
 
 
 def _last_blank_end(text: str) -> int:
@@ -182,7 +240,6 @@ def text_of(row: Any, text_field: str, where: str) -> str:
     return value
 
 
-
 def _texts(rows: Iterator[tuple[str, Any]], text_field: str) -> Iterator[str]:
     """The non-blank ``text_field`` of each ``(location, row)``."""
     for where, row in rows:
@@ -216,7 +273,6 @@ def _parquet_rows(files: list[Path], columns: list[str] | None) -> Iterator[tupl
                     row += 1
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{file}: unreadable parquet ({e}); re-export the file") from None
-
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -268,7 +324,6 @@ def _hf_rows(ds: Any, label: str, columns: list[str] | None) -> Iterator[tuple[s
         yield f"{label}[{i}]", row
 
 
-
 def open_source(input_path: Path | str, text_field: str = "text", *, split: str | None = None,
                 subset: str | None = None) -> Source:
     """The :class:`Source` of documents named by ``input_path`` (see the module docstring)."""
@@ -296,12 +351,12 @@ def open_source(input_path: Path | str, text_field: str = "text", *, split: str 
         return Source(name, "folder", lambda: _folder_documents(files),
                       sum(f.stat().st_size for f in files), "B", _files_fingerprint(files))
     if path.suffix == ".txt":
-        docs = lambda: _txt_documents(path)  # noqa: E731
-    elif path.suffix == ".jsonl":
-        docs = lambda: _texts(_jsonl_rows(path), text_field)  # noqa: E731
-    else:
-        raise DataError(f"input {path}: unsupported file type {path.suffix!r}; give {_KINDS}")
-    return Source(name, path.suffix[1:], docs, path.stat().st_size, "B", _files_fingerprint([path]))
+        return Source(name, "txt", lambda: _txt_documents(path), path.stat().st_size, "B",
+                      _files_fingerprint([path]), blocks=lambda: _txt_blocks(path))
+    if path.suffix == ".jsonl":
+        return Source(name, "jsonl", lambda: _texts(_jsonl_rows(path), text_field),
+                      path.stat().st_size, "B", _files_fingerprint([path]))
+    raise DataError(f"input {path}: unsupported file type {path.suffix!r}; give {_KINDS}")
 
 
 def read_documents(input_path: Path | str, text_field: str = "text", **kw: Any) -> Iterator[str]:
