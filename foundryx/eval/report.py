@@ -104,17 +104,16 @@ def result_rows(results: EvalResults) -> list[dict]:
 
 
 def bar_chart(results: EvalResults, path: Path) -> None:
-    """Horizontal grouped bars: every model on every task (and gauntlet score), baselines marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Horizontal grouped bars: every model on every task (and gauntlet score), baselines marked.
+    Drawn on a bare ``Figure`` (off-screen, Agg): no pyplot, whose import is 0.3 s more of the
+    command (foundryx/report/plots.py draws the same way)."""
+    from matplotlib.figure import Figure  # heavy: only when results are written
 
     panels = [(k, t) for k, t in ((results.keys("task"), "accuracy"),
                                   (results.keys("gauntlet"), "gauntlet score (0 = chance)")) if k]
     heights = [max(1.5, 0.25 * len(keys) * max(1, len(results.models)) + 0.8) for keys, _ in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, sum(heights) + 0.6),
-                             gridspec_kw={"height_ratios": heights}, squeeze=False)
+    fig = Figure(figsize=(9, sum(heights) + 0.6))
+    axes = fig.subplots(len(panels), 1, gridspec_kw={"height_ratios": heights}, squeeze=False)
     n = len(results.models)
     bar = 0.8 / max(n, 1)
     for ax, (keys, xlabel) in zip(axes[:, 0], panels):
@@ -139,7 +138,6 @@ def bar_chart(results: EvalResults, path: Path) -> None:
     axes[0, 0].set_title("ICL eval" + ("  (dashed: random baseline)" if results.baselines else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 Stage = Callable[[Path], Path]
