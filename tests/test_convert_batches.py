@@ -136,3 +136,23 @@ def test_a_batch_stream_is_prefix_ids_suffix_per_document(tiny_tokenizer, prefix
         parallel._init(tok, prefix, suffix)
         got = parallel.tokenize_batch(docs)
         assert got.dtype == np.int32 and got.tolist() == want
+
+
+def test_in_process_tokenizing_leaves_the_callers_objects_collectable(tiny_tokenizer):
+    """workers=1 tokenizes with the objects alive before it frozen out of the cyclic GC (the
+    command's imports: full collections walked them all), and unfrozen after: nothing of the
+    caller's stays out of garbage collection; a caller that froze objects itself keeps them so."""
+    import gc
+
+    from foundryx.data.parallel import tokenize_in_order
+
+    batches = [((i,), ["a b c", "d e"]) for i in range(3)]
+    during = [gc.get_freeze_count() for _ in tokenize_in_order(batches, tiny_tokenizer, [], [0])]
+    assert len(during) == 3 and all(n > 0 for n in during)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        list(tokenize_in_order(batches, tiny_tokenizer, [], [0]))
+        assert gc.get_freeze_count() > 0  # not unfrozen: left as the caller arranged it
+    finally:
+        gc.unfreeze()

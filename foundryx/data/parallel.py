@@ -8,6 +8,7 @@ does not depend on it: batches come back in the order they went in.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import multiprocessing as mp
 import os
@@ -89,6 +90,24 @@ def _single_threaded() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _older_objects_frozen() -> Iterator[None]:
+    """The objects alive before the loop left out of the cyclic garbage collector while it
+    runs (``gc.freeze``; ``gc.unfreeze`` after). A conversion in the command's own process
+    (``workers: 1``) tokenizes beside torch, transformers and streaming's modules, and every
+    full collection that the ids' lists trigger walked them all: 2.5 of 25 CPU s on 40 copies
+    of tinyshakespeare (2 alternating pairs). Objects made during the loop are collected as
+    usual. A process that froze objects itself keeps its own arrangement (nothing is done)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
 def _bare_main() -> Iterator[None]:
     """Workers started meanwhile do not import the parent's ``__main__`` (a spawned process
     imports it again by default: for ``foundryx data convert`` the whole command line, a
@@ -119,7 +138,7 @@ def tokenize_in_order(
     batches = itertools.chain(first, batches)
     if workers <= 1 or len(first) < 2:  # one batch: a pool would be pure overhead
         _init(tokenizer, prefix, suffix)
-        with _single_threaded():
+        with _single_threaded(), _older_objects_frozen():
             for tag, docs in batches:
                 yield tag, tokenize_batch(docs)
         return
