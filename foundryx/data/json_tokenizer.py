@@ -45,19 +45,36 @@ def _token_text(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def json_tokenizer_problem(folder: str | Path) -> str | None:
-    """Why :class:`JsonTokenizer` cannot stand in for ``AutoTokenizer`` on ``folder`` (None:
-    it can), in a few words."""
-    folder = Path(folder)
+def _read(folder: Path) -> tuple[dict[str, Any], Any] | str:
+    """``(tokenizer config, Rust tokenizer)`` of ``folder``, or why they do not load."""
     if not (folder / "tokenizer.json").is_file() or not (folder / "tokenizer_config.json").is_file():
         return "no tokenizer.json and tokenizer_config.json"
     try:
-        config = _config(folder)
         from tokenizers import Tokenizer
 
-        backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    except (OSError, ValueError, Exception) as e:  # noqa: BLE001 - any unreadable file: say why
+        return _config(folder), Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - any unreadable file: say why
         return f"its tokenizer files do not load ({type(e).__name__})"
+
+
+def json_tokenizer_problem(folder: str | Path) -> str | None:
+    """Why :class:`JsonTokenizer` cannot stand in for ``AutoTokenizer`` on ``folder`` (None:
+    it can), in a few words."""
+    read = _read(Path(folder))
+    return read if isinstance(read, str) else _problem(*read)
+
+
+def open_json_tokenizer(folder: str | Path) -> JsonTokenizer | str:
+    """``folder``'s :class:`JsonTokenizer`, or :func:`json_tokenizer_problem`'s reason it
+    cannot be one; its files are read once (a large vocabulary takes a noticeable part of a
+    second to parse)."""
+    read = _read(Path(folder))
+    if isinstance(read, str):
+        return read
+    return _problem(*read) or JsonTokenizer(folder, *read)
+
+
+def _problem(config: dict[str, Any], backend: Any) -> str | None:
     cls = config.get("tokenizer_class")
     if cls not in GENERIC_CLASSES:
         return f"tokenizer_class {cls} (transformers applies its own rules)"
@@ -96,13 +113,18 @@ class JsonTokenizer:
 
     is_fast = True
 
-    def __init__(self, folder: str | Path):
-        from tokenizers import Tokenizer
-
+    def __init__(self, folder: str | Path, config: dict[str, Any] | None = None,
+                 backend: Any = None):
+        """``config`` and ``backend``: the folder's, when already read (they are read here
+        without)."""
         folder = Path(folder)
-        config = _config(folder)
+        if config is None or backend is None:
+            from tokenizers import Tokenizer
+
+            config = _config(folder)
+            backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.name_or_path = str(folder)
-        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.backend_tokenizer = backend
         self.backend_tokenizer.no_truncation()  # the eval truncates and pads rows itself
         self.backend_tokenizer.no_padding()
         self.backend_tokenizer.encode_special_tokens = False  # split_special_tokens: false

@@ -169,9 +169,10 @@ def _native(spec: EvalModelSpec, world: int, shared: bool = False) -> tuple[Any,
     """``spec``'s native model and tokenizer, or None where transformers runs it (said in one
     line; a CheckpointError for ``implementation: native``). ``shared``: other models of the
     config put adapters on this base (with ``auto``, transformers loads it once for all)."""
-    from foundryx.eval.native_models import load_native, native_problem
+    from foundryx.eval.native_models import check_native, load_native
 
-    problem = native_problem(spec, world)
+    checked = check_native(spec, world)
+    problem = checked if isinstance(checked, str) else None
     if problem is None and shared and spec.implementation == "auto":
         problem = "other models put adapters on this base: one transformers load serves all"
     if problem is not None:
@@ -181,7 +182,7 @@ def _native(spec: EvalModelSpec, world: int, shared: bool = False) -> tuple[Any,
         log.info("model %s: transformers (the native Llama does not run it: %s)", spec.label,
                  problem)
         return None
-    model, tokenizer = load_native(spec)
+    model, tokenizer = load_native(spec, checked), checked
     log.info("model %s: %s on foundryx's native Llama (%.1fM parameters; implementation: hf "
              "runs it on transformers)", spec.label, spec.hf,
              sum(p.numel() for p in model.parameters()) / 1e6)

@@ -4,7 +4,7 @@
 
 A model's ``implementation`` (eval config) decides: ``hf`` loads it with transformers as
 before; ``native`` loads it natively or stops with the reason it cannot; ``auto`` (the
-default) loads it natively where :func:`native_problem` finds nothing against it, else with
+default) loads it natively where :func:`check_native` finds nothing against it, else with
 transformers, and says which in one line. The native path gives the same scores as
 transformers' (tests/test_eval_native.py runs both on the same tasks) and saves a small
 eval's command the ~3 s of importing transformers and Composer and most of the per-step cost
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundryx.data.json_tokenizer import JsonTokenizer, json_tokenizer_problem
+from foundryx.data.json_tokenizer import JsonTokenizer, open_json_tokenizer
 from foundryx.eval.config import EvalModelSpec
 from foundryx.eval.decoding import decode_generations
 from foundryx.eval.generate import plain_greedy_problem
@@ -31,8 +31,9 @@ from foundryx.models.llama.model import LlamaLM, causal_padding_mask
 from foundryx.runtime.hf_compat import TRANSFORMERS_5
 
 
-def native_problem(spec: EvalModelSpec, world: int) -> str | None:
-    """Why ``spec`` cannot run on the native Llama (None: it can), in a few words."""
+def check_native(spec: EvalModelSpec, world: int) -> JsonTokenizer | str:
+    """The tokenizer the native Llama would evaluate ``spec`` with, or why it cannot run
+    ``spec`` (in a few words). The tokenizer checked is the one used: its files are read once."""
     if not spec.hf:
         return "not a Hugging Face model"
     if spec.adapter:
@@ -54,8 +55,8 @@ def native_problem(spec: EvalModelSpec, world: int) -> str | None:
     tokenizer = Path(spec.tokenizer or spec.hf).expanduser()
     if not tokenizer.is_dir():
         return "its tokenizer is not a local folder"
-    reason = json_tokenizer_problem(tokenizer)
-    return None if reason is None else f"its tokenizer: {reason}"
+    checked = open_json_tokenizer(tokenizer)
+    return f"its tokenizer: {checked}" if isinstance(checked, str) else checked
 
 
 class NativeCausalLM(nn.Module):
@@ -97,11 +98,9 @@ class NativeCausalLM(nn.Module):
         return metric.update(outputs, batch.get("labels"))
 
 
-def load_native(spec: EvalModelSpec) -> tuple[NativeCausalLM, JsonTokenizer]:
-    """``spec``'s model and tokenizer, native (:func:`native_problem` found nothing), in the
-    dtype transformers' ``from_pretrained`` gives it without one: float32 on transformers 4,
-    the checkpoint's own on 5 (``dtype="auto"``)."""
-    tokenizer = JsonTokenizer(Path(spec.tokenizer or spec.hf).expanduser())
+def load_native(spec: EvalModelSpec, tokenizer: JsonTokenizer) -> NativeCausalLM:
+    """``spec``'s model, native, with the tokenizer :func:`check_native` gave, in the dtype
+    transformers' ``from_pretrained`` gives it without one: float32 on transformers 4, the
+    checkpoint's own on 5 (``dtype="auto"``)."""
     lm = load_hf_llama(Path(spec.hf).expanduser(), dtype="auto" if TRANSFORMERS_5 else None)
-    model = NativeCausalLM(lm, tokenizer)
-    return model.eval(), tokenizer
+    return NativeCausalLM(lm, tokenizer).eval()

@@ -110,7 +110,7 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     for line in loaded.notes:
         log.info("%s", line)
     world = launched_world_size()
-    device, rank, barrier = _processes(cfg.device, cfg.precision, cfg.seed)
+    device, rank, barrier = _processes(world, cfg.device, cfg.precision, cfg.seed)
     if rank == 0:
         for name, options in cfg.setup.items():
             written = SETUP_STEPS[name](**(options or {}))
@@ -143,11 +143,11 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
     return outcome
 
 
-def _processes(device_name: str | None, precision: str, seed: int) -> tuple[Any, int, Any]:
-    """(device, this process's rank, a barrier), seeded. One process: a
+def _processes(world: int, device_name: str | None, precision: str,
+               seed: int) -> tuple[Any, int, Any]:
+    """(device, this process's rank, a barrier), seeded, for ``world`` processes. One: a
     :class:`~foundryx.eval.one_process.LocalDevice`, no Composer import; several (``composer
     -n N``): Composer's device and process group."""
-    world = launched_world_size()
     if world == 1:
         device: Any = LocalDevice(pick_device(device_name, say=True))
     else:

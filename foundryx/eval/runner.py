@@ -134,18 +134,16 @@ def _generator(model: Any, task: PreparedTask, tokenizer: Any, world: int) -> An
     return generate
 
 
-# the metrics that read logits only at continuation positions (a plugin's may read others,
-# a subclass too): foundryx's own classes, by their registry targets
-_SCORED_METRICS = {"foundryx.eval.metrics:ICLLanguageModelingAccuracy",
-                   "foundryx.eval.metrics:ICLMultipleChoiceAccuracy",
-                   "foundryx.eval.metrics:ICLLMEvalAccuracy"}
-# in one process, foundryx's own ICL metrics run their rules on plain lists
-# (foundryx.eval.icl_rows): the same numbers without importing torchmetrics
+# in one process, foundryx's own ICL metrics (by their registry targets) run their rules on
+# plain lists (foundryx.eval.icl_rows): the same numbers without importing torchmetrics
 _LOCAL_ROWS = {"foundryx.eval.metrics:ICLLanguageModelingAccuracy": LanguageModelingRows,
                "foundryx.eval.metrics:ICLMultipleChoiceAccuracy": MultipleChoiceRows,
                "foundryx.eval.metrics:ICLLMEvalAccuracy": LMEvalRows,
                "foundryx.eval.metrics:ICLGenerationAccuracy": GenerationRows}
 _LOCAL_TARGETS = {cls: target for target, cls in _LOCAL_ROWS.items()}
+# the metrics that read logits only at continuation positions: foundryx's own scoring ones
+# (a plugin's may read others, a subclass too)
+_SCORED_METRICS = {t for t, rows in _LOCAL_ROWS.items() if rows is not GenerationRows}
 
 
 def _target(metric: Any) -> str:
