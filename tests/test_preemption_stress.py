@@ -168,6 +168,32 @@ def test_a_signal_before_training_ends_the_process_even_when_its_raise_is_swallo
     assert time.monotonic() - started < 60
 
 
+LEAVING = r"""
+import atexit, sys, time
+import composer.core.engine  # sets its SIGTERM handler, sys.exit(143) wherever it lands
+def linger():
+    print("leaving", flush=True)
+    time.sleep(5)
+atexit.register(linger)  # a callback on the way out, as torch._dynamo's dump_compile_times is
+from foundryx.cli import run
+run(["train", sys.argv[1]])
+"""
+
+
+def test_a_sigterm_while_a_failed_rank_exits_keeps_its_exit_2_and_one_line(tmp_path):
+    """Every rank stops on the same bad config (exit 2); the launcher, seeing the first leave,
+    sends SIGTERM to the others while they run their atexit callbacks (CI: one said Composer's
+    SystemExit 143 in a traceback). The signal is ignored on the way out."""
+    p = subprocess.Popen([sys.executable, "-c", LEAVING, str(tmp_path / "missing.yaml")], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "leaving", p.communicate(timeout=120)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 2, err[-2000:]
+    assert "Traceback" not in err and "SystemExit" not in err, err[-2000:]
+    assert "foundryx: error:" in err and "missing.yaml" in err, err[-2000:]
+
+
 # ---------------------------------------------------------------------------------- slow
 
 

@@ -214,6 +214,7 @@ def run(argv: list[str] | None = None) -> NoReturn:
     atexit.register(_release_process_group)  # first in, so last out: after Composer's own
     preempt.whole_process()  # a run's signals stay foundryx's until the process exits
     code = main(argv)
+    preempt.leaving()  # a launcher's SIGTERM to a rank on its way out: not a traceback
     if not _nanobind_extension_loaded():
         gc.freeze()
     sys.exit(code)

@@ -14,7 +14,7 @@ built, during a step, a save or an eval. Each of those moments ends in one of tw
 The phases, in order: ``off`` (the handlers are not foundryx's), ``noting`` (a process started
 by foundryx's launcher with the signals held, :func:`release_held`: note only, nothing to act on
 yet), ``starting`` (``foundryx train`` from :func:`take_over`: note and raise), ``training``
-(:func:`watch`: note only) and ``stopping`` (:func:`stop`: ignored until the process exits).
+(:func:`watch`: note only) and ``stopping`` (:func:`stop`, :func:`leaving`: ignored until the process exits).
 Composer's import sets its own SIGTERM handler; ``foundryx train`` imports it inside
 :func:`kept`, which leaves foundryx's in place. Standard library only: ``foundryx/__init__.py``
 calls :func:`release_held` before anything else is imported.
@@ -260,6 +260,18 @@ def stop(batch: int | None) -> None:
     if batch is not None:
         _state["stopped_at"] = batch
     for signum in _state["watched"]:
+        signal.signal(signum, signal.SIG_IGN)
+    _state["phase"] = "stopping"
+
+
+def leaving() -> None:
+    """The command returned and its process now exits with the command's code: from here
+    SIGTERM and SIGUSR1 are ignored. A launcher ends the other ranks once one has left (all
+    of them leaving with the same error, exit 2, say): a signal that lands in an atexit
+    callback must not turn that exit into a traceback, or into Composer's 143 (its handler,
+    given back by :func:`restore`, calls ``sys.exit`` wherever the signal lands). A process
+    stuck on its way out is still ended by the launcher's SIGKILL."""
+    for signum in numbers(DEFAULT_SIGNALS):
         signal.signal(signum, signal.SIG_IGN)
     _state["phase"] = "stopping"
 
