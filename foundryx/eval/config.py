@@ -41,6 +41,10 @@ class EvalModelSpec:
         "how `hf` runs: native (foundryx's own Llama and the folder's tokenizer.json, no "
         "transformers import: Llama/Mistral-style folders), hf (transformers), auto: native "
         "where the folder allows it, else transformers (said in one line)", default="auto")
+    share_context: bool = doc(
+        "native Llama: the choices of a multiple-choice example compute their common context "
+        "once (about a quarter of the work; logits differ from whole rows' in the last bits); "
+        "false: whole rows, transformers' logits bit for bit", default=True)
 
 
 @dataclass

@@ -184,8 +184,10 @@ def _native(spec: EvalModelSpec, world: int, shared: bool = False) -> tuple[Any,
         return None
     model, tokenizer = load_native(spec, checked), checked
     log.info("model %s: %s on foundryx's native Llama (%.1fM parameters; implementation: hf "
-             "runs it on transformers)", spec.label, spec.hf,
-             sum(p.numel() for p in model.parameters()) / 1e6)
+             "runs it on transformers)%s", spec.label, spec.hf,
+             sum(p.numel() for p in model.parameters()) / 1e6,
+             "; a multiple-choice context is computed once for its choices (share_context: "
+             "false scores whole rows)" if spec.share_context else "")
     return model, tokenizer
 
 

@@ -25,6 +25,7 @@ from foundryx.eval.config import EvalModelSpec
 from foundryx.eval.decoding import decode_generations
 from foundryx.eval.generate import plain_greedy_problem
 from foundryx.eval.native_lm import native_greedy_generate, native_scoring_forward
+from foundryx.eval.shared_context import shared_context_forward
 from foundryx.models.llama.load import load_hf_llama
 from foundryx.models.llama.load import native_problem as model_problem
 from foundryx.models.llama.model import LlamaLM, causal_padding_mask
@@ -68,14 +69,16 @@ class NativeCausalLM(nn.Module):
 
     native = True
 
-    def __init__(self, lm: LlamaLM, tokenizer: Any):
+    def __init__(self, lm: LlamaLM, tokenizer: Any, *, share_context: bool = True):
         super().__init__()
         self.lm = lm
         self.config = lm.spec
         self.tokenizer = tokenizer
+        self.share_context = share_context
 
     def scoring_forward(self) -> Any:
-        return native_scoring_forward(self.lm)
+        whole_rows = native_scoring_forward(self.lm)
+        return shared_context_forward(self.lm, whole_rows) if self.share_context else whole_rows
 
     def generate(self, batch: dict[str, Any]) -> list[list[int]]:
         kw = batch["generation_kwargs"]
@@ -103,4 +106,4 @@ def load_native(spec: EvalModelSpec, tokenizer: JsonTokenizer) -> NativeCausalLM
     transformers' ``from_pretrained`` gives it without one: float32 on transformers 4, the
     checkpoint's own on 5 (``dtype="auto"``)."""
     lm = load_hf_llama(Path(spec.hf).expanduser(), dtype="auto" if TRANSFORMERS_5 else None)
-    return NativeCausalLM(lm, tokenizer).eval()
+    return NativeCausalLM(lm, tokenizer, share_context=spec.share_context).eval()
