@@ -11,9 +11,10 @@ Installs LLM Foundry 0.22 in its own venv as benchmarks/vs_llmfoundry.py does (o
 (``--hidden`` 64, 2 layers, 2048 positions, fp32) saved beside it; no hub. The tasks are a
 foundryx task file (default: the quick suite, every task on ../shared/eval_data), handed to
 LLM Foundry converted to its option names with absolute paths. Each side runs in a fresh
-process: foundryx's ``run_eval``, LLM Foundry's ``eval_from_yaml``; the time is that call
-(model load, data preparation and evaluation; not the imports), whole-process seconds beside
-it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least the
+process: foundryx's ``run_eval`` as ``foundryx eval`` calls it (the tasks prepared in a child
+process while torch is imported: foundryx.eval.ahead; the results files not written), LLM
+Foundry's ``eval_from_yaml``; the time is that call (model load, data preparation and
+evaluation; not the imports), whole-process seconds beside it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least the
 most few-shot examples a task asks for plus one, 26 for the quick suite's 25-shot
 arc_challenge, and 16 so jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
 prints where the time goes.
@@ -56,8 +57,12 @@ VOCAB, MAX_LEN = 8192, 2048
 FOUNDRYX_RUN = """
 import json, sys, time
 t0 = time.perf_counter()
+from foundryx.eval.ahead import start
+from foundryx.eval.config import load_eval_config
+loaded = load_eval_config(sys.argv[1])
+ahead = start(loaded, 1)  # as `foundryx eval`: the tasks prepared in a child while torch imports
 from foundryx.eval import runner
-from foundryx.eval.run import load_eval_config, run_eval
+from foundryx.eval.run import run_eval
 t1 = time.perf_counter()
 task_s, evaluate_task, impl = {}, runner.evaluate_task, set()
 def timed(model, task, *args, **kwargs):  # seconds per task result
@@ -67,7 +72,7 @@ def timed(model, task, *args, **kwargs):  # seconds per task result
     task_s[task.key] = time.perf_counter() - start
     return out
 runner.evaluate_task = timed
-out = run_eval(load_eval_config(sys.argv[1]), write=False)
+out = run_eval(loaded, write=False, ahead=ahead)
 t2 = time.perf_counter()
 res = out.results
 scores = {k: v for k, v in res.scores[res.models[0]].items() if res.kinds[k] in ("task", "metric")}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from foundryx.cli.common import is_rank_zero
 from foundryx.config.hardware import machine_problems
 from foundryx.errors import ConfigError
+from foundryx.eval.ahead import start as start_preparing
 from foundryx.eval.config import load_eval_config
 from foundryx.eval.task_config import SCORINGS
 from foundryx.runtime.devices import this_machine
@@ -19,10 +21,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     cannot = machine_problems(this_machine(), loaded.cfg.device)  # (eval on a CPU runs in fp32)
     if cannot:
         raise ConfigError(cannot, source=str(args.config))
-    from foundryx.eval.run import run_eval  # torch + Composer: only for an eval
+    # the tasks are read and tokenized in a child process while this one imports torch
+    ahead = start_preparing(loaded, int(os.environ.get("WORLD_SIZE", "1") or 1))
+    try:
+        from foundryx.eval.run import run_eval  # torch (+ Composer on several processes)
 
-    outcome = run_eval(loaded, compare_to=args.compare_to, tolerance=args.tolerance,
-                       dump_examples=args.dump_examples)
+        outcome = run_eval(loaded, compare_to=args.compare_to, tolerance=args.tolerance,
+                           dump_examples=args.dump_examples, ahead=ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
     if is_rank_zero():
         print(outcome.report())
     return 0 if outcome.passed else 1

@@ -11,13 +11,15 @@ from typing import Any
 
 from foundryx.checkpoint.layout import EVAL_DIR, run_folder
 from foundryx.errors import ConfigError
+from foundryx.eval.ahead import Ahead
 from foundryx.eval.compare import Check, compare_scores, comparison_table, load_reference
 from foundryx.eval.config import LoadedEvalConfig, load_eval_config
 from foundryx.eval.models import EvalModels
 from foundryx.eval.one_process import LocalDevice, launched_world_size, seed_all
+from foundryx.eval.prepare import read_tasks
 from foundryx.eval.quickstart_tasks import SETUP_STEPS
 from foundryx.eval.report import EvalResults, markdown_table, results_set, write_results
-from foundryx.eval.runner import add_model_results, evaluate_model, read_tasks
+from foundryx.eval.runner import add_model_results, evaluate_model
 from foundryx.runtime.device_choice import composer_name, pick_device
 from foundryx.runtime.log_setup import setup_logging
 from foundryx.runtime.process_groups import with_host_collectives
@@ -98,9 +100,10 @@ def precision_note(device: str, precision: str) -> str | None:
 
 def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
              tolerance: float | None = None, dump_examples: int | None = None,
-             write: bool = True) -> EvalOutcome:
+             write: bool = True, ahead: Ahead | None = None) -> EvalOutcome:
     """Evaluate every model of ``loaded`` on every task; write the results (rank 0) and compare
-    with the reference (``compare_to``/``tolerance``/``dump_examples`` override the config's)."""
+    with the reference (``compare_to``/``tolerance``/``dump_examples`` override the config's).
+    ``ahead``: the child process preparing the tasks (:mod:`foundryx.eval.ahead`)."""
     cfg = loaded.cfg
     compare_to = compare_to if compare_to is not None else cfg.compare_to
     tolerance = tolerance if tolerance is not None else cfg.tolerance
@@ -117,14 +120,17 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
             log.info("setup %s: wrote %s", name, ", ".join(map(str, written.values())))
     barrier()
 
-    examples = read_tasks(loaded)  # bad data fails before any model loads
+    prepared = ahead.result() if ahead is not None else None
+    # bad data fails before any model loads
+    examples = prepared.examples if prepared is not None else read_tasks(loaded)
     results, dumped = EvalResults(), {}
     models = EvalModels(loaded.models)  # models sharing a Hugging Face base load it once
     order = models.order(loaded.models)
     for i, spec in enumerate(order):
         model, tokenizer = models.load(spec, world)
         device.module_to_device(model)
-        task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump, examples=examples)
+        task_results = evaluate_model(model, tokenizer, loaded, device, dump=dump, examples=examples,
+                                      prepared=prepared)
         add_model_results(results, spec.label, task_results, loaded)
         dumped[spec.label] = [{"model": spec.label, **rec} for r in task_results for rec in r.dumped]
         del model

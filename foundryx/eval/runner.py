@@ -19,9 +19,10 @@ import torch
 from tqdm.auto import tqdm
 
 from foundryx import registry
+from foundryx.eval.ahead import Prepared
 from foundryx.eval.batching import generation_rows
 from foundryx.eval.config import LoadedEvalConfig
-from foundryx.eval.data import PreparedTask, build_dataloader, prepare_task, read_task
+from foundryx.eval.data import build_dataloader
 from foundryx.eval.examples import Example
 from foundryx.eval.gauntlet import gauntlet_scores
 from foundryx.eval.generate import (
@@ -39,6 +40,7 @@ from foundryx.eval.icl_rows import (
 )
 from foundryx.eval.models import model_max_len
 from foundryx.eval.one_process import precision_context, rank_and_world
+from foundryx.eval.prepare import PreparedTask, prepare_task
 from foundryx.eval.report import EvalResults
 from foundryx.eval.score import scoring_forward
 
@@ -234,23 +236,12 @@ def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size:
                       _group_records(task, rows, outcomes) if dump else [], more, baseline)
 
 
-def read_tasks(loaded: LoadedEvalConfig) -> dict[str, list[Example]]:
-    """Every task's examples by label, read and checked before any model loads (a bad row or
-    too many few-shot examples fails here, with nothing evaluated or written); tasks whose
-    file is absent are left out with ``skip_missing_data``."""
-    out = {}
-    for task_cfg in loaded.tasks:
-        if loaded.cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
-            continue
-        out[task_cfg.label] = read_task(task_cfg)
-    return out
-
-
 def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device: Any, *,
-                   dump: int = 0, examples: dict[str, list[Example]] | None = None
-                   ) -> list[TaskResult]:
+                   dump: int = 0, examples: dict[str, list[Example]] | None = None,
+                   prepared: Prepared | None = None) -> list[TaskResult]:
     """Every task of ``loaded`` at every few-shot count, for one model (``examples``: the
-    tasks' examples from :func:`read_tasks`; read here without)."""
+    tasks' examples from :func:`read_tasks`; read here without; ``prepared``: tasks prepared
+    by :mod:`foundryx.eval.ahead`, used where they are this model's)."""
     cfg = loaded.cfg
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:
@@ -262,8 +253,11 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
             log.info("skipping task %s: %s is absent (skip_missing_data)", task_cfg.label,
                      task_cfg.dataset_uri)
             continue
-        for task in prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit,
-                                 (examples or {}).get(task_cfg.label)):
+        tasks = prepared.tasks_for(task_cfg.label, tokenizer, limit) if prepared else None
+        if tasks is None:
+            tasks = prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit,
+                                 (examples or {}).get(task_cfg.label))
+        for task in tasks:
             size = cfg.device_eval_batch_size
             if task.task_type.mode == "generate":
                 if generation_size is None:

@@ -19,7 +19,8 @@ config) scores whole rows, exactly as transformers does. Batches whose rows shar
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
