@@ -11,10 +11,11 @@ Installs LLM Foundry 0.22 in its own venv as benchmarks/vs_llmfoundry.py does (o
 (``--hidden`` 64, 2 layers, 2048 positions, fp32) saved beside it; no hub. The tasks are a
 foundryx task file (default: the quick suite, every task on ../shared/eval_data), handed to
 LLM Foundry converted to its option names with absolute paths. Each side runs in a fresh
-process: foundryx's ``run_eval`` as ``foundryx eval`` calls it (the tasks prepared in a child
-process while torch is imported: foundryx.eval.ahead; the results files not written), LLM
-Foundry's ``eval_from_yaml``; the time is that call (model load, data preparation and
-evaluation; not the imports), whole-process seconds beside it. ``--examples N`` gives both sides a copy of the first N rows of each file (at least the
+process: foundryx's command as a user runs it (``foundryx eval <config>``, writing its results
+files and chart; its "call" is the command after ``import foundryx.cli``: it imports torch and
+prepares the tasks at once, foundryx.eval.ahead, so those imports are inside), LLM Foundry's
+``eval_from_yaml`` (the call: model load, data preparation and evaluation, not the imports);
+whole-process seconds beside each. ``--examples N`` gives both sides a copy of the first N rows of each file (at least the
 most few-shot examples a task asks for plus one, 26 for the quick suite's 25-shot
 arc_challenge, and 16 so jeopardy_small's categories are whole). ``--profile`` runs foundryx once more under cProfile and
 prints where the time goes.
@@ -55,29 +56,28 @@ SHARED = ROOT.parent / "shared"
 VOCAB, MAX_LEN = 8192, 2048
 
 FOUNDRYX_RUN = """
-import json, sys, time
+import atexit, json, logging, sys, time
 t0 = time.perf_counter()
-from foundryx.eval.ahead import start
-from foundryx.eval.config import load_eval_config
-loaded = load_eval_config(sys.argv[1])
-ahead = start(loaded, 1)  # as `foundryx eval`: the tasks prepared in a child while torch imports
-from foundryx.eval import runner
-from foundryx.eval.run import run_eval
+from foundryx.cli import run
 t1 = time.perf_counter()
-task_s, evaluate_task, impl = {}, runner.evaluate_task, set()
-def timed(model, task, *args, **kwargs):  # seconds per task result
-    impl.add("native" if getattr(model, "native", False) else "transformers")
-    start = time.perf_counter()
-    out = evaluate_task(model, task, *args, **kwargs)
-    task_s[task.key] = time.perf_counter() - start
-    return out
-runner.evaluate_task = timed
-out = run_eval(loaded, write=False, ahead=ahead)
-t2 = time.perf_counter()
-res = out.results
-scores = {k: v for k, v in res.scores[res.models[0]].items() if res.kinds[k] in ("task", "metric")}
-json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores, "task_s": task_s,
-           "implementation": sorted(impl)}, open(sys.argv[2], "w"))
+task_s, impl = {}, set()
+class Seen(logging.Handler):  # the command's own lines: seconds per task result, the model's path
+    def emit(self, record):
+        if record.name == "foundryx.eval.runner" and record.msg.startswith("%s: %d examples"):
+            task_s[record.args[0]] = record.args[3]
+        elif record.name == "foundryx.eval.models" and record.args and record.args[0] == "bench":
+            impl.add("native" if "native Llama" in record.getMessage() else "transformers")
+for name in ("foundryx.eval.runner", "foundryx.eval.models"):
+    logging.getLogger(name).addHandler(Seen())
+def report():  # after the command's work and its own exit handlers
+    t2 = time.perf_counter()
+    res = json.load(open(sys.argv[2] + ".out/results.json"))
+    scores = {k: v for k, v in res["scores"]["bench"].items() if res["kinds"][k] in ("task", "metric")}
+    json.dump({"eval_s": t2 - t1, "import_s": t1 - t0, "scores": scores, "task_s": task_s,
+               "implementation": sorted(impl)}, open(sys.argv[2], "w"))
+atexit.register(report)
+run(["eval", sys.argv[1], f"output_dir={sys.argv[2]}.out", "python_log_level=info",
+     "progress_bar=false"])
 """
 
 LLMFOUNDRY_RUN = """

@@ -71,6 +71,9 @@ def test_the_command_prepares_its_tasks_in_a_child(llama, tmp_path, shared_dir):
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"tasks prepared for {llama} by a child process while torch was imported" in r.stderr
     assert "| arc_easy/3-shot |" in r.stdout
+    # the chart drawn by the child (matplotlib imported there): not said as drawn here
+    assert (tmp_path / "out/results.png").read_bytes()[:4] == b"\x89PNG"
+    assert "chart drawn here" not in r.stderr
 
 
 def want_labels(loaded):
@@ -144,3 +147,46 @@ def _write(tmp_path, cfg):
     path = tmp_path / "eval.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def _results():
+    from foundryx.eval.report import EvalResults
+
+    results = EvalResults()
+    for key, score in (("arc_easy/3-shot", 0.25), ("piqa/0-shot", 0.5)):
+        results.add("m", key, score, "task", 4)
+    results.models = ["m"]
+    return results
+
+
+def _waiting_child(llama, tmp_path, shared_dir):
+    ahead = start(_config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}]),
+                  1, after_torch=True)
+    assert ahead.result() is not None and ahead.drawing
+    return ahead
+
+
+def test_the_child_draws_the_chart_the_parent_would(llama, tmp_path, shared_dir, caplog):
+    from foundryx.eval.report import bar_chart
+
+    ahead = _waiting_child(llama, tmp_path, shared_dir)
+    caplog.set_level(logging.DEBUG, logger="foundryx")
+    ahead.draw(_results(), tmp_path / "child.png")
+    assert ahead.pid is None and "chart drawn here" not in caplog.text  # drawn, then reaped
+    bar_chart(_results(), tmp_path / "here.png")
+    assert (tmp_path / "child.png").read_bytes() == (tmp_path / "here.png").read_bytes()
+
+
+def test_a_chart_the_child_cannot_write_is_the_oserror_here(llama, tmp_path, shared_dir):
+    ahead = _waiting_child(llama, tmp_path, shared_dir)
+    with pytest.raises(FileNotFoundError, match="No such file or directory"):
+        ahead.draw(_results(), tmp_path / "absent" / "results.png")
+
+
+def test_without_a_waiting_child_the_parent_draws(llama, tmp_path, shared_dir, caplog):
+    ahead = _waiting_child(llama, tmp_path, shared_dir)
+    os.kill(ahead.pid, signal.SIGKILL)
+    caplog.set_level(logging.DEBUG, logger="foundryx")
+    ahead.draw(_results(), tmp_path / "results.png")
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+    assert "chart drawn here" in caplog.text

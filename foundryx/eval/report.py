@@ -161,12 +161,14 @@ def results_set(out_dir: str | Path, results: EvalResults) -> Iterator[Stage]:
 
 
 def write_results(results: EvalResults, out_dir: str | Path, source: str = "",
-                  stage: Stage | None = None) -> dict[str, Path]:
+                  stage: Stage | None = None,
+                  draw: Callable[[EvalResults, Path], None] | None = None) -> dict[str, Path]:
     """results.md/.csv/.json/.png and scores/<model>.yaml (usable with --compare-to), all
-    replaced together or not at all; ``stage``: add them to a set the caller writes."""
+    replaced together or not at all; ``stage``: add them to a set the caller writes; ``draw``:
+    what draws the chart (:func:`bar_chart` here by default)."""
     if stage is None:
         with results_set(out_dir, results) as stage:
-            return write_results(results, out_dir, source, stage)
+            return write_results(results, out_dir, source, stage, draw)
     out = Path(out_dir)
     paths = {ext: out / f"results.{ext}" for ext in ("md", "csv", "json", "png")}
     stage(paths["md"]).write_text(markdown_table(results) + "\n", encoding="utf-8")
@@ -186,5 +188,5 @@ def write_results(results: EvalResults, out_dir: str | Path, source: str = "",
         stage(p).write_text(yaml.safe_dump({k: results.scores[model][k] for k in results.keys()
                                             if k in results.scores[model]}, sort_keys=False),
                             encoding="utf-8")
-    bar_chart(results, stage(paths["png"]))
+    (draw or bar_chart)(results, stage(paths["png"]))
     return paths

@@ -103,7 +103,17 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
              write: bool = True, ahead: Ahead | None = None) -> EvalOutcome:
     """Evaluate every model of ``loaded`` on every task; write the results (rank 0) and compare
     with the reference (``compare_to``/``tolerance``/``dump_examples`` override the config's).
-    ``ahead``: the child process preparing the tasks (:mod:`foundryx.eval.ahead`)."""
+    ``ahead``: the child process preparing the tasks and drawing the chart
+    (:mod:`foundryx.eval.ahead`), ended here."""
+    try:
+        return _run_eval(loaded, compare_to, tolerance, dump_examples, write, ahead)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+def _run_eval(loaded: LoadedEvalConfig, compare_to: str | None, tolerance: float | None,
+              dump_examples: int | None, write: bool, ahead: Ahead | None) -> EvalOutcome:
     cfg = loaded.cfg
     compare_to = compare_to if compare_to is not None else cfg.compare_to
     tolerance = tolerance if tolerance is not None else cfg.tolerance
@@ -145,7 +155,8 @@ def run_eval(loaded: LoadedEvalConfig, *, compare_to: str | None = None,
         outcome.comparisons = _compare(results, loaded, compare_to, ref_label, ref_file, tolerance)
     if write and rank == 0:
         outcome.paths = _write_outputs(outcome, dumped if dump else None,
-                                       cfg.output_dir or default_output_dir(loaded), loaded.source)
+                                       cfg.output_dir or default_output_dir(loaded), loaded.source,
+                                       ahead.draw if ahead is not None else None)
     return outcome
 
 
@@ -190,12 +201,12 @@ def default_output_dir(loaded: LoadedEvalConfig) -> str:
 
 
 def _write_outputs(outcome: EvalOutcome, dumped: list[dict] | None, output_dir: str,
-                   source: str) -> dict[str, Path]:
+                   source: str, draw: Any = None) -> dict[str, Path]:
     """The results files, each comparison and the dumped examples, as one set: all replace the
     previous ones or, when one cannot be written, none does (EvalError naming ``output_dir``)."""
     out = Path(output_dir)
     with results_set(out, outcome.results) as stage:
-        paths = write_results(outcome.results, out, source, stage)
+        paths = write_results(outcome.results, out, source, stage, draw)
         for c in outcome.comparisons:
             path = out / f"comparison_{c.model}.md".replace("/", "_")
             stage(path).write_text(c.table() + "\n", encoding="utf-8")
