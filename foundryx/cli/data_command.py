@@ -27,6 +27,9 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
                                 "I together (I in 0 .. N-1), or neither")
         partition = (args.partition, args.num_partitions)
     tok = build_hf_tokenizer(args.tokenizer)
+    # the shard writer's package (~0.4 s beside transformers' import) before the workers start,
+    # not in the conversion's first batch, where it takes CPU from them
+    import streaming  # noqa: F401
     manifest = convert_to_mds(
         args.input, args.out, tok, args.max_seq_len, text_field=args.text_field,
         split=args.split, subset=args.subset, compression=args.compression,
