@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -95,8 +96,12 @@ def test_a_bad_task_file_fails_with_read_tasks_message(llama, tmp_path):
 
 
 def test_a_child_that_dies_leaves_the_preparing_to_the_parent(llama, tmp_path, shared_dir,
-                                                              caplog):
+                                                              caplog, monkeypatch):
+    import foundryx.eval.ahead as ahead_module
+
     loaded = _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    # the child (a fork: it runs this) is still preparing when it is killed
+    monkeypatch.setattr(ahead_module, "_prepare", lambda *a: time.sleep(60))
     ahead = start(loaded, 1, after_torch=True)
     os.kill(ahead.pid, signal.SIGKILL)
     caplog.set_level(logging.DEBUG, logger="foundryx")
