@@ -63,6 +63,11 @@ class EvalConfig:
         "batch's logits (a generation row holds a KV cache, not max_seq_len x vocabulary "
         "logits), at least device_eval_batch_size and at most 32, said in one line; None: "
         "device_eval_batch_size", default="auto")
+    task_threads: int | Literal["auto"] = doc(
+        "tasks evaluated at once in one process, the CPU's threads divided between them; auto: "
+        "2 for the native Llama on a CPU with 2 or more threads and one process (a small "
+        "model's steps are mostly per-operation overhead, which a task's own threads do not "
+        "share), else 1; said in one line", default="auto")
     icl_max_examples: int | None = doc("evaluate the first N examples of each task", default=None)
     precision: Precision = doc("fp32, amp_bf16, ...", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("default: gpu when available", default=None)
@@ -192,8 +197,9 @@ def load_eval_config(path: str, overrides: list[str] | None = None,
             problems.append(f"setup.{name}: unknown step{did_you_mean(name, SETUP_STEPS) or ''}; "
                             f"steps: {', '.join(SETUP_STEPS)}")
     generation = cfg.generation_batch_size if isinstance(cfg.generation_batch_size, int) else None
+    threads = cfg.task_threads if isinstance(cfg.task_threads, int) else None
     for key, value in (("device_eval_batch_size", cfg.device_eval_batch_size),
-                       ("generation_batch_size", generation),
+                       ("generation_batch_size", generation), ("task_threads", threads),
                        ("max_seq_len", cfg.max_seq_len), ("icl_max_examples", cfg.icl_max_examples)):
         if value is not None and value <= 0:
             problems.append(f"{key}: must be positive, got {value}")

@@ -43,6 +43,7 @@ from foundryx.eval.one_process import precision_context, rank_and_world
 from foundryx.eval.prepare import PreparedTask, prepare_task
 from foundryx.eval.report import EvalResults
 from foundryx.eval.score import scoring_forward
+from foundryx.eval.task_threads import choose_task_threads, run_tasks
 
 log = logging.getLogger(__name__)
 
@@ -181,14 +182,16 @@ def progress_bar_here() -> bool:
 
 
 def evaluate_task(model: Any, task: PreparedTask, tokenizer: Any, *, batch_size: int, device: Any,
-                  precision: str = "fp32", dump: int = 0, progress: bool | None = None) -> TaskResult:
+                  precision: str = "fp32", dump: int = 0, progress: bool | None = None,
+                  alone: bool = True) -> TaskResult:
     """Accuracy of ``model`` (a Composer HuggingFaceModel) on one prepared task; ``progress``
     (the config's ``progress_bar``): None: a bar on a terminal, else a line when the task is
-    done (see :func:`progress_bar_here`); True/False: always/never a bar."""
+    done (see :func:`progress_bar_here`); True/False: always/never a bar. Not ``alone``
+    (other tasks run at once, :mod:`foundryx.eval.task_threads`): the line, never a bar."""
     rank, world = rank_and_world()
     here = progress_bar_here()
-    bar = rank == 0 and (progress is True or (progress is None and here))
-    line = rank == 0 and progress is None and not here
+    bar = rank == 0 and alone and (progress is True or (progress is None and here))
+    line = rank == 0 and (progress is None and not here if alone else progress is not False)
     started = time.perf_counter()
     metric = device.module_to_device(new_metric(task.metric, world))
     model.eval()
@@ -246,7 +249,7 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:
         log.info("rows are cut to the model's %d tokens (max_seq_len is %d)", limit, cfg.max_seq_len)
-    results: list[TaskResult] = []
+    units: list[tuple[PreparedTask, int]] = []  # each task at each shot count, its batch size
     generation_size: int | None = None  # picked at the first generation task, said once
     for task_cfg in loaded.tasks:
         if cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
@@ -268,10 +271,20 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
                                                            tokens, vocab)
                     log.info("%s", why)
                 size = generation_size
-            results.append(evaluate_task(model, task, tokenizer, batch_size=size,
-                                         device=device, precision=cfg.precision, dump=dump,
-                                         progress=cfg.progress_bar))
-    return results
+            units.append((task, size))
+    at_once, why = choose_task_threads(cfg.task_threads, getattr(device, "name", "cpu"),
+                                       rank_and_world()[1], torch.get_num_threads(),
+                                       getattr(model, "native", False))
+    if len(units) > 1:
+        log.info("%s", why)
+
+    def evaluate(i: int) -> TaskResult:
+        task, size = units[i]
+        return evaluate_task(model, task, tokenizer, batch_size=size, device=device,
+                             precision=cfg.precision, dump=dump, progress=cfg.progress_bar,
+                             alone=at_once == 1)
+
+    return run_tasks([task for task, _ in units], evaluate, at_once)
 
 
 def add_model_results(results: EvalResults, label: str, task_results: list[TaskResult],
