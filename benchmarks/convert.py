@@ -130,7 +130,9 @@ def cpu_seconds() -> float:
 def timed_process(cmd: list[str], env: dict | None = None) -> tuple[float, float, str]:
     """(wall s, CPU s, stdout) of a fresh process."""
     start, cpu0 = time.perf_counter(), cpu_seconds()
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    env = {**os.environ, **(env or {})}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # as an installed package runs: bytecode cached
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
     if p.returncode != 0:
         sys.exit(f"convert benchmark: {' '.join(map(str, cmd))} failed:\n{p.stderr[-4000:]}")
