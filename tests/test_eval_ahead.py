@@ -195,3 +195,20 @@ def test_without_a_waiting_child_the_parent_draws(llama, tmp_path, shared_dir, c
     ahead.draw(_results(), tmp_path / "results.png")
     assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
     assert "chart drawn here" in caplog.text
+
+
+@pytest.mark.needs_shared
+def test_past_its_token_budget_the_child_leaves_the_rest_to_the_parent(llama, tmp_path,
+                                                                       shared_dir, monkeypatch):
+    import foundryx.eval.ahead as ahead_module
+
+    loaded = _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    want = run_eval(loaded, write=False).results.scores
+    monkeypatch.setattr(ahead_module, "MAX_TOKENS", 0)  # past it after the first task
+    ahead = start(loaded, 1, after_torch=True)
+    taken = []
+    result = ahead.result
+    ahead.result = lambda: taken.append(result()) or taken[-1]
+    assert run_eval(loaded, write=False, ahead=ahead).results.scores == want
+    labels = want_labels(loaded)
+    assert list(taken[0].tasks) == labels[:1] and len(labels) > 1

@@ -13,7 +13,8 @@ imports matplotlib (still during the parent's torch import) and waits: when the 
 written, it draws their chart (:meth:`Ahead.draw`), which saves the command matplotlib's
 import (~0.5 s) at its end.
 
-What the parent sees does not change: the child's work is the same code on the same inputs
+The child prepares tasks in the config's order until their rows hold :data:`MAX_TOKENS` tokens;
+the parent prepares the rest as it reaches them. What the parent sees does not change: the child's work is the same code on the same inputs
 (the few-shot draws have their own seeds), a bad task file stops the eval with the same
 message before any model loads, and the lines the preparation logs are said as each task is
 evaluated. Not taken (everything is prepared in the parent): several processes, ``setup``
@@ -25,6 +26,7 @@ Standard library and torch-free modules only.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -47,6 +49,11 @@ from foundryx.eval.report import EvalResults, bar_chart
 log = logging.getLogger(__name__)
 
 __all__ = ["Ahead", "Prepared", "start"]
+
+# Rows the child prepares at most (token ids, ~36 bytes each as Python ints: ~0.6 GB), so that a
+# large eval (whole task files at 2048 tokens) does not hold every task's rows at once: the
+# parent prepares the tasks past it one at a time, as it does without a child.
+MAX_TOKENS = 16_000_000
 
 
 @dataclass
@@ -131,7 +138,10 @@ def _child(loaded: LoadedEvalConfig, folder: str, limit: int | None, conn: Conne
         conn.send(payload)
     except BaseException:  # noqa: BLE001  (the parent left, or the payload does not pickle)
         os._exit(1)
-    if payload[0] == "ok":
+    ok = payload[0] == "ok"
+    del payload  # the parent has the rows now: not held while this process waits
+    gc.collect()
+    if ok:
         _draw_when_asked(conn)
     os._exit(0)
 
@@ -181,9 +191,12 @@ def _prepare(loaded: LoadedEvalConfig, folder: str, limit: int | None) -> Prepar
     root = logging.getLogger("foundryx")  # this process's records go to the parent alone
     root.handlers, root.propagate = [], False
     root.setLevel(logging.DEBUG)
+    tokens = 0
     for task_cfg in loaded.tasks:
         if task_cfg.label not in examples:
             continue
+        if tokens > MAX_TOKENS:  # the parent prepares the rest, one task at a time
+            break
         collect = _Collect()
         root.addHandler(collect)
         try:
@@ -193,6 +206,8 @@ def _prepare(loaded: LoadedEvalConfig, folder: str, limit: int | None) -> Prepar
         finally:
             root.removeHandler(collect)
         prepared.records[task_cfg.label] = collect.records
+        tokens += sum(len(row.ids) for task in prepared.tasks[task_cfg.label]
+                      for ex in task.examples for row in ex.rows)
     return prepared
 
 

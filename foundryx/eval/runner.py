@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,42 +250,51 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:
         log.info("rows are cut to the model's %d tokens (max_seq_len is %d)", limit, cfg.max_seq_len)
-    units: list[tuple[PreparedTask, int]] = []  # each task at each shot count, its batch size
-    generation_size: int | None = None  # picked at the first generation task, said once
-    for task_cfg in loaded.tasks:
-        if cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
-            log.info("skipping task %s: %s is absent (skip_missing_data)", task_cfg.label,
-                     task_cfg.dataset_uri)
-            continue
-        tasks = prepared.tasks_for(task_cfg.label, tokenizer, limit) if prepared else None
-        if tasks is None:
-            tasks = prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples, limit,
-                                 (examples or {}).get(task_cfg.label))
-        for task in tasks:
-            size = cfg.device_eval_batch_size
-            if task.task_type.mode == "generate":
-                if generation_size is None:
-                    hf_cfg = getattr(generation_model(model), "config", None)
-                    vocab = getattr(hf_cfg, "vocab_size", None) or len(tokenizer)
-                    tokens = min(cfg.max_seq_len, limit or cfg.max_seq_len)
-                    generation_size, why = generation_rows(cfg.generation_batch_size, size, model,
-                                                           tokens, vocab)
-                    log.info("%s", why)
-                size = generation_size
-            units.append((task, size))
     at_once, why = choose_task_threads(cfg.task_threads, getattr(device, "name", "cpu"),
                                        rank_and_world()[1], torch.get_num_threads(),
                                        getattr(model, "native", False))
-    if len(units) > 1:
+    if len(loaded.tasks) > 1:
         log.info("%s", why)
+    generation_size: int | None = None  # picked at the first generation task, said once
 
-    def evaluate(i: int) -> TaskResult:
-        task, size = units[i]
-        return evaluate_task(model, task, tokenizer, batch_size=size, device=device,
+    def batch_size(task: PreparedTask) -> int:
+        nonlocal generation_size
+        if task.task_type.mode != "generate":
+            return cfg.device_eval_batch_size
+        if generation_size is None:
+            hf_cfg = getattr(generation_model(model), "config", None)
+            vocab = getattr(hf_cfg, "vocab_size", None) or len(tokenizer)
+            tokens = min(cfg.max_seq_len, limit or cfg.max_seq_len)
+            generation_size, said = generation_rows(cfg.generation_batch_size,
+                                                    cfg.device_eval_batch_size, model, tokens, vocab)
+            log.info("%s", said)
+        return generation_size
+
+    def evaluate(task: PreparedTask) -> TaskResult:
+        return evaluate_task(model, task, tokenizer, batch_size=batch_size(task), device=device,
                              precision=cfg.precision, dump=dump, progress=cfg.progress_bar,
                              alone=at_once == 1)
 
-    return run_tasks([task for task, _ in units], evaluate, at_once)
+    def each_task() -> Iterator[PreparedTask]:
+        """Each task at each shot count, prepared as it is reached (one at a time holds one
+        task's rows in memory, as before several ran at once)."""
+        for task_cfg in loaded.tasks:
+            if cfg.skip_missing_data and not Path(task_cfg.dataset_uri).is_file():
+                log.info("skipping task %s: %s is absent (skip_missing_data)", task_cfg.label,
+                         task_cfg.dataset_uri)
+                continue
+            tasks = prepared.tasks_for(task_cfg.label, tokenizer, limit) if prepared else None
+            if tasks is None:
+                tasks = prepare_task(task_cfg, tokenizer, cfg.max_seq_len, cfg.icl_max_examples,
+                                     limit, (examples or {}).get(task_cfg.label))
+            yield from tasks
+
+    if at_once == 1:
+        return [evaluate(task) for task in each_task()]
+    tasks = list(each_task())
+    for task in tasks:  # the generation batch picked (and said) once, before the threads start
+        batch_size(task)
+    return run_tasks(tasks, lambda i: evaluate(tasks[i]), at_once)
 
 
 def add_model_results(results: EvalResults, label: str, task_results: list[TaskResult],
