@@ -14,7 +14,8 @@ import time
 
 import pytest
 import yaml
-from test_eval_native import ROOT, TASKS, _llama_folder
+from test_eval_native import ROOT, _llama_folder
+from test_eval_native import _config as native_config
 
 from foundryx.errors import DataError
 from foundryx.eval.ahead import start
@@ -28,15 +29,10 @@ def llama(tmp_path_factory):
     return _llama_folder(tmp_path_factory.mktemp("ahead_llama"))
 
 
-def _config(tmp_path, data_root, models, **extra):
-    tasks = yaml.safe_load((ROOT / "eval/yamls/tasks.yaml").read_text())["icl_tasks"]
-    cfg = {"models": models, "icl_tasks": [t for t in tasks if t["label"] in TASKS],
-           "icl_data_root": str(data_root), "icl_max_examples": 4, "max_seq_len": 200,
-           "device": "cpu", "output_dir": str(tmp_path / "out"), "skip_missing_data": True,
-           **extra}
-    path = tmp_path / "eval.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return load_eval_config(path)
+def _config(tmp_path, shared, models, *overrides):
+    """test_eval_native's config of one task of each kind, its rows cut to 200 tokens (so the
+    preparation says so in a line)."""
+    return load_eval_config(native_config(tmp_path, shared, models), ["max_seq_len=200", *overrides])
 
 
 def _cut_lines(err: str) -> list[str]:
@@ -48,7 +44,7 @@ def _cut_lines(err: str) -> list[str]:
 @pytest.mark.usefixtures("one_thread")
 def test_prepared_in_a_child_scores_and_says_what_the_parent_would(llama, tmp_path, shared_dir,
                                                                      capfd):
-    loaded = _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    loaded = _config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}])
     want = run_eval(loaded, write=False).results.scores
     said = _cut_lines(capfd.readouterr().err)
     ahead = start(loaded, 1, after_torch=True)
@@ -65,9 +61,9 @@ def test_prepared_in_a_child_scores_and_says_what_the_parent_would(llama, tmp_pa
 @pytest.mark.needs_shared
 def test_the_command_prepares_its_tasks_in_a_child(llama, tmp_path, shared_dir):
     """A fresh ``foundryx eval`` process (torch not imported yet) takes the child's tasks."""
-    _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    _config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}])
     r = subprocess.run([sys.executable, "-m", "foundryx.cli", "eval", str(tmp_path / "eval.yaml"),
-                        "python_log_level=debug", "progress_bar=false"],
+                        "max_seq_len=200", "python_log_level=debug", "progress_bar=false"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"tasks prepared for {llama} by a child process while torch was imported" in r.stderr
@@ -99,7 +95,7 @@ def test_a_child_that_dies_leaves_the_preparing_to_the_parent(llama, tmp_path, s
                                                               caplog, monkeypatch):
     import foundryx.eval.ahead as ahead_module
 
-    loaded = _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    loaded = _config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}])
     # the child (a fork: it runs this) is still preparing when it is killed
     monkeypatch.setattr(ahead_module, "_prepare", lambda *a: time.sleep(60))
     ahead = start(loaded, 1, after_torch=True)
@@ -110,7 +106,7 @@ def test_a_child_that_dies_leaves_the_preparing_to_the_parent(llama, tmp_path, s
 
 
 def test_a_parent_that_stops_first_ends_the_child(llama, tmp_path, shared_dir):
-    ahead = start(_config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}]), 1,
+    ahead = start(_config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}]), 1,
                   after_torch=True)
     pid = ahead.pid
     ahead.close()
@@ -119,16 +115,15 @@ def test_a_parent_that_stops_first_ends_the_child(llama, tmp_path, shared_dir):
 
 
 @pytest.mark.parametrize("models, extra, world", [
-    ([{"label": "m", "hf": "LLAMA"}], {}, 2),                                        # processes
-    ([{"label": "m", "hf": "LLAMA", "implementation": "hf"}], {}, 1),               # transformers
-    ([{"label": "m", "hf": "LLAMA"}], {"setup": {"quickstart_facts": {"out_dir": "TMP"}}}, 1),  # writes tasks
+    ([{"label": "m", "hf": "LLAMA"}], [], 2),                                        # processes
+    ([{"label": "m", "hf": "LLAMA", "implementation": "hf"}], [], 1),               # transformers
+    ([{"label": "m", "hf": "LLAMA"}], ["setup={quickstart_facts: {out_dir: TMP}}"], 1),  # writes tasks
 ], ids=["two-processes", "implementation-hf", "setup-steps"])
 def test_the_parent_prepares_where_the_child_cannot_know(llama, tmp_path, models, extra, world):
     for m in models:
         m["hf"] = str(llama)
-    if "setup" in extra:
-        extra["setup"]["quickstart_facts"]["out_dir"] = str(tmp_path)
-    assert start(_config(tmp_path, tmp_path, models, **extra), world, after_torch=True) is None
+    extra = [e.replace("TMP", str(tmp_path)) for e in extra]
+    assert start(_config(tmp_path, tmp_path, models, *extra), world, after_torch=True) is None
 
 
 def test_a_process_that_imported_torch_prepares_itself(llama, tmp_path):
@@ -138,7 +133,7 @@ def test_a_process_that_imported_torch_prepares_itself(llama, tmp_path):
 def test_tasks_for_another_tokenizer_or_limit_are_not_used(llama, tmp_path, shared_dir):
     from foundryx.data.json_tokenizer import open_json_tokenizer
 
-    loaded = _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    loaded = _config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}])
     prepared = start(loaded, 1, after_torch=True).result()
     label = next(iter(prepared.tasks))
     tokenizer = open_json_tokenizer(llama)
@@ -165,7 +160,7 @@ def _results():
 
 
 def _waiting_child(llama, tmp_path, shared_dir):
-    ahead = start(_config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}]),
+    ahead = start(_config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}]),
                   1, after_torch=True)
     assert ahead.result() is not None and ahead.drawing
     return ahead
@@ -202,7 +197,7 @@ def test_past_its_token_budget_the_child_leaves_the_rest_to_the_parent(llama, tm
                                                                        shared_dir, monkeypatch):
     import foundryx.eval.ahead as ahead_module
 
-    loaded = _config(tmp_path, shared_dir / "eval_data", [{"label": "m", "hf": str(llama)}])
+    loaded = _config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}])
     want = run_eval(loaded, write=False).results.scores
     monkeypatch.setattr(ahead_module, "MAX_TOKENS", 0)  # past it after the first task
     ahead = start(loaded, 1, after_torch=True)
