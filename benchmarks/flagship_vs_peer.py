@@ -18,7 +18,11 @@ on a GPU (fp32 on a CPU). The sides (``--sides``):
 - ``foundryx-compile``: the same with the recipe's own ``compile: auto``;
 - ``foundryx-unfused``: ``foundryx`` without issue 51's fused path (PEFT's own LoRA layer,
   ``model.peft_config.one_pass: false``, and every ``fused_ops`` switch off): the before of
-  the fused path, measured beside it.
+  the fused path, measured beside it;
+- ``foundryx-full``: ``foundryx`` with ``activation_checkpointing.mode=full`` (every layer
+  recomputed, as the peer does): on a GPU with room the recipe's ``auto`` picks selective
+  checkpointing, trading memory for speed; this side measures the memory-for-memory case
+  (not in the default ``--sides``).
 
 ``--rounds`` rounds (default 2), each running every side once, the order reversed in every other
 round; each run is a fresh process. Everything runs on the Python and packages this script runs
@@ -49,11 +53,14 @@ from benchmarks import flagship  # the benchmarks' own module, beside this one
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SIDES = ("peer", "foundryx", "foundryx-compile", "foundryx-unfused")
-COMPILE = {"foundryx": "false", "foundryx-compile": "auto", "foundryx-unfused": "false"}
+DEFAULT_SIDES = ("peer", "foundryx", "foundryx-compile", "foundryx-unfused")
+SIDES = (*DEFAULT_SIDES, "foundryx-full")
+COMPILE = {"foundryx": "false", "foundryx-compile": "auto", "foundryx-unfused": "false",
+           "foundryx-full": "false"}
 UNFUSED = ("model.peft_config.one_pass=false", "fused_ops.rms_norm=false",
            "fused_ops.swiglu=false", "fused_ops.rope=false")
-EXTRA = {"foundryx-unfused": UNFUSED}  # overrides of a side beyond benchmarks/flagship.py's
+# overrides of a side beyond benchmarks/flagship.py's
+EXTRA = {"foundryx-unfused": UNFUSED, "foundryx-full": ("activation_checkpointing.mode=full",)}
 GOAL_TPS, GOAL_MEM = 1.5, 0.8  # issue 46: the bf16 base against the peer
 
 
@@ -205,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda: one GPU, bf16; cpu: fp32 (a smoke run)")
     p.add_argument("--shape", type=Path, default=ROOT / "yamls" / "shapes" / "llama-3.1-8b",
                    help="a folder with a Llama config.json (default yamls/shapes/llama-3.1-8b)")
-    p.add_argument("--sides", default=",".join(SIDES), help=f"of {', '.join(SIDES)}")
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                   help=f"of {', '.join(SIDES)} (default {','.join(DEFAULT_SIDES)})")
     p.add_argument("--rounds", type=int, default=2, help="rounds of every side (default 2)")
     p.add_argument("--steps", type=int, default=5, help="training steps per run (default 5)")
     p.add_argument("--seq", type=int, default=None,

@@ -44,6 +44,8 @@
 #         site-packages put first); tokens/s and peak memory, the ratios foundryx / peer, and
 #         one profiled step per side (top kernels, memory breakdown) in <out>-profiles/, a
 #         few KB per file (benchmarks/flagship_vs_peer.py)                    360 s: ~30 s writing + 6 x ~30-90 s
+#         RUNBOOK_SIDES="peer,foundryx-full" RUNBOOK_ROUNDS=2 pick its sides and rounds (default
+#         peer,foundryx,foundryx-unfused and 2; foundryx-full: every layer recomputed, as the peer)
 #   Issue 47's steps, not in the default set either: `--only 1,8,9` (480 s) and `--only 1,10` (390 s):
 #   [8/10] attn_impl auto's table for this GPU (benchmarks.attention --table): Triton vs SDPA
 #         (and flash-attn) fwd and fwd+bwd, seq 2048, head dims 64 and 128, one document / packed /
@@ -183,8 +185,8 @@ commands() { # the steps' commands, shared by the run and --dry-run; again once 
   CMD_ATTN=("$PYTHON" -m benchmarks.attention "${ATTN_ARGS[@]}" --out "$WORK/attention.md")
   CMD_TP=("$PYTHON" -m benchmarks.train_throughput gpu --models "$MODEL" --settings eager
     "${TP_ARGS[@]}" --out "$WORK/throughput.json")
-  CMD_VS_PEER=("$PYTHON" -m "$VS_PEER" --device cuda --shape "$SHAPE" --rounds 2 --steps "$PEER_STEPS"
-    --sides peer,foundryx,foundryx-unfused
+  CMD_VS_PEER=("$PYTHON" -m "$VS_PEER" --device cuda --shape "$SHAPE" --rounds "${RUNBOOK_ROUNDS:-2}"
+    --steps "$PEER_STEPS" --sides "${RUNBOOK_SIDES:-peer,foundryx,foundryx-unfused}"
     --time-limit $((LIMITS[6] > 20 ? LIMITS[6] - 10 : LIMITS[6])) --run-timeout 150
     --logs "$WORK/vs-peer" --profiles "${OUT%.md}-profiles" --json "$WORK/vs-peer.json"
     --out "$WORK/vs-peer.md")

@@ -40,15 +40,36 @@ def test_the_snapshot_replays_to_its_peak_and_names_who_allocated():
                      ("llama/modeling_llama.py:7 forward", 150, 2)]
 
 
+def test_the_full_checkpointing_side_recomputes_every_layer_as_the_peer_does(monkeypatch, tmp_path):
+    """foundryx-full: the recipe's run with activation_checkpointing.mode=full, compile off,
+    nothing else changed; not in the default sides (a 2-core CPU run of every side is long)."""
+    from benchmarks import flagship
+    from benchmarks import flagship_vs_peer as vs
+
+    seen = []
+    monkeypatch.setattr(flagship, "run_one", lambda folder, base, offload, ns, timeout, logs:
+                        seen.append((base, offload, ns)) or {"tokens_per_s": 1.0})
+    a = SimpleNamespace(profile_step=5, profiles=None, device="cuda", seq=4096, microbatch=2,
+                        steps=5)
+    row = vs.run_foundryx(tmp_path, "foundryx-full", a, 1, 60.0, tmp_path)
+    ((base, offload, ns),) = seen
+    assert (base, offload, ns.compile, ns.extra) == ("bf16", 0.0, "false",
+                                                     ["activation_checkpointing.mode=full"])
+    assert row["side"] == "foundryx-full" and "foundryx-full" not in vs.DEFAULT_SIDES
+
+
 def test_the_kernel_table_sums_device_kernels_by_name():
     from torch.autograd import DeviceType
 
-    def ev(name, us, device=DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device,
+    def ev(name, us, device=DeviceType.CUDA, annotation=False):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
                                time_range=SimpleNamespace(elapsed_us=lambda: us))
 
     events = [ev("sm90_gemm", 600), ev("sm90_gemm", 200), ev("elementwise|copy", 200),
-              ev("aten::mm", 5000, DeviceType.CPU)]  # an operator: not a kernel
+              ev("aten::mm", 5000, DeviceType.CPU),  # an operator: not a kernel
+              # a record_function range on the device timeline (the H200 run of 2026-11-29
+              # counted Composer's Optimizer.step, the whole step, as 51% of the device time)
+              ev("Optimizer.step#DecoupledAdamW.step", 790, annotation=True)]
     table = step_profile.kernel_table(events)
     assert table.splitlines()[0].startswith("3 device kernels (and copies) in the step, 1.0 ms")
     assert "| sm90_gemm | 2 | 0.80 | 80.0% |" in table

@@ -35,6 +35,16 @@ def test_syntax():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
 
 
+def test_step_7s_sides_and_rounds_are_chosen_by_the_environment():
+    """RUNBOOK_SIDES and RUNBOOK_ROUNDS reach step 7's command (the H200 run of 2026-11-29
+    measured the peer against foundryx-full this way); without them, the default sides."""
+    r = runbook("--only", "1,7", "--dry-run", RUNBOOK_SIDES="peer,foundryx-full", RUNBOOK_ROUNDS="3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "--rounds 3 --steps 5 --sides peer,foundryx-full " in r.stdout
+    r = runbook("--only", "1,7", "--dry-run")
+    assert "--rounds 2 --steps 5 --sides peer,foundryx,foundryx-unfused " in r.stdout
+
+
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
 def test_dry_run_lists_the_steps_and_checks_files_and_flags(quick):
     r = runbook("--dry-run", *(["--quick"] if quick else []))

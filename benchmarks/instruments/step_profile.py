@@ -49,13 +49,16 @@ def _short(name: str, width: int = 90) -> str:
 
 
 def kernel_table(events: Iterable[Any], top: int = TOP) -> str:
-    """The top device kernels of a profile's events (``prof.events()``), summed by name."""
+    """The top device kernels of a profile's events (``prof.events()``), summed by name. A
+    ``record_function`` range shows on the device timeline too (a user annotation spanning the
+    kernels it launched: Composer's ``Optimizer.step`` spans the whole step, its closure runs
+    forward and backward): not a kernel, left out."""
     from torch.autograd import DeviceType
 
     device = {DeviceType.CUDA, getattr(DeviceType, "PrivateUse1", DeviceType.CUDA)}
     total, calls, n = defaultdict(float), defaultdict(int), 0
     for e in events:
-        if e.device_type in device:
+        if e.device_type in device and not getattr(e, "is_user_annotation", False):
             total[e.name] += e.time_range.elapsed_us()
             calls[e.name] += 1
             n += 1
