@@ -26,8 +26,8 @@ def _row(base="bf16", offload=False, compile=False, ckpt=True, mfu=0.3, device="
 
 
 def _run(frozen="bf16", offload=False, compile=False, ckpt=True, device=H100, training="lora",
-         model="hf", precision="amp_bf16"):
-    return Run(device, precision, model, training, frozen, offload, compile, ckpt)
+         model="hf", precision="amp_bf16", selective=False):
+    return Run(device, precision, model, training, frozen, offload, compile, ckpt, selective)
 
 
 def test_the_row_of_the_run_is_chosen():
@@ -51,6 +51,19 @@ def test_the_nearest_row_when_none_matches_every_setting_and_it_says_where():
     assert c.line.endswith("; this run differs in compile off (no row measured with it)")
     c = choose(_run("bf16", offload=True, compile=True, ckpt=False), rows)
     assert c.row is rows[1] and c.differs == ("checkpointing off", "compile on")
+
+
+def test_selective_checkpointing_takes_its_own_row_or_says_it_differs():
+    """A selective run takes the selective row (more memory, less recompute: a higher MFU), a
+    full one the full row; with only the other measured, the plan names the difference."""
+    full, sel = _row("bf16", mfu=0.50), SpeedRow("h100-sxm", "amp_bf16", "hf", "lora", "bf16",
+                                                  False, False, True, 0.60, "sel", selective=True)
+    assert choose(_run("bf16", selective=True), [full, sel]).row is sel
+    assert choose(_run("bf16"), [sel, full]).row is full
+    c = choose(_run("bf16", selective=True), [full])
+    assert c.row is full and c.differs == ("checkpointing selective",)
+    c = choose(_run("bf16"), [sel])
+    assert c.differs == ("checkpointing on",) and "checkpointing selective: sel" in c.line
 
 
 def test_no_row_falls_back_to_the_default_in_one_line():
@@ -84,13 +97,15 @@ def test_an_fp8_base_without_fp8_tensor_cores_uses_the_cast_path():
 
 def test_the_table_has_one_row_per_measured_configuration():
     keys = [(r.device, r.precision, r.model, r.training, r.base, r.offload, r.compile,
-             r.checkpointing) for r in ROWS]
+             r.checkpointing, r.selective) for r in ROWS]
     assert len(set(keys)) == len(keys)
     assert all(0 < r.mfu < 1 for r in ROWS)
 
 
+# the H100 runs of 2026-11-27 checkpointed every block (the recipe's mode: auto came later)
 FLAGSHIP = ["yamls/finetune/llama-8b-lora-fp8.yaml", "variables.model_path=yamls/shapes/llama-3.1-8b",
-            "device_train_microbatch_size=2", "global_train_batch_size=2", "compile=false"]
+            "device_train_microbatch_size=2", "global_train_batch_size=2", "compile=false",
+            "activation_checkpointing.mode=full"]
 
 
 def _doc_row(label: str) -> str:
@@ -116,6 +131,24 @@ def test_the_8b_plan_on_an_h100_is_within_15_percent_of_the_run_book(base, offlo
     assert plan.tokens_per_s == pytest.approx(measured, rel=0.15)
     assert plan.to_json()["throughput"]["mfu_source"]["row"]["base"] == (
         "fp8-cast" if base == "fp8" else base)
+    assert _doc_row(label).endswith(f" | {plan.tokens_per_s:,.0f} |")
+
+
+@pytest.mark.parametrize(("mode", "measured", "label"), [
+    ("full", 10_126, "8B LoRA on an H200, bf16 base, every block checkpointed"),
+    ("auto", 11_857, "8B LoRA on an H200, the recipe's checkpointing (auto: selective)")])
+def test_the_8b_plan_on_an_h200_is_within_15_percent_of_the_run_book(mode, measured, label,
+                                                                      monkeypatch):
+    """The run book's step 7 on one H200 (2026-11-29), planned as benchmarks/flagship.py runs
+    it: `mode: auto` takes selective there (its planned peak fits 140 GiB), and its row."""
+    monkeypatch.chdir(ROOT)
+    config, *overrides = FLAGSHIP
+    plan = make_plan(config, [*overrides, "model.frozen_base.dtype=bf16",
+                              "model.frozen_base.offload_fraction=0",
+                              f"activation_checkpointing.mode={mode}"], gpus=1, gpu="h200")
+    assert plan.speed.source == "table" and plan.speed.differs == ()
+    assert plan.speed.row.selective == (mode == "auto") and plan.speed.row.device == "h200"
+    assert plan.tokens_per_s == pytest.approx(measured, rel=0.15)
     assert _doc_row(label).endswith(f" | {plan.tokens_per_s:,.0f} |")
 
 
@@ -166,7 +199,7 @@ def test_the_plan_says_which_row_and_mfu_overrides_it(capsys, monkeypatch):
     main([*argv, "--mfu", "0.5"])
     out = capsys.readouterr().out
     assert "at 50% MFU of 989 TFLOP/s x 1: 9,607 tokens/s" in out and "MFU 50.0%, --mfu" in out
-    main([*argv[:-2], "--gpu", "h200"])
+    main([*argv[:-2], "--gpu", "b200"])
     out = capsys.readouterr().out
-    assert ("at 40% MFU" in out and "MFU 40.0%, assumed: no measured row for h200, amp_bf16, hf "
+    assert ("at 40% MFU" in out and "MFU 40.0%, assumed: no measured row for b200, amp_bf16, hf "
             "LoRA over a bf16 base (foundryx/plan/speed.py)" in out), out

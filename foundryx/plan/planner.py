@@ -302,7 +302,8 @@ def speed_run(loaded: LoadedConfig, s: Setup, device_name: str | None, kind: str
         enabled = kind in ("cuda", "rocm") and not (here and os.environ.get("FOUNDRYX_COMPILE") == "0")
     name = str(loaded.cfg.model.get("name"))
     return Run(device_name, s.precision, MODEL_KINDS.get(name, name), "lora" if s.lora else "full",
-               s.frozen_dtype, s.offload_fraction > 0, bool(enabled), s.activation_checkpointing)
+               s.frozen_dtype, s.offload_fraction > 0, bool(enabled), s.activation_checkpointing,
+               s.activation_checkpointing and s.ac_selective)
 
 
 def plan_here(loaded: LoadedConfig, mfu: float | None = None) -> Plan:

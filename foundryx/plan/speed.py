@@ -6,8 +6,8 @@ Each row is one measured configuration: the device kind (foundryx/runtime/device
 foundryx's MPT), what trains (``lora`` adapters over a frozen base, or ``full``: every weight),
 how the frozen base computes (``bf16``; ``fp8-cast``: FP8 storage cast to bf16 per layer;
 ``fp8-tensor-core``: FP8 GEMMs, when foundryx runs them; ``nf4``; ``-`` for full training),
-whether part of the base is offloaded, compiled or not, activation checkpointing or not, and
-its MFU: measured tokens/s x the planner's FLOPs per token (``6 N + 12 L d s``, the models' own
+whether part of the base is offloaded, compiled or not, activation checkpointing (off, every
+block recomputed, or selective: each block keeps its matmuls' outputs), and its MFU: measured tokens/s x the planner's FLOPs per token (``6 N + 12 L d s``, the models' own
 count; for LoRA it counts the weight gradients LoRA skips) / the device's peak. Expressed as
 MFU, a row carries over to other sizes of the same kind of run (8B to 70B LoRA, MPT-1B to 7B),
 which is the planner's assumption, not a measurement.
@@ -45,6 +45,7 @@ class SpeedRow:
     checkpointing: bool
     mfu: float
     measured: str  # what was measured, where, and where it is recorded
+    selective: bool = False  # checkpointing selective (activation_checkpointing.mode)
 
     def describe(self) -> str:
         what = f"LoRA over {BASES.get(self.base, self.base)}" if self.training == "lora" else \
@@ -52,15 +53,23 @@ class SpeedRow:
         return (f"{self.device}, {self.precision}, {self.model} {what}, "
                 f"{'offload' if self.offload else 'no offload'}, "
                 f"compile {'on' if self.compile else 'off'}, "
-                f"checkpointing {'on' if self.checkpointing else 'off'}")
+                f"checkpointing {checkpointing(self.checkpointing, self.selective)}")
+
+
+def checkpointing(on: bool, selective: bool) -> str:
+    """How a row or run checkpoints, as the plan says it: off, on (every block) or selective."""
+    return ("selective" if selective else "on") if on else "off"
 
 
 BASES = {"bf16": "a bf16 base", "fp8-cast": "an FP8 base cast to bf16 per layer",
          "fp8-tensor-core": "an FP8 base on FP8 tensor cores", "nf4": "an NF4 base",
          "int8": "an int8 base", "master": "the base in the trainable dtype"}
 
-# Every row below: one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, foundryx at ea9e5db, the GPU
-# run book (issue 46's and issue 47's tables; benchmarks/RESULTS.md's GPU section, 2026-11-27).
+# The H100 rows: one NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, foundryx at ea9e5db (before
+# issue 51's fused path), the GPU run book (issue 46's and issue 47's tables;
+# benchmarks/RESULTS.md's GPU section, 2026-11-27). The H200 rows: one NVIDIA H200, torch
+# 2.11.0+cu130, foundryx at c003f7c (the one-pass adapter path and fused norms, SwiGLU and RoPE),
+# the run book's step 7 (benchmarks/flagship_vs_peer.py; RESULTS.md's H200 section, 2026-11-29).
 # The 8B rows: benchmarks/flagship.py, a Llama-3.1-8B-shaped model, LoRA r16 on all linear
 # layers, 2 x 4096 tokens a step, one GPU; MFU = tokens/s x 51.47 GFLOP per token / 989 TFLOP/s.
 # The MPT rows: benchmarks/train_throughput.py gpu --models 1b, seq 2048, batch 8;
@@ -78,6 +87,10 @@ ROWS: tuple[SpeedRow, ...] = (
              "MPT-1B pretraining at 35,141 tokens/s"),
     SpeedRow("h100-sxm", "amp_bf16", "mpt", "full", "-", False, True, False, 0.354,
              "MPT-1B pretraining at 38,560 tokens/s"),
+    SpeedRow("h200", "amp_bf16", "hf", "lora", "bf16", False, False, True, 0.527,
+             "8B LoRA at 10,126 tokens/s (10,107 / 10,145)"),
+    SpeedRow("h200", "amp_bf16", "hf", "lora", "bf16", False, False, True, 0.617,
+             "8B LoRA at 11,857 tokens/s (11,622 / 12,091)", selective=True),
 )
 
 # how much each setting's difference counts when no row matches the run exactly
@@ -96,6 +109,7 @@ class Run:
     offload: bool
     compile: bool
     checkpointing: bool
+    selective: bool = False  # checkpointing selective
 
 
 @dataclass(frozen=True)
@@ -166,8 +180,12 @@ def choose(run: Run, rows: tuple[SpeedRow, ...] | list[SpeedRow] = ROWS,
             f"{run.model} {what} (foundryx/plan/speed.py)"))
 
     def differs(r: SpeedRow) -> tuple[str, ...]:
-        want = {"offload": run.offload, "compile": run.compile, "checkpointing": run.checkpointing}
-        return tuple(f"{k} {'on' if want[k] else 'off'}" for k in _WEIGHTS if getattr(r, k) != want[k])
+        want = {"offload": run.offload, "compile": run.compile,
+                "checkpointing": checkpointing(run.checkpointing, run.selective)}
+        have = {"offload": r.offload, "compile": r.compile,
+                "checkpointing": checkpointing(r.checkpointing, r.selective)}
+        said = {k: v if isinstance(v, str) else "on" if v else "off" for k, v in want.items()}
+        return tuple(f"{k} {said[k]}" for k in _WEIGHTS if have[k] != want[k])
 
     def cost(r: SpeedRow) -> int:
         return sum(_WEIGHTS[d.split()[0]] for d in differs(r))
