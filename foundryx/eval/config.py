@@ -67,7 +67,13 @@ class EvalConfig:
         "tasks evaluated at once in one process, the CPU's threads divided between them; auto: "
         "2 for the native Llama on a CPU with 2 or more threads and one process (a small "
         "model's steps are mostly per-operation overhead, which a task's own threads do not "
-        "share), else 1; said in one line", default="auto")
+        "share), else 1 (1 too where task_processes took more than 1); said in one line",
+        default="auto")
+    task_processes: int | Literal["auto"] = doc(
+        "processes evaluating tasks at once, the eval process forked once the model is loaded, "
+        "the CPU's threads divided between them; auto: 2 for the native Llama on a Linux CPU "
+        "with 2 or more threads, one process and task_threads: auto (two processes do not share "
+        "Python's interpreter lock, two threads do), else 1; said in one line", default="auto")
     icl_max_examples: int | None = doc("evaluate the first N examples of each task", default=None)
     precision: Precision = doc("fp32, amp_bf16, ...", default="fp32")
     device: Literal["cpu", "gpu"] | None = doc("default: gpu when available", default=None)
@@ -198,8 +204,10 @@ def load_eval_config(path: str, overrides: list[str] | None = None,
                             f"steps: {', '.join(SETUP_STEPS)}")
     generation = cfg.generation_batch_size if isinstance(cfg.generation_batch_size, int) else None
     threads = cfg.task_threads if isinstance(cfg.task_threads, int) else None
+    processes = cfg.task_processes if isinstance(cfg.task_processes, int) else None
     for key, value in (("device_eval_batch_size", cfg.device_eval_batch_size),
                        ("generation_batch_size", generation), ("task_threads", threads),
+                       ("task_processes", processes),
                        ("max_seq_len", cfg.max_seq_len), ("icl_max_examples", cfg.icl_max_examples)):
         if value is not None and value <= 0:
             problems.append(f"{key}: must be positive, got {value}")

@@ -44,6 +44,7 @@ from foundryx.eval.one_process import precision_context, rank_and_world
 from foundryx.eval.prepare import PreparedTask, prepare_task
 from foundryx.eval.report import EvalResults
 from foundryx.eval.score import scoring_forward
+from foundryx.eval.task_processes import choose_task_processes, run_in_processes
 from foundryx.eval.task_threads import choose_task_threads, run_tasks
 
 log = logging.getLogger(__name__)
@@ -250,9 +251,13 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
     limit = model_max_len(model)
     if limit is not None and limit < cfg.max_seq_len:
         log.info("rows are cut to the model's %d tokens (max_seq_len is %d)", limit, cfg.max_seq_len)
-    at_once, why = choose_task_threads(cfg.task_threads, getattr(device, "name", "cpu"),
-                                       rank_and_world()[1], torch.get_num_threads(),
-                                       getattr(model, "native", False))
+    where = (getattr(device, "name", "cpu"), rank_and_world()[1], torch.get_num_threads(),
+             getattr(model, "native", False))
+    processes, why = choose_task_processes(cfg.task_processes, cfg.task_threads, *where)
+    if processes > 1:
+        at_once = cfg.task_threads if isinstance(cfg.task_threads, int) else 1
+    else:
+        at_once, why = choose_task_threads(cfg.task_threads, *where)
     if len(loaded.tasks) > 1:
         log.info("%s", why)
     generation_size: int | None = None  # picked at the first generation task, said once
@@ -273,7 +278,7 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
     def evaluate(task: PreparedTask) -> TaskResult:
         return evaluate_task(model, task, tokenizer, batch_size=batch_size(task), device=device,
                              precision=cfg.precision, dump=dump, progress=cfg.progress_bar,
-                             alone=at_once == 1)
+                             alone=at_once == 1 and processes == 1)
 
     def each_task() -> Iterator[PreparedTask]:
         """Each task at each shot count, prepared as it is reached (one at a time holds one
@@ -289,12 +294,14 @@ def evaluate_model(model: Any, tokenizer: Any, loaded: LoadedEvalConfig, device:
                                      limit, (examples or {}).get(task_cfg.label))
             yield from tasks
 
-    if at_once == 1:
+    if at_once == 1 and processes == 1:
         return [evaluate(task) for task in each_task()]
     tasks = list(each_task())
-    for task in tasks:  # the generation batch picked (and said) once, before the threads start
+    for task in tasks:  # the generation batch picked (and said) once, before the others start
         batch_size(task)
-    return run_tasks(tasks, lambda i: evaluate(tasks[i]), at_once)
+    if processes == 1:
+        return run_tasks(tasks, lambda i: evaluate(tasks[i]), at_once)
+    return run_in_processes(tasks, lambda i: evaluate(tasks[i]), processes, at_once)
 
 
 def add_model_results(results: EvalResults, label: str, task_results: list[TaskResult],

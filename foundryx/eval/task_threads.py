@@ -14,7 +14,9 @@ the last one does not run alone for long, and the results come back in the confi
 and says which in one line. Several processes keep 1 (their tasks' metrics gather across
 processes in order), and so does a transformers model under auto (its modules are not known
 to be safe from two threads: some rotary embeddings update their state in the forward); a
-number sets it on a CPU in one process.
+number sets it on a CPU in one process. Where ``task_processes`` takes 2 (its ``auto`` on a
+Linux CPU, :mod:`foundryx.eval.task_processes`: two processes do not share Python's lock, two
+threads do), ``auto`` here takes 1 in each process.
 """
 
 from __future__ import annotations
