@@ -156,3 +156,30 @@ def test_in_process_tokenizing_leaves_the_callers_objects_collectable(tiny_token
         assert gc.get_freeze_count() > 0  # not unfrozen: left as the caller arranged it
     finally:
         gc.unfreeze()
+
+
+def test_workers_get_a_rust_tokenizer_as_a_file_and_give_the_same_ids(tiny_tokenizer):
+    """The pool's start arguments go down a pipe written before the next worker starts: a
+    tokenizer's JSON larger than the pipe made each write wait for its worker's Python (the
+    workers started one after another). A Rust tokenizer goes as the path of its JSON (gone
+    after), which the worker loads into the same ids; anything else as it is."""
+    from foundryx.data import parallel
+
+    rust = parallel.encoder(tiny_tokenizer)
+    with parallel._shipped(rust) as shipped:
+        assert shipped.is_file() and len(rust.to_str()) > 0
+        loaded = parallel._loaded(shipped)
+        parallel._init(loaded, [7], [0])
+        docs = ["hello world", "é ✓ 漢字"]
+        assert parallel.tokenize_batch(docs).tolist() == [
+            t for d in docs for t in [7, *rust.encode(d, add_special_tokens=False).ids, 0]]
+        assert loaded is not rust and loaded.to_str() == rust.to_str()
+    assert not shipped.exists()
+    with parallel._shipped(tiny_tokenizer) as same:  # not a Rust tokenizer: as it is
+        assert same is tiny_tokenizer and parallel._loaded(same) is tiny_tokenizer
+    # two workers' conversion: the same streams as in this process, in order
+    batches = [((i,), ["a b c " * (i + 1), "d e"]) for i in range(5)]
+    one = [t.tolist() for _, t in parallel.tokenize_in_order(batches, tiny_tokenizer, [], [0])]
+    two = [t.tolist() for _, t in parallel.tokenize_in_order(batches, tiny_tokenizer, [], [0],
+                                                            workers=2)]
+    assert one == two and len(one) == 5
