@@ -438,8 +438,9 @@ def main() -> None:
             f"(min {min(ratios):.2f}, max {max(ratios):.2f}); the whole processes: median "
             f"{statistics.median(whole):.2f} (min {min(whole):.2f}, max {max(whole):.2f}). "
             f"foundryx's model ran on: {impl or 'not recorded'}.\n\nScores (round 1): {same} of "
-            f"{compared} results identical.\n\n{table}\n\nfoundryx's time per task result "
-            f"(round 1, slowest first): {where}.\n")
+            f"{compared} results identical.\n\n{table}\n"
+            + (f"\nfoundryx's time per task result (round 1, slowest first): {where}.\n"
+               if where else ""))  # none with progress_bar: false (no line per task)
     emit(text, args.out)
 
 
