@@ -3,20 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
+from typing import Any
 
 from foundryx.data import partitions
+from foundryx.data import remote as remotes
 from foundryx.data.convert import convert_to_mds
+from foundryx.data.json_tokenizer import open_json_tokenizer
 from foundryx.data.quickstart import prepare_quickstart
 from foundryx.data.tokenizers import build_hf_tokenizer
 from foundryx.errors import FoundryxError
 from foundryx.runtime.log_setup import setup_logging
+
+log = logging.getLogger(__name__)
 
 
 def cmd_data_quickstart(args: argparse.Namespace) -> int:
     out = prepare_quickstart(Path(args.out), seed=args.seed, force=args.force)
     print(f"quickstart data ready in {out}")
     return 0
+
+
+def _tokenizer(path: str) -> Any:
+    """A local folder's ``tokenizer.json`` through the ``tokenizers`` library alone where
+    transformers would add nothing to it (:mod:`foundryx.data.json_tokenizer`: the same ids, no
+    import of transformers, 2-3 s), else transformers' ``AutoTokenizer``; said in one line."""
+    folder = Path(path).expanduser()
+    if folder.is_dir() and (folder / "tokenizer.json").is_file():
+        tok = open_json_tokenizer(folder)
+        if not isinstance(tok, str):
+            log.info("tokenizer: %s/tokenizer.json through tokenizers alone (transformers adds "
+                     "nothing to it)", folder)
+            return tok
+        log.info("tokenizer: transformers' AutoTokenizer (%s)", tok)
+    return build_hf_tokenizer(path)
 
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
@@ -26,10 +47,11 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
             raise FoundryxError("foundryx data convert: give --num-partitions N and --partition "
                                 "I together (I in 0 .. N-1), or neither")
         partition = (args.partition, args.num_partitions)
-    tok = build_hf_tokenizer(args.tokenizer)
-    # the shard writer's package (~0.4 s beside transformers' import) before the workers start,
-    # not in the conversion's first batch, where it takes CPU from them
-    import streaming  # noqa: F401
+    tok = _tokenizer(args.tokenizer)
+    if args.compression or remotes.is_remote(str(args.out)):
+        # streaming's writer (compression, uploads) before the workers start, not in the
+        # conversion's first batch, where its import (transformers, torch) takes their CPU
+        import streaming  # noqa: F401
     manifest = convert_to_mds(
         args.input, args.out, tok, args.max_seq_len, text_field=args.text_field,
         split=args.split, subset=args.subset, compression=args.compression,

@@ -2,9 +2,11 @@
 
 :class:`ChunkWriter` cuts the stream into sequences of ``max_seq_len`` tokens, carries the
 remainder to the next batch, and writes each chunk as its own MDS dataset in the work folder
-(:mod:`foundryx.data.partial`), recording it in the ledger once complete. :func:`write_rows`
-hands many rows to one mosaicml-streaming ``MDSWriter`` at once, with the bytes and shards its
-``write`` gives row by row.
+(:mod:`foundryx.data.partial`), recording it in the ledger once complete, with foundryx's
+:class:`~foundryx.data.mds_writer.ShardWriter` (a local folder, no compression: the same files,
+streaming not imported) or mosaicml-streaming's ``MDSWriter`` (:func:`new_writer`).
+:func:`write_rows` hands many rows to either at once, with the bytes and shards their ``write``
+gives row by row.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from foundryx.data import remote as remotes
+from foundryx.data.mds_writer import ShardWriter
 from foundryx.data.partial import Partial
 from foundryx.errors import DataError
 
@@ -39,8 +42,6 @@ class ChunkWriter:
 
     def add(self, chunk: int, n_docs: int, tokens: np.ndarray) -> int:
         """Add one batch; return the number of tokens it brought."""
-        from streaming import MDSWriter
-
         if chunk != self.chunk:
             self.close_chunk()
             self.chunk = chunk
@@ -49,9 +50,7 @@ class ChunkWriter:
             out = local if self.remote is None else (local, remotes.join(
                 self.remote, self.partial.chunk_dir(chunk).relative_to(
                     self.partial.folder).as_posix()))
-            self.writer = MDSWriter(out=out, columns={COLUMN: "ndarray:int32"},
-                                    compression=self.compression, hashes=[SHARD_HASH],
-                                    keep_local=False)
+            self.writer = new_writer(out, self.compression)
         stream = np.concatenate([self.carry, tokens]) if len(self.carry) else tokens
         n_full = len(stream) // self.seq * self.seq
         write_rows(self.writer, stream[:n_full].reshape(-1, self.seq))
@@ -82,6 +81,19 @@ class ChunkWriter:
         self.partial.chunk_done({"chunk": self.chunk, **self.counts, "carry": self.carry.tolist()})
         self.counts = dict.fromkeys(self.counts, 0)
         self.chunk += 1
+
+
+def new_writer(out: str | tuple[str, str], compression: str | None) -> Any:
+    """The chunk's shard writer: foundryx's :class:`~foundryx.data.mds_writer.ShardWriter` (the
+    same files, no import of streaming) for a local folder without compression, else
+    mosaicml-streaming's ``MDSWriter`` (its compressions and uploads)."""
+    columns = {COLUMN: "ndarray:int32"}
+    if isinstance(out, str) and compression is None:
+        return ShardWriter(out, columns, hashes=[SHARD_HASH])
+    from streaming import MDSWriter
+
+    return MDSWriter(out=out, columns=columns, compression=compression, hashes=[SHARD_HASH],
+                     keep_local=False)
 
 
 def write_rows(writer: Any, rows: np.ndarray) -> None:
