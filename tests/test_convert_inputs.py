@@ -161,3 +161,47 @@ def test_input_that_is_not_utf8_names_the_file_and_byte_and_leaves_nothing(tmp_p
     assert code == 2, err
     assert f"{src}: not UTF-8 at byte {at}" in err and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == []
+
+
+def test_cli_converts_without_importing_streaming_transformers_or_torch(tmp_path, tiny_tokenizer,
+                                                                         docs):
+    """To a local folder without compression, with a tokenizer folder transformers adds nothing
+    to: the same tokens, the tokenizer's path said in one line, and none of the packages that
+    took ~5 s of the command imported (a process of its own: the test's has them all)."""
+    import subprocess
+    import sys
+
+    src = write_txt(tmp_path / "c.txt", docs)
+    code = ("import logging, sys\nlogging.basicConfig(level=logging.INFO)\n"
+            "from foundryx.cli import main\n"
+            f"rc = main(['data', 'convert', '--input', {str(src)!r}, '--out', "
+            f"{str(tmp_path / 'out')!r}, '--tokenizer', {tiny_tokenizer.name_or_path!r}, "
+            f"'--max-seq-len', '{SEQ}', '--workers', '2', '--no-progress'])\n"
+            "print('imported:', sorted(m for m in ('streaming', 'transformers', 'torch') "
+            "if m in sys.modules))\nsys.exit(rc)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "imported: []" in r.stdout and "sequences of 32 tokens" in r.stdout
+    assert f"tokenizer: {tiny_tokenizer.name_or_path}/tokenizer.json through tokenizers alone" \
+        in r.stderr
+    np.testing.assert_array_equal(stored(tmp_path / "out"), expected(tiny_tokenizer, docs))
+
+
+def test_a_tokenizer_transformers_changes_is_read_by_transformers_and_said(tmp_path,
+                                                                          tiny_tokenizer, caplog):
+    import logging
+    import shutil
+
+    from foundryx.cli.data_command import _tokenizer
+    from foundryx.data.json_tokenizer import JsonTokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(tiny_tokenizer.name_or_path, folder)
+    with caplog.at_level(logging.INFO, logger="foundryx"):
+        assert isinstance(_tokenizer(str(folder)), JsonTokenizer)
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["tokenizer_class"] = "GPT2TokenizerFast"  # rules of its own
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        tok = _tokenizer(str(folder))
+    assert not isinstance(tok, JsonTokenizer) and tok.is_fast
+    assert "tokenizer: transformers' AutoTokenizer (tokenizer_class GPT2TokenizerFast" in caplog.text
