@@ -4,9 +4,9 @@ Ulysses; ALST), applied from outside the model.
 
 Each rank of a context-parallel group holds ``1/cp`` of every sequence (a contiguous shard)
 through the whole model: embeddings, norms, MLPs, the loss. Only attention needs the whole
-sequence; around it, two all-to-alls swap the split: before, every rank trades its shard of all
-heads for the whole sequence of ``1/cp`` of the heads; the model's attention implementation
-runs unchanged on that (any mask stays exact: packed documents, ALiBi, sliding windows, key
+sequence; around it, two all-to-alls (:mod:`foundryx.parallel.ulysses`) swap the split:
+before, every rank trades its shard of all heads for the whole sequence of ``1/cp`` of the
+heads; the model's attention implementation runs unchanged on that (any mask stays exact: packed documents, ALiBi, sliding windows, key
 padding, since each rank sees every position of its heads); after, the inverse all-to-all gives
 each rank its shard of all heads back. Each rank needs whole key-value heads, so ``cp`` divides
 the model's key-value heads (8 for Llama 3.1 8B/70B/405B: up to 8 ranks, one node).
@@ -63,6 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from foundryx.errors import ConfigError
 from foundryx.parallel import tp_plan
 from foundryx.parallel.fsdp import mesh_shape
+from foundryx.parallel.ulysses import gather_seq, heads_to_seq, seq_to_heads
 
 log = logging.getLogger(__name__)
 
@@ -72,95 +73,6 @@ MODELS_WITH_PLANS = ("mpt_causal_lm (MPT)",
 IGNORE_INDEX = -100  # foundryx.models.layers.loss's: labels no loss is taken for
 HF_KEY = "foundryx_ulysses"  # the key of transformers' attention interface the wrapper has
 SHARDED = ("input_ids", "attention_mask", "sequence_id", "position_ids", "shift_labels")
-
-
-# ---------------------------------------------------------------- the all-to-alls
-
-def _seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """(b, s/n, h, d) -> (b, s, h/n, d): the rank's shard of all heads -> its heads' whole
-    sequence (rank i gets heads [i h/n, (i+1) h/n))."""
-    n = tdist.get_world_size(group)
-    b, s, h, d = x.shape
-    send = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    tdist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
-
-
-def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """The inverse: (b, s, h/n, d) -> (b, s/n, h, d)."""
-    n = tdist.get_world_size(group)
-    b, s, h, d = x.shape
-    send = x.reshape(b, n, s // n, h, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = torch.empty_like(send)
-    tdist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
-
-
-class _SeqToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # noqa: D102
-        ctx.group = group
-        return _seq_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # noqa: D102
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    """Shards along dim 1 gathered whole on every rank; backward: the gradient summed over
-    the ranks (each rank's copy of the whole took its own), this rank's slice of it."""
-
-    @staticmethod
-    def forward(ctx, x, group):  # noqa: D102
-        ctx.group = group
-        n = tdist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(n)]
-        tdist.all_gather(parts, x.contiguous(), group=group)
-        ctx.shard = x.shape[1]
-        return torch.cat(parts, dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        grad = grad.contiguous()
-        tdist.all_reduce(grad, group=ctx.group)
-        r = tdist.get_rank(ctx.group)
-        return grad[:, r * ctx.shard:(r + 1) * ctx.shard], None
-
-
-@torch.compiler.disable  # collectives in an autograd Function: run eagerly inside a compiled block
-def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Differentiable :func:`_seq_to_heads` over ``group`` (one all-to-all each way)."""
-    return _SeqToHeads.apply(x, group)
-
-
-@torch.compiler.disable
-def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _HeadsToSeq.apply(x, group)
-
-
-@torch.compiler.disable
-def gather_seq(x: torch.Tensor | None, group: Any, grad: bool = False) -> torch.Tensor | None:
-    """``x`` (b, s/n, ...) gathered to (b, s, ...) over ``group``; differentiable with ``grad``."""
-    if x is None:
-        return None
-    if grad:
-        return _GatherSeq.apply(x, group)
-    parts = [torch.empty_like(x) for _ in range(tdist.get_world_size(group))]
-    tdist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
 
 
 # ---------------------------------------------------------------- attention wrappers
