@@ -14,11 +14,12 @@ import pytest
 
 from foundryx.cli import main
 from foundryx.plan.census import NotPlannable, build_meta, take_census
-from foundryx.plan.memory import Setup, kv_divisor, kv_weight_divisor, terms, tp_params
+from foundryx.plan.memory import Setup, terms
 from foundryx.plan.planner import make_plan
 from foundryx.plan.render import render
 from foundryx.plan.settings import tp_settings
 from foundryx.plan.tp import at_tp, communication, tp_collectives, tp_degrees
+from foundryx.plan.tp_shares import kv_divisor, kv_weight_divisor, tp_params
 from foundryx.runtime.hf_compat import TRANSFORMERS_5
 
 ROOT = Path(__file__).parents[1]
@@ -280,7 +281,7 @@ def test_loss_parallel_counts_its_logits_split_and_its_own_graph(census):
 def test_mpt_with_fewer_kv_heads_than_tp_holds_its_fused_qkv_whole():
     """MPT's fused Wqkv (d 64: q 64 rows, k and v 32 each at 2 kv heads) is replicated over
     TP 4 (q with k and v); out_proj and the MLP are split as ever."""
-    from foundryx.plan.memory import tp_linear_fraction
+    from foundryx.plan.tp_shares import tp_linear_fraction
 
     model, shape, _ = build_meta({"name": "mpt_causal_lm", "d_model": 64, "n_heads": 4,
                                   "n_layers": 2, "max_seq_len": 64, "vocab_size": 256,

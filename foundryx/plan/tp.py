@@ -35,9 +35,9 @@ from foundryx.plan.memory import (
     block_gather_bytes,
     terms,
     tp_lora_params,
-    tp_params,
     vocab_mode,
 )
+from foundryx.plan.tp_shares import tp_params
 
 
 @dataclass(frozen=True)
