@@ -276,8 +276,9 @@ def test_composer_contract_check():
 
 
 def test_llama_style_pretraining_config_is_valid(quickstart_data):
+    from test_mpt_model import param_count
+
     from foundryx.config import load_config
-    from foundryx.models.mpt.modeling import param_count
 
     loaded = load_config("yamls/pretrain/llama-style-1b.yaml", [
         f"variables.data_local={quickstart_data}/mds", f"variables.tokenizer_name={quickstart_data}/tokenizer",

@@ -12,12 +12,22 @@ from foundryx.config.components import options_parameter
 from foundryx.errors import ConfigError, DataError
 from foundryx.models.mpt.composer import ComposerMPTCausalLM
 from foundryx.models.mpt.configuration import MPTConfig
-from foundryx.models.mpt.modeling import MPTBlock, MPTForCausalLM, param_count
+from foundryx.models.mpt.modeling import MPTBlock, MPTForCausalLM
 from foundryx.models.mpt.options import MPTOptions
 
 TINY = {"d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 16, "vocab_size": 40}
 SEQ = 16
 
+
+
+def param_count(cfg) -> int:
+    """Parameters of the MPT described by ``cfg`` (MPTConfig fields), counted on the meta
+    device without allocating memory; tied embeddings count once."""
+    from foundryx.models.mpt.configuration import MPTConfig
+
+    with torch.device("meta"):
+        model = MPTForCausalLM(MPTConfig(**{**cfg, "init_device": "meta"}))
+    return sum(p.numel() for p in model.parameters())
 
 def build(dtype=torch.float64, **overrides):
     """A tiny MPT with every parameter (biases and norm weights too) randomised."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -387,14 +386,6 @@ class MPTForCausalLM(MPTPreTrainedModel, GenerationMixin):
     ) -> dict[str, Any]:
         """The whole prefix at every step (no KV cache)."""
         return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def param_count(cfg: Mapping[str, Any]) -> int:
-    """Parameters of the MPT described by ``cfg`` (MPTConfig fields), counted on the meta
-    device without allocating memory; tied embeddings count once."""
-    with torch.device("meta"):
-        model = MPTForCausalLM(MPTConfig(**{**cfg, "init_device": "meta"}))
-    return sum(p.numel() for p in model.parameters())
 
 
 # With this module imported, plain `AutoConfig` / `AutoModelForCausalLM.from_pretrained` load
