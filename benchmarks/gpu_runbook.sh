@@ -38,14 +38,16 @@
 #         train_throughput.py gpu; the other settings and sizes: run it without --settings) 50 s: ~30 s
 #   [7/10] foundryx against plain transformers + peft, side by side (issue 46; not in the
 #         default set: --only 1,7): the 8B LoRA over a bf16 base, the peer (benchmarks/
-#         peer_lora.py) and foundryx with compile off, with issue 51's fused path (its GPU
-#         default) and without it (PEFT's LoRA layer, no fused ops; the recipe's compile: auto
-#         is flagship_vs_peer.py's fourth side, not run here), alternating, two rounds, 5 steps each, on the machine's own transformers 5.x (its
-#         site-packages put first); tokens/s and peak memory, the ratios foundryx / peer, and
-#         one profiled step per side (top kernels, memory breakdown) in <out>-profiles/, a
-#         few KB per file (benchmarks/flagship_vs_peer.py)                    360 s: ~30 s writing + 6 x ~30-90 s
-#         RUNBOOK_SIDES="peer,foundryx-full" RUNBOOK_ROUNDS=2 pick its sides and rounds (default
-#         peer,foundryx,foundryx-unfused and 2; foundryx-full: every layer recomputed, as the peer)
+#         peer_lora.py) and foundryx with compile off: the recipe as it is (activation
+#         checkpointing auto: selective where it fits) and foundryx-full (every layer
+#         recomputed, as the peer: memory for memory), alternating, two rounds, 5 steps each,
+#         on the machine's own transformers 5.x (its site-packages put first); tokens/s and
+#         peak memory, the ratios foundryx / peer, and one profiled step per side (top kernels,
+#         memory breakdown) in <out>-profiles/, a few KB per file
+#         (benchmarks/flagship_vs_peer.py)                                    360 s: ~30 s writing + 6 x ~30-50 s
+#         RUNBOOK_SIDES and RUNBOOK_ROUNDS pick its sides and rounds (default
+#         peer,foundryx,foundryx-full and 2; foundryx-unfused: without issue 51's fused path,
+#         measured on an H200 2026-11-29; foundryx-compile: the recipe's compile: auto)
 #   Issue 47's steps, not in the default set either: `--only 1,8,9` (480 s) and `--only 1,10` (390 s):
 #   [8/10] attn_impl auto's table for this GPU (benchmarks.attention --table): Triton vs SDPA
 #         (and flash-attn) fwd and fwd+bwd, seq 2048, head dims 64 and 128, one document / packed /
@@ -186,7 +188,7 @@ commands() { # the steps' commands, shared by the run and --dry-run; again once 
   CMD_TP=("$PYTHON" -m benchmarks.train_throughput gpu --models "$MODEL" --settings eager
     "${TP_ARGS[@]}" --out "$WORK/throughput.json")
   CMD_VS_PEER=("$PYTHON" -m "$VS_PEER" --device cuda --shape "$SHAPE" --rounds "${RUNBOOK_ROUNDS:-2}"
-    --steps "$PEER_STEPS" --sides "${RUNBOOK_SIDES:-peer,foundryx,foundryx-unfused}"
+    --steps "$PEER_STEPS" --sides "${RUNBOOK_SIDES:-peer,foundryx,foundryx-full}"
     --time-limit $((LIMITS[6] > 20 ? LIMITS[6] - 10 : LIMITS[6])) --run-timeout 150
     --logs "$WORK/vs-peer" --profiles "${OUT%.md}-profiles" --json "$WORK/vs-peer.json"
     --out "$WORK/vs-peer.md")

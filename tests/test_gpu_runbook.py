@@ -42,7 +42,7 @@ def test_step_7s_sides_and_rounds_are_chosen_by_the_environment():
     assert r.returncode == 0, r.stdout + r.stderr
     assert "--rounds 3 --steps 5 --sides peer,foundryx-full " in r.stdout
     r = runbook("--only", "1,7", "--dry-run")
-    assert "--rounds 2 --steps 5 --sides peer,foundryx,foundryx-unfused " in r.stdout
+    assert "--rounds 2 --steps 5 --sides peer,foundryx,foundryx-full " in r.stdout
 
 
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
@@ -318,7 +318,7 @@ def test_the_side_by_side_runs_on_the_machines_transformers(tmp_path):
     (line,) = [c for c in calls.splitlines() if "benchmarks.flagship_vs_peer" in c]
     assert line.startswith("venv: -m benchmarks.flagship_vs_peer --device cuda --shape "
                            "yamls/shapes/llama-3.1-8b --rounds 2 --steps 5 --sides "
-                           "peer,foundryx,foundryx-unfused --time-limit 350 ")
+                           "peer,foundryx,foundryx-full --time-limit 350 ")
     assert f"--profiles {tmp_path}/report-profiles " in line
     assert "PYTHONPATH=/machine/site-packages:/machine/user site\n" in calls
     text = out.read_text()
