@@ -35,26 +35,17 @@ def _heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     return recv.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Swap(torch.autograd.Function):
+    """One all-to-all forward (``there``), its inverse backward (``back``)."""
+
     @staticmethod
-    def forward(ctx, x, group):  # noqa: D102
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, there, back):  # noqa: D102
+        ctx.group, ctx.back = group, back
+        return there(x, group)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):  # noqa: D102
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # noqa: D102
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        return ctx.back(grad.contiguous(), ctx.group), None, None, None
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -81,12 +72,12 @@ class _GatherSeq(torch.autograd.Function):
 @torch.compiler.disable  # collectives in an autograd Function: run eagerly inside a compiled block
 def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Differentiable :func:`_seq_to_heads` over ``group`` (one all-to-all each way)."""
-    return _SeqToHeads.apply(x, group)
+    return _Swap.apply(x, group, _seq_to_heads, _heads_to_seq)
 
 
 @torch.compiler.disable
 def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    return _HeadsToSeq.apply(x, group)
+    return _Swap.apply(x, group, _heads_to_seq, _seq_to_heads)
 
 
 @torch.compiler.disable
