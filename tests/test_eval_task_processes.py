@@ -157,12 +157,17 @@ def test_a_failing_parent_ends_its_child_first(tmp_path):
 @pytest.mark.needs_shared
 def test_two_processes_give_the_results_of_one(llama, tmp_path, shared_dir, capfd):
     path = _config(tmp_path, shared_dir, [{"label": "m", "hf": str(llama)}])
-    one = run_eval(load_eval_config(path, ["task_processes=1", "task_threads=1"]),
-                   write=False).results
+    one = run_eval(load_eval_config(path, ["task_processes=1", "task_threads=1",
+                                           f"output_dir={tmp_path / 'one'}"]),
+                   dump_examples=2).results
     capfd.readouterr()
-    two = run_eval(load_eval_config(path, ["task_processes=2"]), write=False).results
+    two = run_eval(load_eval_config(path, ["task_processes=2", f"output_dir={tmp_path / 'two'}"]),
+                   dump_examples=2).results
     err = capfd.readouterr().err
     assert two.scores == one.scores and len(one.scores["m"]) >= 4
+    # the rows --dump-examples writes come back from the child too, the same and in order
+    dumped = (tmp_path / "two" / "examples.jsonl").read_text()
+    assert dumped == (tmp_path / "one" / "examples.jsonl").read_text() and dumped.count("\n") >= 8
     assert "tasks: 2 processes at once (task_processes)" in err
     assert "Traceback" not in err and "forked" not in err  # no tokenizers warning
     for key in one.scores["m"]:  # each task says when it is done, in whichever process ran it

@@ -185,7 +185,7 @@ def run_config_icl_problems(data: dict[str, Any]) -> list[str]:
     return icl_problems(data["icl_tasks"], data.get("icl_data_root"), data.get("eval_gauntlet"))[2]
 
 
-def load_eval_config(path: str, overrides: list[str] | None = None,
+def load_eval_config(path: str | Path, overrides: list[str] | None = None,
                      scoring: str | None = None) -> LoadedEvalConfig:
     """Read, merge, resolve and validate an eval config; raise ConfigError with every problem.
     ``scoring`` (``--scoring``): every task that can take it is scored so (see
@@ -232,4 +232,5 @@ def load_eval_config(path: str, overrides: list[str] | None = None,
         except ConfigError as e:
             raise ConfigError(e.problems, source=path) from None
         notes.append(note)
-    return LoadedEvalConfig(cfg, specs, tasks, gauntlet, path, data, notes)
+    # the file's path as text: results.json records it (a Path from a library caller is not JSON)
+    return LoadedEvalConfig(cfg, specs, tasks, gauntlet, str(path), data, notes)
