@@ -5,7 +5,7 @@ On a CPU a small model's step is mostly per-operation overhead: Python, dispatch
 kernels. Two tasks on two threads of one process (:mod:`foundryx.eval.task_threads`) share one
 interpreter lock for that Python work; two processes do not. With the model loaded and the tasks
 prepared, the eval process forks, and each process, on its share of the threads, takes the next
-task not yet taken (longest first, :func:`foundryx.eval.task_threads.task_cost`; a counter in
+task not yet taken (longest first, :func:`foundryx.eval.task_threads.longest_first`; a counter in
 shared memory) until none is left; the children send their results back through a pipe, which
 the parent puts in the config's order.
 A fork copies nothing up front: the model's weights and the prepared rows are shared until
@@ -36,7 +36,7 @@ import torch
 
 from foundryx.errors import ConfigError, FoundryxError, RunError
 from foundryx.eval.prepare import PreparedTask
-from foundryx.eval.task_threads import task_cost
+from foundryx.eval.task_threads import longest_first
 
 __all__ = ["FORKS", "choose_task_processes", "run_in_processes"]
 
@@ -72,7 +72,7 @@ def run_in_processes(tasks: list[PreparedTask], evaluate: Callable[[int], T], pr
     """``[evaluate(i) for i in range(len(tasks))]`` over ``processes`` processes (this one and
     forked children), each taking the next task not yet taken, longest first, ``at_once`` at a
     time (threads); the results in the tasks' order."""
-    order = sorted(range(len(tasks)), key=lambda i: -task_cost(tasks[i]))
+    order = longest_first(tasks)
     processes = min(processes, len(tasks))
     if processes <= 1:
         return [evaluate(i) for i in range(len(tasks))]

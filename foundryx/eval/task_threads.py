@@ -30,7 +30,7 @@ import torch
 from foundryx.errors import ConfigError
 from foundryx.eval.prepare import PreparedTask
 
-__all__ = ["choose_task_threads", "run_tasks", "task_cost"]
+__all__ = ["choose_task_threads", "longest_first", "run_tasks", "task_cost"]
 
 T = TypeVar("T")
 GENERATED_TOKEN = 40  # a generated token's work in prompt tokens (a decoding step is one forward)
@@ -64,12 +64,17 @@ def task_cost(task: PreparedTask) -> int:
     return tokens + GENERATED_TOKEN * generated
 
 
+def longest_first(tasks: list[PreparedTask]) -> list[int]:
+    """The tasks' indices in the order they start: the most work (:func:`task_cost`) first."""
+    return sorted(range(len(tasks)), key=lambda i: -task_cost(tasks[i]))
+
+
 def run_tasks(tasks: list[PreparedTask], evaluate: Callable[[int], T], at_once: int) -> list[T]:
     """``[evaluate(i) for i in range(len(tasks))]``, ``at_once`` of them running together
     (longest first), torch's intra-op threads divided between them meanwhile."""
     if at_once <= 1 or len(tasks) <= 1:
         return [evaluate(i) for i in range(len(tasks))]
-    order = sorted(range(len(tasks)), key=lambda i: -task_cost(tasks[i]))
+    order = longest_first(tasks)
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, before // at_once))
     try:

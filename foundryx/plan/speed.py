@@ -7,8 +7,9 @@ foundryx's MPT), what trains (``lora`` adapters over a frozen base, or ``full``:
 how the frozen base computes (``bf16``; ``fp8-cast``: FP8 storage cast to bf16 per layer;
 ``fp8-tensor-core``: FP8 GEMMs, when foundryx runs them; ``nf4``; ``-`` for full training),
 whether part of the base is offloaded, compiled or not, activation checkpointing (off, every
-block recomputed, or selective: each block keeps its matmuls' outputs), and its MFU: measured tokens/s x the planner's FLOPs per token (``6 N + 12 L d s``, the models' own
-count; for LoRA it counts the weight gradients LoRA skips) / the device's peak. Expressed as
+block recomputed, or selective: each block keeps its matmuls' outputs), and its MFU: measured
+tokens/s x the planner's FLOPs per token (``6 N + 12 L d s``, the models' own count; for LoRA
+it counts the weight gradients LoRA skips) / the device's peak. Expressed as
 MFU, a row carries over to other sizes of the same kind of run (8B to 70B LoRA, MPT-1B to 7B),
 which is the planner's assumption, not a measurement.
 
@@ -164,6 +165,12 @@ def base_compute(frozen: str | None, training: str, device_name: str | None,
                         "bound")
 
 
+def _settings(x: SpeedRow | Run) -> dict[str, str]:
+    """A row's or run's offload, compile and checkpointing as the plan says them."""
+    return {"offload": "on" if x.offload else "off", "compile": "on" if x.compile else "off",
+            "checkpointing": checkpointing(x.checkpointing, x.selective)}
+
+
 def choose(run: Run, rows: tuple[SpeedRow, ...] | list[SpeedRow] = ROWS,
            default: float = DEFAULT_MFU) -> Choice:
     """The MFU for ``run``: the measured row of its kind that differs least, else ``default``."""
@@ -179,13 +186,11 @@ def choose(run: Run, rows: tuple[SpeedRow, ...] | list[SpeedRow] = ROWS,
             f"assumed: no measured row for {key or run.device_name}, {run.precision}, "
             f"{run.model} {what} (foundryx/plan/speed.py)"))
 
+    want = _settings(run)
+
     def differs(r: SpeedRow) -> tuple[str, ...]:
-        want = {"offload": run.offload, "compile": run.compile,
-                "checkpointing": checkpointing(run.checkpointing, run.selective)}
-        have = {"offload": r.offload, "compile": r.compile,
-                "checkpointing": checkpointing(r.checkpointing, r.selective)}
-        said = {k: v if isinstance(v, str) else "on" if v else "off" for k, v in want.items()}
-        return tuple(f"{k} {said[k]}" for k in _WEIGHTS if have[k] != want[k])
+        have = _settings(r)
+        return tuple(f"{k} {want[k]}" for k in _WEIGHTS if have[k] != want[k])
 
     def cost(r: SpeedRow) -> int:
         return sum(_WEIGHTS[d.split()[0]] for d in differs(r))
