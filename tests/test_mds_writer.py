@@ -16,7 +16,7 @@ def _files(folder):
 
 
 @pytest.mark.parametrize("seq", [7, 256, 70_000])  # shape dtypes uint8, uint16, uint32
-@pytest.mark.parametrize("rows_at_once", [False, True])
+@pytest.mark.parametrize("rows_at_once", [False, True, "mixed"])
 def test_the_same_files_as_streamings_writer(tmp_path, seq, rows_at_once):
     from streaming import MDSWriter
 
@@ -27,7 +27,12 @@ def test_the_same_files_as_streamings_writer(tmp_path, seq, rows_at_once):
     theirs = MDSWriter(out=str(tmp_path / "theirs"), columns={COLUMN: "ndarray:int32"},
                        hashes=[SHARD_HASH], size_limit=limit)
     for writer in (ours, theirs):
-        if rows_at_once:
+        if rows_at_once == "mixed":  # single samples between blocks, in one shard
+            writer.write({COLUMN: rows[0]})
+            write_rows(writer, rows[1:-2])
+            writer.write({COLUMN: rows[-2]})
+            write_rows(writer, rows[-1:])
+        elif rows_at_once:
             write_rows(writer, rows[:2])
             write_rows(writer, rows[2:])
         else:

@@ -100,10 +100,10 @@ def write_rows(writer: Any, rows: np.ndarray) -> None:
     """``writer.write({COLUMN: row})`` for each row of ``rows`` (one MDSWriter, one
     ``ndarray:int32`` column), with the same bytes and shards, without encoding each row in
     Python: every row's encoding is the first row's header and the row's own bytes, so the
-    rows are encoded as one array and handed to the writer's sample cache as views of its
-    rows (the writer only takes their lengths and joins them into the shard's bytes), a shard
-    flushed where ``MDSWriter.write`` flushes it (when the next sample would pass
-    ``size_limit``)."""
+    rows are encoded as one array, a shard flushed where ``MDSWriter.write`` flushes it (when
+    the next sample would pass ``size_limit``). foundryx's ShardWriter takes each shard's part
+    of the array as one block, which it writes as it is; streaming's writer gets views of its
+    rows in its sample cache (it only takes their lengths and joins them into the shard)."""
     if not len(rows):
         return
     first = writer.encode_sample({COLUMN: rows[0]})
@@ -128,6 +128,9 @@ def write_rows(writer: Any, rows: np.ndarray) -> None:
             writer.flush_shard()
             writer._reset_cache()
             continue
-        writer.new_samples.extend(encoded[i:i + room])  # rows: 1-D uint8 views
-        writer.new_shard_size += room * size
+        if isinstance(writer, ShardWriter):  # the rows as one block, written as it is
+            writer.add_encoded(encoded[i:i + room])
+        else:
+            writer.new_samples.extend(encoded[i:i + room])  # rows: 1-D uint8 views
+            writer.new_shard_size += room * size
         i += room

@@ -41,6 +41,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
@@ -153,7 +154,7 @@ def _units(docs: list[str], size: int, by_doc: bool) -> int:
 
 
 def _manifest(source: Source, tokenizer: Any, max_seq_len: int, compression: str | None,
-              chunks: list[dict[str, Any]]) -> dict[str, Any]:
+              chunks: list[dict[str, Any]], vocab_sha256: str) -> dict[str, Any]:
     n_docs = sum(c["docs"] for c in chunks)
     n_tokens = sum(c["tokens"] for c in chunks)
     n_seqs = sum(c["sequences"] for c in chunks)
@@ -170,7 +171,7 @@ def _manifest(source: Source, tokenizer: Any, max_seq_len: int, compression: str
         "tokenizer": {
             "name_or_path": tokenizer.name_or_path,
             "vocab_size": len(tokenizer),
-            "vocab_sha256": vocab_hash(tokenizer),
+            "vocab_sha256": vocab_sha256,
             "bos_token_id": tokenizer.bos_token_id,
             "eos_token_id": tokenizer.eos_token_id,
         },
@@ -209,8 +210,6 @@ def convert_to_mds(
 
     Returns the manifest that was written (see the module docstring for the rules).
     """
-    from tqdm.auto import tqdm
-
     if max_seq_len < 1:
         raise DataError(f"max_seq_len must be a positive number of tokens, got {max_seq_len}")
     if workers is None:
@@ -235,16 +234,18 @@ def convert_to_mds(
     if partition is not None:
         source = partitions.share(source, *partition)
     prefix, suffix = _special_ids(tokenizer)
+    vocab_sha256 = vocab_hash(tokenizer)  # a dump of the vocabulary: once
     header = {"format": FORMAT, "source": source.fingerprint, "text_field": text_field,
-              "vocab_sha256": vocab_hash(tokenizer), "prefix": prefix, "suffix": suffix,
+              "vocab_sha256": vocab_sha256, "prefix": prefix, "suffix": suffix,
               "max_seq_len": max_seq_len, "compression": compression,
               "batch_chars": batch_chars, "chunk_chars": chunk_chars}
     with Partial(out) as partial:
         done = partial.start(header, resume)
         try:
             writer = ChunkWriter(partial, max_seq_len, compression, done, remote)
-            bar = tqdm(desc=f"tokenizing {Path(source.label).name}", total=source.total,
-                       unit=source.unit, unit_scale=True, disable=not progress)
+            bar = _progress_bar()(desc=f"tokenizing {Path(source.label).name}",
+                                    total=source.total, unit=source.unit, unit_scale=True,
+                                    disable=not progress)
             start, n_tokens = time.perf_counter(), 0
 
             def todo() -> Iterator[tuple[tuple[int, int, int], list[str]]]:
@@ -266,7 +267,8 @@ def convert_to_mds(
                 bar.total = bar.n  # the input's size counted blank lines and markup too
                 bar.refresh()
             chunks = partial.chunks()
-            manifest = _manifest(source, tokenizer, max_seq_len, compression, chunks)
+            manifest = _manifest(source, tokenizer, max_seq_len, compression, chunks,
+                                 vocab_sha256)
             if partition is not None:
                 manifest["partition"] = partitions.record(*partition)
         except DataError:
@@ -294,6 +296,19 @@ def convert_to_mds(
             raise DataError(f"could not finish the dataset at {out}: {_reason(e)}; {out} is "
                             f"unchanged; run the same command again once that is fixed") from e
     return manifest
+
+
+def _progress_bar() -> type:
+    """tqdm's bar: ``tqdm.auto``'s (a widget in a notebook) where IPython runs, else the
+    terminal's ``tqdm.std`` (the same bar outside a notebook; ``tqdm.auto`` also imports
+    asyncio: 40 ms more); without tqdm's monitor thread (which it starts with the first bar,
+    even a disabled one, to watch for stalled bars), so that the conversion runs no thread of
+    its own and can fork its workers (:func:`foundryx.data.parallel.start_method`)."""
+    if "IPython" in sys.modules:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm.std import tqdm
+    return type(tqdm.__name__, (tqdm,), {"monitor_interval": 0})
 
 
 def _check_remote_out(up: Any, remote: str, overwrite: bool) -> None:

@@ -36,15 +36,16 @@ __all__ = ["ShardWriter"]
 _SHAPE_DTYPES = ("uint8", "uint16", "uint32", "uint64")
 
 
-def _hash(algo: str, data: bytes) -> str:
-    """streaming's ``get_hash``: hashlib's algorithms, then xxhash's."""
+def _hasher(algo: str) -> Any:
+    """streaming's ``get_hash``'s algorithm as a running hash (``update``, ``hexdigest``):
+    hashlib's algorithms, then xxhash's."""
     import hashlib
 
     if algo in hashlib.algorithms_available and hasattr(hashlib, algo):
-        return getattr(hashlib, algo)(data).hexdigest()
+        return getattr(hashlib, algo)()
     import xxhash
 
-    return getattr(xxhash, algo)(data).hexdigest()
+    return getattr(xxhash, algo)()
 
 
 class ShardWriter:
@@ -81,7 +82,8 @@ class ShardWriter:
                 "column_sizes": self.column_sizes}
 
     def _reset_cache(self) -> None:
-        self.new_samples: list[Any] = []
+        self.new_samples: list[Any] = []  # encoded samples, or 2-D blocks of equal-sized ones
+        self._counts: list[int] = []  # samples in each entry of new_samples
         self.new_shard_size = self.extra_bytes_per_shard
 
     def cancel_future_jobs(self) -> None:
@@ -107,20 +109,35 @@ class ShardWriter:
             self.flush_shard()
             self._reset_cache()
         self.new_samples.append(new_sample)
+        self._counts.append(1)
         self.new_shard_size += size
 
+    def add_encoded(self, block: np.ndarray) -> None:
+        """Add the samples of ``block`` (uint8, a row per encoded sample, C-contiguous) to the
+        shard, as many ``write`` calls of them would; the caller keeps them under
+        ``size_limit`` (:func:`foundryx.data.chunk_writer.write_rows`). The block is written
+        as it is when the shard is flushed: no bytes of each sample, no join."""
+        self.new_samples.append(block)
+        self._counts.append(len(block))
+        self.new_shard_size += len(block) * (block.shape[1] + self.extra_bytes_per_sample)
+
     def flush_shard(self) -> None:
-        n = len(self.new_samples)
-        sizes = np.fromiter(map(len, self.new_samples), np.int64, count=n)
+        counts = np.array(self._counts, np.int64)
+        sizes = np.repeat([memoryview(x).nbytes // c for x, c in zip(self.new_samples, counts)],
+                          counts)
+        n = len(sizes)
         offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint32)
         offsets += 4 + offsets.nbytes + len(self.config_data)
-        data = b"".join([np.uint32(n).tobytes(), offsets.tobytes(), self.config_data,
-                         *self.new_samples])
+        header = b"".join([np.uint32(n).tobytes(), offsets.tobytes(), self.config_data])
+        hashes = [_hasher(algo) for algo in self.hashes]
         basename = f"shard.{len(self.shards):05}.{self.format}"
         with open(os.path.join(self.local, basename), "wb") as f:
-            f.write(data)
-        info = {"basename": basename, "bytes": len(data),
-                "hashes": {algo: _hash(algo, data) for algo in self.hashes}}
+            for part in (header, *self.new_samples):
+                f.write(part)
+                for h in hashes:
+                    h.update(part)
+        info = {"basename": basename, "bytes": int(offsets[-1]),
+                "hashes": {algo: h.hexdigest() for algo, h in zip(self.hashes, hashes)}}
         self.shards.append({"samples": n, "raw_data": info, "zip_data": None,
                             **self.get_config()})
 

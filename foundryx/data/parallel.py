@@ -10,20 +10,25 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
 import tempfile
+import threading
 import types
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Iterator
-from itertools import chain, repeat
+from itertools import accumulate, chain, repeat
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
 _state: dict[str, Any] = {}  # this process's tokenizer, prefix and suffix
@@ -78,19 +83,58 @@ def _shipped(tokenizer: Any) -> Iterator[Any]:
 def encoder(tokenizer: Any) -> Any:
     """What tokenizes in the workers: a fast tokenizer's Rust backend (quick to send to a
     spawned worker, which then needs no transformers import), without truncation or padding,
-    as a Hugging Face call with ``add_special_tokens=False`` uses it; else ``tokenizer``."""
+    as a Hugging Face call with ``add_special_tokens=False`` uses it; else ``tokenizer``. The
+    backend itself when it truncates and pads nothing (a copy parses the tokenizer's JSON
+    again: the longer the larger the vocabulary), else a copy with both turned off."""
     if not getattr(tokenizer, "is_fast", False):
         return tokenizer
     from tokenizers import Tokenizer
 
-    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is None and backend.padding is None:
+        return backend
+    backend = Tokenizer.from_str(backend.to_str())
     backend.no_truncation()
     backend.no_padding()
     return backend
 
 
+SLICE_CHARS = 1 << 15  # characters of text a tokenizer call takes in a worker
+
+
 def tokenize_batch(docs: list[str]) -> np.ndarray:
-    """The token stream of ``docs``: ``prefix + ids + suffix`` per document, as int32."""
+    """The token stream of ``docs``: ``prefix + ids + suffix`` per document, as int32.
+
+    The documents go to the tokenizer a slice of about ``SLICE_CHARS`` characters at a time:
+    one call over a whole batch (1 MiB of text, ~7,000 paragraphs of tinyshakespeare) holds
+    all its Encodings and id lists at once, and tokenized 5-9% slower than slices of a few
+    hundred paragraphs (benchmarks/RESULTS.md, issue 55). The stream is the same."""
+    parts = [_tokenized(docs[i:j]) for i, j in pieces(docs, round(_chars(docs) / SLICE_CHARS))]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _chars(docs: list[str]) -> int:
+    return sum(map(len, docs))
+
+
+def pieces(docs: list[str], n: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of at most ``n`` consecutive runs of ``docs`` (at least one, each at
+    least one document), cut where the running character count passes each ``k/n`` of the
+    whole."""
+    total = _chars(docs)
+    n = max(1, min(n, len(docs)))
+    if n == 1 or not total:
+        return [(0, len(docs))]
+    ends = list(accumulate(map(len, docs)))
+    cuts = [0]
+    for k in range(1, n):
+        cut = bisect_left(ends, total * k / n) + 1  # the document that passes k/n ends a run
+        if cuts[-1] < cut < len(docs):
+            cuts.append(cut)
+    return list(zip(cuts, cuts[1:] + [len(docs)]))
+
+
+def _tokenized(docs: list[str]) -> np.ndarray:
     tok, prefix, suffix = _state["tokenizer"], _state["prefix"], _state["suffix"]
     if hasattr(tok, "encode_batch"):  # a tokenizers.Tokenizer
         # encode_batch_fast: the same ids without the character offsets (tokenizers >= 0.20)
@@ -176,30 +220,75 @@ def tokenize_in_order(
             for tag, docs in batches:
                 yield tag, tokenize_batch(docs)
         return
-    # spawn, not fork: forking a process that runs threads (torch, tokenizers, loggers) can
-    # copy a held lock into the child and hang the pool.
-    ctx = mp.get_context("spawn")
+    method = start_method()
+    log.debug("tokenizing in %d %s worker processes", workers, method)
+    if method == "fork":  # the workers start with the tokenizer in their memory
+        with _single_threaded():  # the tokenizer's thread pool off in the children
+            pool = mp.get_context("fork").Pool(
+                workers, initializer=_init_worker, initargs=(tokenizer, prefix, suffix))
+        yield from _in_order(pool, batches, workers)
+        return
     with _shipped(tokenizer) as shipped:
         with _bare_main():
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=(shipped, prefix, suffix))
+            pool = mp.get_context("spawn").Pool(
+                workers, initializer=_init_worker, initargs=(shipped, prefix, suffix))
         yield from _in_order(pool, batches, workers)
+
+
+def start_method() -> str:
+    """How the workers start: ``fork`` on Linux in a process that runs no other Python thread
+    and has not imported torch, else ``spawn``.
+
+    A forked worker starts at once with the parent's tokenizer; a spawned one starts a Python,
+    imports numpy and tokenizers and loads the tokenizer: ~0.3 s before the first batch on 2
+    cores, with both cores busy (benchmarks/RESULTS.md, issue 55). Forking copies only the
+    calling thread: a lock another thread held at that moment stays held in the child, so a
+    process with other Python threads (a notebook's, a trainer's, an upload pool's) or with
+    torch (its thread pools, CUDA) spawns. The native threads left are numpy's BLAS pool
+    (which stops itself around a fork) and the tokenizer's Rust pool, which the workers never
+    use (one thread each, ``TOKENIZERS_PARALLELISM=false``)."""
+    if sys.platform == "linux" and threading.active_count() == 1 and "torch" not in sys.modules:
+        return "fork"
+    return "spawn"
 
 
 def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
               ) -> Iterator[tuple[Any, np.ndarray]]:
-    """The pool's token streams of ``batches`` in order, at most ``2 * workers`` in flight; the
-    pool ended after."""
+    """The pool's token streams of ``batches`` in order, at most ``2 * workers`` batches in
+    flight; the pool ended after.
+
+    The last ``workers`` batches go out in ``2 * workers`` pieces each (their streams joined
+    again here): whole, the worker that took the last batch ran on alone for up to a batch's
+    time (0.1-0.5 s measured, 2 workers) while the other had finished."""
     try:
-        pending: deque = deque()
-        for tag, docs in batches:
-            pending.append((tag, pool.apply_async(tokenize_batch, (docs,))))
-            if len(pending) >= 2 * workers:
-                tag0, result = pending.popleft()
-                yield tag0, result.get()
+        pending: deque = deque()  # (tag, the pieces' results)
+        held: deque = deque()  # batches read but not sent: the last ones go in pieces
+        for batch in batches:
+            held.append(batch)
+            if len(held) > workers:
+                yield from _sent(pool, pending, held.popleft(), 1, 2 * workers)
+        for batch in held:
+            yield from _sent(pool, pending, batch, 2 * workers, 2 * workers)
         while pending:
-            tag0, result = pending.popleft()
-            yield tag0, result.get()
+            yield _received(pending.popleft())
         pool.close()
     finally:
         pool.terminate()
         pool.join()
+
+
+def _sent(pool: Any, pending: deque, batch: tuple[Any, list[str]], n: int, in_flight: int
+          ) -> Iterator[tuple[Any, np.ndarray]]:
+    """Send ``batch`` to the pool in ``n`` pieces; yield the oldest batches' streams while more
+    than ``in_flight`` batches are pending."""
+    tag, docs = batch
+    pending.append((tag, [pool.apply_async(tokenize_batch, (docs[i:j],))
+                          for i, j in pieces(docs, n)]))
+    while len(pending) >= in_flight:
+        yield _received(pending.popleft())
+
+
+def _received(item: tuple[Any, list[Any]]) -> tuple[Any, np.ndarray]:
+    tag, results = item
+    streams = [r.get() for r in results]
+    return tag, streams[0] if len(streams) == 1 else np.concatenate(streams)
