@@ -229,3 +229,21 @@ def test_auto_generation_batches_fit_in_a_scoring_batchs_logits(tiny_tokenizer, 
     assert len(said) == 1 and "generation_batch_size: auto" in said[0] and "0.0 MiB" not in said[0]
     with pytest.raises(ConfigError, match="generation_batch_size"):
         load_eval_config(str(path), ["generation_batch_size=big"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_greedy_token_is_torchs_argmax_ties_and_nans_included(dtype):
+    """On a CPU the greedy token comes from numpy's argmax (torch's is not vectorised): the
+    same index as torch's float32 argmax, the first of equal maxima, a NaN the largest."""
+    from foundryx.eval.decoding import greedy_next
+
+    logits = torch.randn(9, 3, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, -1, [7, 30]] = 1e4  # a tie: the first
+    logits[2, -1, 40] = float("nan")  # a NaN after the maximum
+    logits[3, -1, [5, 20]] = float("nan")  # two: the first
+    logits[4, -1] = float("-inf")  # nothing finite: 0
+    logits[5, -1, 49] = float("inf")
+    last = logits[:, -1]  # a strided view, as the decoding loops pass it
+    got = greedy_next(last)
+    assert got.dtype == torch.int64 and got.tolist() == last.float().argmax(-1).tolist()
+    assert got.tolist()[1:6] == [7, 40, 5, 0, 49]

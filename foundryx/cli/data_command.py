@@ -7,19 +7,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from foundryx.data import partitions
-from foundryx.data import remote as remotes
-from foundryx.data.convert import convert_to_mds
-from foundryx.data.json_tokenizer import open_json_tokenizer
-from foundryx.data.quickstart import prepare_quickstart
-from foundryx.data.tokenizers import build_hf_tokenizer
 from foundryx.errors import FoundryxError
-from foundryx.runtime.log_setup import setup_logging
+
+# The data modules (numpy, omegaconf, the writers) are imported by the command that uses them:
+# every other command (`foundryx eval`, whose first seconds are its start-up) would import them
+# with the parser.
 
 log = logging.getLogger(__name__)
 
 
 def cmd_data_quickstart(args: argparse.Namespace) -> int:
+    from foundryx.data.quickstart import prepare_quickstart
+
     out = prepare_quickstart(Path(args.out), seed=args.seed, force=args.force)
     print(f"quickstart data ready in {out}")
     return 0
@@ -29,6 +28,9 @@ def _tokenizer(path: str) -> Any:
     """A local folder's ``tokenizer.json`` through the ``tokenizers`` library alone where
     transformers would add nothing to it (:mod:`foundryx.data.json_tokenizer`: the same ids, no
     import of transformers, 2-3 s), else transformers' ``AutoTokenizer``; said in one line."""
+    from foundryx.data.json_tokenizer import open_json_tokenizer
+    from foundryx.data.tokenizers import build_hf_tokenizer
+
     folder = Path(path).expanduser()
     if folder.is_dir() and (folder / "tokenizer.json").is_file():
         tok = open_json_tokenizer(folder)
@@ -41,6 +43,10 @@ def _tokenizer(path: str) -> Any:
 
 
 def cmd_data_convert(args: argparse.Namespace) -> int:
+    from foundryx.data import partitions
+    from foundryx.data import remote as remotes
+    from foundryx.data.convert import convert_to_mds
+
     partition = None
     if args.num_partitions is not None or args.partition is not None:
         if args.num_partitions is None or args.partition is None:
@@ -67,6 +73,9 @@ def cmd_data_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_data_merge(args: argparse.Namespace) -> int:
+    from foundryx.data import partitions
+    from foundryx.runtime.log_setup import setup_logging
+
     setup_logging("info")
     manifest = partitions.merge(args.out, overwrite=args.overwrite)
     print(f"merged {len(manifest['partitions'])} partition(s) into {args.out}: "

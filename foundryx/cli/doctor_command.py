@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from foundryx import doctor  # light: no torch until it probes
 from foundryx.config.load import precheck
 from foundryx.eval.config import run_config_icl_problems
 
@@ -18,6 +17,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
         cfg = training.load_run_config(args.config, args.overrides).cfg
     save_folder = args.save_folder or (cfg.save_folder if cfg is not None else None)
+    from foundryx import doctor  # no torch until it probes; packaging: this command's alone
+
     facts = doctor.probe(save_folder=save_folder)
     if cfg is not None:
         facts = doctor.config_facts(facts, args.config, cfg)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from foundryx import report  # light: it imports matplotlib when it plots
-
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from foundryx import report  # numpy, and matplotlib when it plots: this command's alone
+
     path = report.make_report(args.run_folder, out=args.out, evals=args.eval)
     print(f"wrote {path} and its plots")
     return 0

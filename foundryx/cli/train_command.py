@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from foundryx.cli.config_paths import path_problems
 from foundryx.config.help import component_help, config_help
 from foundryx.config.load import precheck
 from foundryx.errors import ConfigError, FoundryxError
@@ -21,6 +20,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise FoundryxError("foundryx train: give a run config, e.g. yamls/quickstart.yaml")
     # Before torch: the config's mistakes in a fraction of a second. A dry run lists what this
     # machine cannot run after its plan (a GPU recipe checked on a laptop still shows one).
+    from foundryx.cli.config_paths import path_problems  # numpy: imported by train alone
+
     precheck(args.config, args.overrides,
              checks=(run_config_icl_problems,) + (() if args.dry_run else (path_problems,)),
              machine=None if args.dry_run else this_machine())

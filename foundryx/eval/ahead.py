@@ -8,10 +8,11 @@ forks a child that does that work with the first model's ``tokenizer.json``
 uses) and sends the prepared tasks back through a pipe. The parent takes them
 (:meth:`Ahead.result`) where it would read the tasks itself, and uses them for every model
 whose tokenizer is that folder's ``JsonTokenizer`` with the same token limit
-(:meth:`Prepared.tasks_for`); any other model prepares its tasks as before. The child then
-imports matplotlib (still during the parent's torch import) and waits: when the results are
-written, it draws their chart (:meth:`Ahead.draw`), which saves the command matplotlib's
-import (~0.5 s) at its end.
+(:meth:`Prepared.tasks_for`); any other model prepares its tasks as before. While the
+prepared tasks wait for the parent to take them, the child imports matplotlib (still during
+the parent's torch import, on the core the parent does not use) and then waits: when the
+results are written, it draws their chart (:meth:`Ahead.draw`), which saves the command
+matplotlib's import (~0.5 s) at its end.
 
 The child prepares tasks in the config's order until their rows hold :data:`MAX_TOKENS` tokens;
 the parent prepares the rest as it reaches them. What the parent sees does not change: the child's work is the same code on the same inputs
@@ -33,9 +34,11 @@ import os
 import pickle
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Pipe
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -134,27 +137,50 @@ def _child(loaded: LoadedEvalConfig, folder: str, limit: int | None, conn: Conne
         payload = ("error", type(e), str(e))
     except BaseException as e:  # noqa: BLE001  (any other failure: the parent prepares itself)
         payload = ("failed", f"{type(e).__name__}: {e}")
-    try:
-        conn.send(payload)
-    except BaseException:  # noqa: BLE001  (the parent left, or the payload does not pickle)
-        os._exit(1)
     ok = payload[0] == "ok"
-    del payload  # the parent has the rows now: not held while this process waits
+    try:
+        data = ForkingPickler.dumps(payload)
+    except BaseException:  # noqa: BLE001  (the payload does not pickle)
+        os._exit(1)
+    del payload
+    # The parent reads the tasks once its torch import is done; meanwhile a thread waits to
+    # hand them over and this one imports matplotlib, on a core the parent does not use.
+    # (Imported after the handover, it ran beside the parent's tasks: their CPU.)
+    sent: list[bool] = []
+    sender = threading.Thread(target=_send, args=(conn, data, sent), daemon=True)
+    sender.start()
+    if ok:
+        _import_matplotlib()
+    sender.join()
+    if not sent:  # the parent left
+        os._exit(1)
+    del data  # the parent has the rows now: not held while this process waits
     gc.collect()
     if ok:
         _draw_when_asked(conn)
     os._exit(0)
 
 
-def _draw_when_asked(conn: Connection) -> None:
-    """Import matplotlib (while the parent still imports torch), then wait for the parent's
-    results and draw their chart (:func:`~foundryx.eval.report.bar_chart`) to the path it
-    names; reply how that went. The parent closing its end (no results to write) ends it."""
+def _send(conn: Connection, data: Any, sent: list[bool]) -> None:
+    try:
+        conn.send_bytes(data)
+        sent.append(True)
+    except OSError:
+        pass
+
+
+def _import_matplotlib() -> None:
     try:
         from matplotlib.backends import backend_agg  # noqa: F401
         from matplotlib.figure import Figure  # noqa: F401
     except ImportError:
         pass
+
+
+def _draw_when_asked(conn: Connection) -> None:
+    """Wait for the parent's results and draw their chart
+    (:func:`~foundryx.eval.report.bar_chart`) to the path it names; reply how that went. The
+    parent closing its end (no results to write) ends it."""
     try:
         results, path = conn.recv()
     except (EOFError, OSError):

@@ -25,6 +25,7 @@ import torch
 from foundryx.eval.decoding import (
     StopChecker,
     decode_generations,  # noqa: F401  (its callers import it from here)
+    greedy_next,
     mask_positions,
 )
 from foundryx.eval.plain_causal import plain_causal
@@ -118,7 +119,7 @@ def greedy_generate(hf: Any, tokenizer: Any, input_ids: torch.Tensor, attention_
         else:
             inputs = hf.prepare_inputs_for_generation(ids, **kwargs)
         outputs = hf(**inputs, return_dict=True)
-        nxt = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32).argmax(-1)
+        nxt = greedy_next(outputs.logits[:, -1, :])
         cpu_next = nxt.tolist()
         finished = []
         for i, (r, tok) in enumerate(zip(rows.tolist(), cpu_next)):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from foundryx.eval.decoding import StopChecker, mask_positions
+from foundryx.eval.decoding import StopChecker, greedy_next, mask_positions
 from foundryx.eval.plain_causal import right_padded
 from foundryx.eval.score import compact_batch, kept_positions
 from foundryx.models.llama.model import LlamaLM, causal_padding_mask
@@ -72,7 +72,7 @@ def native_greedy_generate(model: LlamaLM, tokenizer: Any, input_ids: torch.Tens
                             device=input_ids.device)
     step_mask[:, 0, 0, :width].masked_fill_(attention_mask == 0, float("-inf"))
     for step in range(max_new_tokens):
-        nxt = logits[:, -1].float().argmax(-1)  # greedy_generate's float32 argmax, no copy
+        nxt = greedy_next(logits[:, -1])  # greedy_generate's float32 argmax
         tokens = nxt.tolist()
         finished = set()
         for i, tok in enumerate(tokens):
