@@ -173,7 +173,16 @@ def test_the_emulation_is_torchs_cpu_scaled_mm_to_one_bf16_step():
     sa, sb = torch.rand(256, 1) + 0.1, torch.rand(1, 384) + 0.1
     real = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     emulated = fp8_gemm.emulated_scaled_mm(a, b, sa, sb)
-    assert ((real.float() - emulated.float()).abs() <= emulated.float().abs() * 2.0**-7).all()
+    # the emulation: one bf16 rounding of the exact value, plus float32's accumulation error
+    exact = (a.double() @ b.double()) * sa.double() * sb.double()
+    terms = (a.double().abs() @ b.double().abs()) * sa.double() * sb.double()
+    bound = exact.abs() * 2.0**-8 + terms * (a.shape[1] + 4) * 2.0**-24
+    assert ((emulated.double() - exact).abs() <= bound).all()
+    # torch's CPU kernel within the same bound nearly everywhere (so within two of the
+    # emulation): on a CPU with AMX (oneDNN's bf16 path) it was 2.3% off at 1 element of
+    # 98,304, where the emulation was 0.39% (the exact value's bf16 rounding)
+    close = (real.double() - exact).abs() <= bound
+    assert close.double().mean() > 0.999
 
 
 @pytest.mark.parametrize("dtype", [E4M3, FNUZ])
