@@ -279,8 +279,8 @@ def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
 
 def _sent(pool: Any, pending: deque, batch: tuple[Any, list[str]], n: int, in_flight: int
           ) -> Iterator[tuple[Any, np.ndarray]]:
-    """Send ``batch`` to the pool in ``n`` pieces; yield the oldest batches' streams while more
-    than ``in_flight`` batches are pending."""
+    """Send ``batch`` to the pool in ``n`` pieces; yield the oldest batches' streams while
+    ``in_flight`` batches or more are pending."""
     tag, docs = batch
     pending.append((tag, [pool.apply_async(tokenize_batch, (docs[i:j],))
                           for i, j in pieces(docs, n)]))
