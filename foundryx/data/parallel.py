@@ -121,9 +121,9 @@ def pieces(docs: list[str], n: int) -> list[tuple[int, int]]:
     """``(start, stop)`` of at most ``n`` consecutive runs of ``docs`` (at least one, each at
     least one document), cut where the running character count passes each ``k/n`` of the
     whole."""
-    total = _chars(docs)
     n = max(1, min(n, len(docs)))
-    if n == 1 or not total:
+    total = _chars(docs) if n > 1 else 0  # a whole batch (n = 1): no count of its characters
+    if not total:
         return [(0, len(docs))]
     ends = list(accumulate(map(len, docs)))
     cuts = [0]
