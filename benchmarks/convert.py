@@ -17,6 +17,8 @@ on it. Every side runs in its own fresh process, and the sides alternate within 
   (its fastest documented call: ``encode_batch`` without offsets), either on its own thread
   pool (``TOKENIZERS_PARALLELISM=true``, every core) or in N processes of one thread each,
   each on its share of the batches; the faster of the two is the tokenizer's own throughput;
+  and in 1 process, so the tokenizer's own speed-up from a second process on this machine
+  stands beside the conversion's (2 workers over 1);
 * ``LLM Foundry, 2 processes`` (``--llmfoundry``): LLM Foundry 0.22's
   ``convert_text_to_mds`` (installed in its own venv as benchmarks/vs_llmfoundry.py does) on
   a folder of the same text, one file per copy (it parallelises over files), its ``--processes
@@ -184,7 +186,8 @@ def main() -> None:
                 (lf_in / f"part-{i:03d}.txt").write_text(text, encoding="utf-8")
 
         sides = [f"convert, {w} worker{'s' if w > 1 else ''}" for w in args.workers]
-        sides += ["tokenizer alone, thread pool", f"tokenizer alone, {cores} processes"]
+        sides += ["tokenizer alone, thread pool", f"tokenizer alone, {cores} processes",
+                  "tokenizer alone, 1 process"]
         sides += ["LLM Foundry, 2 processes"] if lf_py else []
         runs: dict[str, list[dict]] = {s: [] for s in sides}
         print(f"corpus: {size_mb:.1f} MB ({args.copies} copies), {cores} cores; load average "
@@ -205,8 +208,9 @@ def main() -> None:
                            "tokens": res["tokens"]}
                 elif side.startswith("tokenizer"):
                     mode = "threads" if "thread" in side else "procs"
+                    n = 1 if side.endswith("1 process") else cores
                     wall, cpu, stdout = timed_process(
-                        [py, str(scripts["alone"]), mode, str(cores), str(src),
+                        [py, str(scripts["alone"]), mode, str(n), str(src),
                          str(tok_dir / "tokenizer.json"), str(args.batch)])
                     res = json.loads(stdout.strip().splitlines()[-1])
                     # the conversion's tokens: the tokenizer's plus one eos a document
@@ -225,7 +229,8 @@ def main() -> None:
         load = os.getloadavg()
     med = {s: statistics.median(x["call"] for x in runs[s]) for s in sides}
     tokens = runs[sides[0]][0]["tokens"]
-    best_alone = min((s for s in sides if s.startswith("tokenizer")), key=lambda s: med[s])
+    alone = [s for s in sides if s.startswith("tokenizer") and not s.endswith("1 process")]
+    best_alone = min(alone, key=lambda s: med[s])
     conv = [s for s in sides if s.startswith("convert")]
 
     def spread(side: str, key: str = "call") -> str:
@@ -250,8 +255,16 @@ def main() -> None:
     print(f"\nThe tokenizer's own throughput: {best_alone} ({tokens / med[best_alone]:,.0f} "
           f"tokens/s). Each round's conversion over the tokenizer alone (2 workers / fastest "
           f"alone, same round): " + ", ".join(
-              f"{min(runs[t][r]['call'] for t in sides if t.startswith('tokenizer')) / runs[conv[-1]][r]['call']:.2f}"
+              f"{min(runs[t][r]['call'] for t in alone) / runs[conv[-1]][r]['call']:.2f}"
               for r in range(args.rounds)))
+    one_alone = "tokenizer alone, 1 process"
+    if len(conv) > 1:
+        print(f"Per round, {conv[-1]} over {conv[0]}: " + ", ".join(
+            f"{runs[conv[0]][r]['call'] / runs[conv[-1]][r]['call']:.2f}" for r in range(args.rounds))
+            + f"; the tokenizer alone, {cores} processes over 1 (what the machine gives a second "
+            f"process): " + ", ".join(
+                f"{runs[one_alone][r]['call'] / runs[alone[-1]][r]['call']:.2f}"
+                for r in range(args.rounds)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ forked workers where no other thread runs, and the same token streams every way.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -181,3 +182,60 @@ def test_a_conversion_in_a_plain_process_forks_its_workers_with_the_same_shards(
     files = [{f.relative_to(d): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
              for d in (tmp_path / "out1", tmp_path / "out2")]
     assert files[0] == files[1] and any(f.suffix == ".mds" for f in files[0])
+
+
+KILLED = textwrap.dedent("""
+    import logging, os, signal, sys
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from foundryx.data import parallel
+    from foundryx.data.convert import convert_to_mds
+    from foundryx.data.json_tokenizer import open_json_tokenizer
+    from foundryx.errors import RunError
+    src, out, tok = sys.argv[1:4]
+    small = dict(batch_chars=300, chunk_chars=1200, progress=False)
+    original = parallel.tokenize_batch
+
+    def deadly(docs):  # a worker killed as the OOM killer would, at one document
+        if "boom" in docs:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(docs)
+
+    parallel.tokenize_batch = deadly
+    try:
+        convert_to_mds(src, out, open_json_tokenizer(tok), 16, workers=2, **small)
+    except RunError as e:
+        print("stopped:", e)
+    parallel.tokenize_batch = original
+    print("method", parallel.start_method())
+    convert_to_mds(src, out, open_json_tokenizer(tok), 16, workers=2, **small)  # resumes
+    convert_to_mds(src, out + "-clean", open_json_tokenizer(tok), 16, workers=1, **small)
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers fork on Linux only")
+def test_a_killed_worker_stops_the_conversion_and_the_same_command_resumes(tmp_path,
+                                                                          tiny_tokenizer):
+    """A forked worker killed mid-conversion (the OOM killer) stops it with one message naming
+    the worker, instead of the wait for ever of multiprocessing.Pool; the finished chunks stay
+    and the same conversion resumes from them to the shards of an uninterrupted one."""
+    from foundryx.data.synthetic import generate_corpus
+
+    docs = generate_corpus(200, seed=5)
+    docs[150] = "boom"
+    src = tmp_path / "c.txt"
+    src.write_text("\n\n".join(docs) + "\n")
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(script), str(src), str(out),
+                        tiny_tokenizer.name_or_path], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "method fork" in p.stdout
+    assert "stopped: a worker process (pid " in p.stdout and "was killed by SIGKILL" in p.stdout
+    assert "its finished chunks stay in" in p.stderr  # the conversion's own warning
+    assert re.search(r"resuming the conversion to \S+: [1-9]\d* chunks", p.stderr)
+    files = [{f.relative_to(d): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
+             for d in (out, tmp_path / "out-clean")]
+    assert files[0] == files[1]

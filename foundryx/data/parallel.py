@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from foundryx.data.forked_workers import ForkedWorkers
+
 log = logging.getLogger(__name__)
 
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -222,10 +224,11 @@ def tokenize_in_order(
         return
     method = start_method()
     log.debug("tokenizing in %d %s worker processes", workers, method)
-    if method == "fork":  # the workers start with the tokenizer in their memory
+    if method == "fork":  # the workers start with the tokenizer in their memory; batches
+        # and streams go through shared memory (foundryx/data/forked_workers.py), not the
+        # pool's pipes and threads
         with _single_threaded():  # the tokenizer's thread pool off in the children
-            pool = mp.get_context("fork").Pool(
-                workers, initializer=_init_worker, initargs=(tokenizer, prefix, suffix))
+            pool = ForkedWorkers(workers, _init_worker, (tokenizer, prefix, suffix))
         yield from _in_order(pool, batches, workers)
         return
     with _shipped(tokenizer) as shipped:
@@ -254,8 +257,9 @@ def start_method() -> str:
 
 def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
               ) -> Iterator[tuple[Any, np.ndarray]]:
-    """The pool's token streams of ``batches`` in order, at most ``2 * workers`` batches in
-    flight; the pool ended after.
+    """The token streams of ``batches`` in order from ``pool`` (a ``multiprocessing.Pool``
+    or :class:`ForkedWorkers`), at most ``2 * workers`` batches in flight; the pool ended
+    after.
 
     The last ``workers`` batches go out in ``2 * workers`` pieces each (their streams joined
     again here): whole, the worker that took the last batch ran on alone for up to a batch's
