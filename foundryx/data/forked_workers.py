@@ -76,7 +76,8 @@ class ForkedWorkers:
         tasks_out, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_in = ctx.Pipe(duplex=False)
         self.procs: list[Any] = []
-        args = (tasks_out, ctx.Lock(), results_in, ctx.Lock(), self.slots, initializer, initargs)
+        args = (tasks_out, ctx.Lock(), results_in, ctx.Lock(), self.slots,
+                (self.tasks, self.results), initializer, initargs)
         try:
             for _ in range(n):
                 proc = ctx.Process(target=_serve, args=args, daemon=True)
@@ -195,17 +196,21 @@ def _take(buf: mmap.mmap, where: int | str) -> Any:
 
 
 def _serve(tasks: Any, tasks_lock: Any, results: Any, results_lock: Any,
-           slots: list[tuple[mmap.mmap, mmap.mmap]], initializer: Callable[..., None] | None,
-           initargs: tuple) -> None:
+           slots: list[tuple[mmap.mmap, mmap.mmap]], parents: tuple[Any, Any],
+           initializer: Callable[..., None] | None, initargs: tuple) -> None:
     """A worker: the next task on ``tasks`` whenever it is free, its result in the slot's
-    output buffer and the result's size on ``results``, until told to stop."""
+    output buffer and the result's size on ``results``, until told to stop. ``parents``: the
+    parent's ends of the two pipes, closed here (so the parent is the only writer of tasks:
+    its exit ends the wait)."""
+    for end in parents:
+        end.close()
     if initializer is not None:
         initializer(*initargs)
     while True:
         with tasks_lock:  # one message at a time: header and body are two reads
             try:
                 msg = tasks.recv()
-            except EOFError:  # the parent is gone
+            except EOFError:  # the parent, the only writer, is gone
                 return
         if msg is None:
             return
