@@ -5,8 +5,8 @@ memory: a small stand-in for ``multiprocessing.Pool`` (``apply_async``, ``close`
 Why not the pool: it sends each task and result through a pipe of 64 KB, written and read by
 helper threads of the parent that need the GIL for every 64 KB while the parent's own thread
 reads and splits the input. A conversion's worker waited ~8 ms per 1 MB batch for its next
-task and to hand back its tokens (0.2 s a worker over 40 copies of tinyshakespeare on 2 cores,
-benchmarks/RESULTS.md, issue 55), and the parent spent 0.25-0.3 CPU s in those threads.
+task and to hand back its tokens: 0.18-0.25 s a worker over 40 copies of tinyshakespeare on 2
+cores, 0.07-0.11 s with these workers (benchmarks/RESULTS.md, issue 55).
 
 Here there are two slots of shared memory per worker (``mmap`` made before the fork), each an
 input and an output buffer. The parent pickles a task ``(fn, args)`` into a free slot's input

@@ -258,8 +258,8 @@ def start_method() -> str:
 def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
               ) -> Iterator[tuple[Any, np.ndarray]]:
     """The token streams of ``batches`` in order from ``pool`` (a ``multiprocessing.Pool``
-    or :class:`ForkedWorkers`), at most ``2 * workers`` batches in flight; the pool ended
-    after.
+    or :class:`ForkedWorkers`), at most ``2 * workers`` batches in flight; the pool closed and
+    joined after, or terminated if the loop stops early.
 
     The last ``workers`` batches go out in ``2 * workers`` pieces each (their streams joined
     again here): whole, the worker that took the last batch ran on alone for up to a batch's
@@ -275,10 +275,14 @@ def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
             yield from _sent(pool, pending, batch, 2 * workers, 2 * workers)
         while pending:
             yield _received(pending.popleft())
-        pool.close()
-    finally:
+    except BaseException:  # an error, Ctrl-C, the consumer stopped: the workers are stopped
         pool.terminate()
         pool.join()
+        raise
+    # done: the workers exit once told (a pool's terminate after its close could wait for ever
+    # in _help_stuff_finish for its queue's lock, held by a worker waiting for its last message)
+    pool.close()
+    pool.join()
 
 
 def _sent(pool: Any, pending: deque, batch: tuple[Any, list[str]], n: int, in_flight: int
