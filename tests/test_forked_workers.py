@@ -75,8 +75,9 @@ def test_a_task_error_is_raised_by_get_and_the_workers_go_on():
     workers = ForkedWorkers(2)
     bad, good = workers.apply_async(_fail, ("value",)), workers.apply_async(_repeat, ("a", 3))
     odd = workers.apply_async(_fail, ("unpicklable",))
-    with pytest.raises(ValueError, match="bad document 7"):
+    with pytest.raises(ValueError, match="bad document 7") as e:
         bad.get()
+    assert 'in _fail\n    raise ValueError("bad document 7")' in str(e.value.__cause__)
     assert good.get()[1] == "aaa"
     with pytest.raises(RuntimeError, match="_Unpicklable: no way back"):
         odd.get()

@@ -32,6 +32,7 @@ import os
 import pickle
 import signal
 import tempfile
+import traceback
 from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import wait
@@ -41,6 +42,14 @@ from foundryx.errors import RunError
 
 SLOT_BYTES = 1 << 23  # each buffer's size; its pages are backed only once written
 _PICKLE = pickle.HIGHEST_PROTOCOL
+
+
+class WorkerTraceback(Exception):
+    """The traceback of a task's error in its worker: the cause of the error ``get`` raises
+    (as ``multiprocessing.pool``'s ``RemoteTraceback``)."""
+
+    def __str__(self) -> str:
+        return f"\n\"\"\"\n{self.args[0]}\"\"\""
 
 
 class Task:
@@ -128,7 +137,8 @@ class ForkedWorkers:
             task = self.running.pop(slot)
             task.done = True
             if error is not None:
-                task.error = error
+                task.error, text = error
+                task.error.__cause__ = WorkerTraceback(text)
             else:
                 task.value = pickle.loads(_take(self.slots[slot][1], result))
             self.free.append(slot)
@@ -219,8 +229,8 @@ def _serve(tasks: Any, tasks_lock: Any, results: Any, results_lock: Any,
         try:
             fn, args = pickle.loads(_take(inbuf, where))
             reply = (slot, _put(outbuf, pickle.dumps(fn(*args), protocol=_PICKLE)), None)
-        except BaseException as e:  # the parent raises it from get()
-            reply = (slot, 0, _sendable(e))
+        except BaseException as e:  # the parent raises it from get(), with this traceback
+            reply = (slot, 0, (_sendable(e), traceback.format_exc()))
         with results_lock:
             results.send(reply)
 
