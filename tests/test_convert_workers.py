@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -244,3 +245,33 @@ def test_a_killed_worker_stops_the_conversion_and_the_same_command_resumes(tmp_p
     files = [{f.relative_to(d): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
              for d in (out, tmp_path / "out-clean")]
     assert files[0] == files[1]
+
+
+class _Deadly:
+    """A tokenizer (not a fast one: it reaches the workers as it is) whose worker is killed,
+    as by the out-of-memory killer, at the document "boom"."""
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __call__(self, docs, **kw):
+        if "boom" in docs:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"input_ids": [e.ids for e in self.backend.encode_batch(docs,
+                                                                       add_special_tokens=False)]}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_a_killed_spawned_worker_is_reported_not_waited_on(tiny_tokenizer, monkeypatch):
+    """multiprocessing.Pool (the spawned workers') replaces a worker killed mid-task and waits
+    for its result for ever; the conversion's wait raises a RunError naming it instead."""
+    from foundryx.errors import RunError
+
+    monkeypatch.setattr(parallel, "start_method", lambda: "spawn")
+    monkeypatch.setattr(parallel, "WATCH_S", 0.2)
+    batches = [((i,), ["a b c", "d e"]) for i in range(6)]
+    batches[2] = ((2,), ["x y", "boom"])
+    deadly = _Deadly(parallel.encoder(tiny_tokenizer))
+    with pytest.raises(RunError, match=r"a worker process \(pid \d+\) was killed by SIGKILL"):
+        list(parallel.tokenize_in_order(batches, deadly, [], [0], workers=2))

@@ -138,8 +138,9 @@ def test_a_failing_parent_ends_its_child_first(tmp_path):
     pid_file, parent = tmp_path / "child", os.getpid()
 
     def evaluate(i):
-        if os.getpid() != parent:  # the child: say who it is, then run long
-            pid_file.write_text(str(os.getpid()))
+        if os.getpid() != parent:  # the child: say who it is (whole: a rename), then run long
+            pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+            os.replace(pid_file.with_suffix(".tmp"), pid_file)
             time.sleep(60)
             return i
         while not pid_file.exists():

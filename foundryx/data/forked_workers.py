@@ -151,9 +151,7 @@ class ForkedWorkers:
         for proc in self.procs:
             if (proc.sentinel in ready) if ready is not None else not proc.is_alive():
                 proc.join(1)
-                raise RunError(f"a worker process (pid {proc.pid}) {_how(proc.exitcode)} "
-                               f"before its work was done (out of memory? the system log says "
-                               f"what killed it)")
+                raise worker_died(proc.pid, proc.exitcode)
 
     def close(self) -> None:
         """No more tasks: the workers exit once theirs are done."""
@@ -173,6 +171,12 @@ class ForkedWorkers:
         for path in self.spilled:  # tasks sent but never read: their workers were stopped
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+def worker_died(pid: int | None, code: int | None) -> RunError:
+    """The error for a worker process that ended before its work was done."""
+    return RunError(f"a worker process (pid {pid}) {_how(code)} before its work was done (out "
+                    f"of memory? the system log says what killed it)")
 
 
 def _how(code: int | None) -> str:

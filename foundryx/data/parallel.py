@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from foundryx.data.forked_workers import ForkedWorkers
+from foundryx.data.forked_workers import ForkedWorkers, worker_died
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def tokenize_in_order(
         with _bare_main():
             pool = mp.get_context("spawn").Pool(
                 workers, initializer=_init_worker, initargs=(shipped, prefix, suffix))
-        yield from _in_order(pool, batches, workers)
+        yield from _in_order(_Watched(pool), batches, workers)
 
 
 def start_method() -> str:
@@ -255,10 +255,48 @@ def start_method() -> str:
     return "spawn"
 
 
+WATCH_S = 1.0  # how often a wait for a pool's result looks for a dead worker
+
+
+class _Watched:
+    """A ``multiprocessing.Pool`` whose results' ``get`` raises a RunError once one of the
+    workers it started has ended: the pool replaces such a worker, loses its task and would
+    wait for that result for ever (a worker killed by the out-of-memory killer)."""
+
+    def __init__(self, pool: Any):
+        self.pool, self.workers = pool, list(pool._pool)  # the processes it started
+
+    def apply_async(self, fn: Any, args: tuple) -> Any:
+        return _WatchedResult(self.pool.apply_async(fn, args), self.workers)
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def terminate(self) -> None:
+        self.pool.terminate()
+
+    def join(self) -> None:
+        self.pool.join()
+
+
+class _WatchedResult:
+    def __init__(self, result: Any, workers: list[Any]):
+        self.result, self.workers = result, workers
+
+    def get(self) -> Any:
+        while True:
+            try:
+                return self.result.get(timeout=WATCH_S)
+            except mp.TimeoutError:
+                for proc in self.workers:
+                    if proc.exitcode is not None:
+                        raise worker_died(proc.pid, proc.exitcode) from None
+
+
 def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
               ) -> Iterator[tuple[Any, np.ndarray]]:
-    """The token streams of ``batches`` in order from ``pool`` (a ``multiprocessing.Pool``
-    or :class:`ForkedWorkers`), at most ``2 * workers`` batches in flight; the pool closed and
+    """The token streams of ``batches`` in order from ``pool`` (a watched
+    ``multiprocessing.Pool`` or :class:`ForkedWorkers`), at most ``2 * workers`` batches in flight; the pool closed and
     joined after, or terminated if the loop stops early.
 
     The last ``workers`` batches go out in ``2 * workers`` pieces each (their streams joined
