@@ -239,7 +239,8 @@ def test_a_killed_worker_stops_the_conversion_and_the_same_command_resumes(tmp_p
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "method fork" in p.stdout
-    assert "stopped: a worker process (pid " in p.stdout and "was killed by SIGKILL" in p.stdout
+    assert "stopped: a worker process (pid " in p.stdout
+    assert "was killed by signal SIGKILL" in p.stdout
     assert "its finished chunks stay in" in p.stderr  # the conversion's own warning
     assert re.search(r"resuming the conversion to \S+: [1-9]\d* chunks", p.stderr)
     files = [{f.relative_to(d): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()}
@@ -273,5 +274,6 @@ def test_a_killed_spawned_worker_is_reported_not_waited_on(tiny_tokenizer, monke
     batches = [((i,), ["a b c", "d e"]) for i in range(6)]
     batches[2] = ((2,), ["x y", "boom"])
     deadly = _Deadly(parallel.encoder(tiny_tokenizer))
-    with pytest.raises(RunError, match=r"a worker process \(pid \d+\) was killed by SIGKILL"):
+    with pytest.raises(RunError,
+                       match=r"a worker process \(pid \d+\) was killed by signal SIGKILL"):
         list(parallel.tokenize_in_order(batches, deadly, [], [0], workers=2))

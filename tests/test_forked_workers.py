@@ -91,14 +91,15 @@ def test_a_killed_worker_is_reported_not_waited_on():
     workers = ForkedWorkers(2)
     task = workers.apply_async(_fail, ("kill",))
     start = time.monotonic()
-    with pytest.raises(RunError, match=r"a worker process \(pid \d+\) was killed by SIGKILL"):
+    with pytest.raises(RunError,
+                       match=r"a worker process \(pid \d+\) was killed by signal SIGKILL"):
         task.get()
     assert time.monotonic() - start < 30
     _ended(workers, close=False)
     alone = ForkedWorkers(1)  # its only worker gone, the next task has no one to go to
-    with pytest.raises(RunError, match="was killed by SIGKILL"):
+    with pytest.raises(RunError, match="was killed by signal SIGKILL"):
         alone.apply_async(_fail, ("kill",)).get()
-    with pytest.raises(RunError, match="was killed by SIGKILL"):
+    with pytest.raises(RunError, match="was killed by signal SIGKILL"):
         alone.apply_async(_repeat, ("a", 1))
     _ended(alone, close=False)
 

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
 
+from foundryx.data.workers import WorkerDeath
 from foundryx.errors import RunError
 
 SLOT_BYTES = 1 << 23  # each buffer's size; its pages are backed only once written
@@ -174,17 +175,14 @@ class ForkedWorkers:
 
 
 def worker_died(pid: int | None, code: int | None) -> RunError:
-    """The error for a worker process that ended before its work was done."""
-    return RunError(f"a worker process (pid {pid}) {_how(code)} before its work was done (out "
-                    f"of memory? the system log says what killed it)")
-
-
-def _how(code: int | None) -> str:
-    """How a worker ended: ``was killed by SIGKILL``, ``exited with code 3``."""
+    """The error for a worker process that ended before its work was done, saying how as a
+    dataloader worker's death does (:class:`foundryx.data.workers.WorkerDeath`)."""
+    death = WorkerDeath((pid,), exit_code=code)
     if code is not None and code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
+        with contextlib.suppress(ValueError):  # a signal Python has no name for: its code
+            death = WorkerDeath((pid,), signal=signal.Signals(-code).name)
+    return RunError(f"a worker process (pid {pid}) {death.how()} before its work was done (out "
+                    f"of memory? the system log says what killed it)")
 
 
 def _put(buf: mmap.mmap, data: bytes) -> int | str:
