@@ -82,7 +82,7 @@ class ForkedWorkers:
         self.free = deque(range(len(self.slots)))
         self.queued: deque[Task] = deque()
         self.running: dict[int, Task] = {}  # by slot
-        self.spilled: set[str] = set()  # the temporary files of tasks not yet read
+        self.spilled: dict[int, str] = {}  # by slot: a running task's temporary file
         tasks_out, self.tasks = ctx.Pipe(duplex=False)
         self.results, results_in = ctx.Pipe(duplex=False)
         self.procs: list[Any] = []
@@ -113,7 +113,7 @@ class ForkedWorkers:
             task, slot = self.queued.popleft(), self.free.popleft()
             where = _put(self.slots[slot][0], task.payload)
             if isinstance(where, str):
-                self.spilled.add(where)
+                self.spilled[slot] = where
             try:
                 self.tasks.send((slot, where))
             except BrokenPipeError:  # every worker is gone
@@ -136,6 +136,7 @@ class ForkedWorkers:
                 self._raise_if_dead(None)
                 raise
             task = self.running.pop(slot)
+            self.spilled.pop(slot, None)  # read (and removed) by its worker
             task.done = True
             if error is not None:
                 task.error, text = error
@@ -169,7 +170,7 @@ class ForkedWorkers:
             proc.join()
         self.tasks.close()
         self.results.close()
-        for path in self.spilled:  # tasks sent but never read: their workers were stopped
+        for path in self.spilled.values():  # tasks never done: their workers were stopped
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

@@ -296,8 +296,8 @@ class _WatchedResult:
 def _in_order(pool: Any, batches: Iterable[tuple[Any, list[str]]], workers: int
               ) -> Iterator[tuple[Any, np.ndarray]]:
     """The token streams of ``batches`` in order from ``pool`` (a watched
-    ``multiprocessing.Pool`` or :class:`ForkedWorkers`), at most ``2 * workers`` batches in flight; the pool closed and
-    joined after, or terminated if the loop stops early.
+    ``multiprocessing.Pool`` or :class:`ForkedWorkers`), at most ``2 * workers`` batches in
+    flight; the pool closed and joined after, or terminated if the loop stops early.
 
     The last ``workers`` batches go out in ``2 * workers`` pieces each (their streams joined
     again here): whole, the worker that took the last batch ran on alone for up to a batch's
